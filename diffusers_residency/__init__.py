@@ -1,0 +1,39 @@
+"""Pinned-master offloading for diffusers pipelines.
+
+Importing the package adds ``enable_pinned_offload``, ``disable_pinned_offload`` and
+``residency_report`` to ``diffusers.DiffusionPipeline``; the same operations are functions here that
+take the pipeline first. For scripts, :func:`attach_staging_hook` stages any one module (a component
+or a submodule) through a :class:`ResidencyGroup`.
+"""
+
+from diffusers import DiffusionPipeline
+
+from .hooks import StagingHook, attach_staging_hook, detach_staging_hook
+from .pipeline import disable_pinned_offload, enable_pinned_offload, residency_report
+from .report import ComponentReport, ResidencyReport
+from .residency import Policy, ResidencyGroup, StagedUnit
+from .retention import RetentionBudget, RetentionDecision
+from .staging import ModuleStager
+
+__version__ = "0.1.0"
+
+DiffusionPipeline.enable_pinned_offload = enable_pinned_offload
+DiffusionPipeline.disable_pinned_offload = disable_pinned_offload
+DiffusionPipeline.residency_report = residency_report
+
+__all__ = [
+    "ComponentReport",
+    "ModuleStager",
+    "Policy",
+    "ResidencyGroup",
+    "ResidencyReport",
+    "RetentionBudget",
+    "RetentionDecision",
+    "StagedUnit",
+    "StagingHook",
+    "attach_staging_hook",
+    "detach_staging_hook",
+    "disable_pinned_offload",
+    "enable_pinned_offload",
+    "residency_report",
+]

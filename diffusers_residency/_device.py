@@ -1,0 +1,155 @@
+"""The accelerator, seen through ``torch.accelerator`` and the generic ``torch.Stream``/``torch.Event``.
+
+Every device- or platform-specific branch of the package lives here, so the stager, the retention
+budget and the hooks read as if every device were an accelerator. On ``device="cpu"`` the same code
+runs with no streams, no events and no pinning: copies are synchronous and timed on the host clock.
+That keeps the whole mechanism testable on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def resolve_device(device: str | torch.device | int | None) -> torch.device:
+    """The device that staged modules compute on, with an explicit index for an accelerator.
+
+    ``None`` means the current accelerator; a CPU-only process has none, and silently falling back to
+    the CPU would hide a broken install, so that raises.
+    """
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise RuntimeError(
+                "No accelerator is available to stage weights on. Pass device='cpu' to run the offload "
+                "mechanism on the CPU (unpinned, synchronous), or install a torch build for your GPU."
+            )
+        device = accelerator
+    device = torch.device(device)
+    if is_accelerator(device) and device.index is None:
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality where ``cuda`` and ``cuda:<current>`` are the same place."""
+    return resolve_device(a) == resolve_device(b)
+
+
+def allocate_device_storage(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Allocate ``nbytes`` of device memory on the *current* (compute) stream.
+
+    The caching allocator is stream-ordered: a block belongs to the stream it was allocated on and is
+    only handed out again to work on that stream. Allocating here, on the compute stream, rather than
+    inside the copy stream's context means that once the staged weights are dropped, their blocks
+    cannot be reused by the next load's copy while the compute stream may still be reading them
+    (the all-NaN failure of diffusers #14657). This is also the one named point where tests inject an
+    out-of-memory error on a machine that has no device memory to exhaust.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+@dataclass(frozen=True)
+class MemoryTelemetry:
+    """Allocator and device figures, in bytes, read at one component boundary."""
+
+    reserved: int
+    allocated: int
+    free: int
+    total: int
+
+    @property
+    def cached(self) -> int:
+        """Reserved by the caching allocator but backing no live tensor: reusable without cudaMalloc."""
+        return max(0, self.reserved - self.allocated)
+
+
+def read_memory_telemetry(device: torch.device) -> MemoryTelemetry:
+    """Read the caching allocator's figures; raises where the platform exposes none (the CPU, some backends)."""
+    if not is_accelerator(device):
+        raise RuntimeError(f"no allocator telemetry on {device}")
+    free, total = torch.accelerator.get_memory_info(device)
+    return MemoryTelemetry(
+        reserved=int(torch.accelerator.memory_reserved(device)),
+        allocated=int(torch.accelerator.memory_allocated(device)),
+        free=int(free),
+        total=int(total),
+    )
+
+
+def empty_cache(device: torch.device) -> None:
+    """Give the caching allocator's unused blocks back to the driver; nothing to give back on the CPU."""
+    if is_accelerator(device):
+        torch.accelerator.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if is_accelerator(device):
+        torch.accelerator.synchronize(device)
+
+
+def new_copy_stream(device: torch.device) -> torch.Stream | None:
+    return torch.Stream(device=device) if is_accelerator(device) else None
+
+
+def pin(host: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of a host tensor, which the copy engine can read asynchronously at full speed."""
+    return host if host.is_pinned() else host.pin_memory()
+
+
+class TimedCopy:
+    """Host-to-device copies on a side stream, ordered against the compute stream without a host sync.
+
+    ``with timed_copy.running():`` makes the copy stream wait for the compute stream (the destination
+    blocks may have been freed by compute work still in flight), runs the body on the copy stream,
+    records one reusable event, and makes the compute stream wait on it: the host never blocks on a
+    load. The same event pair times the copy; its elapsed time is read at the next load or when asked,
+    by which point the copy finished long ago, so reading it costs no stall.
+    """
+
+    def __init__(self, device: torch.device, copy_stream: torch.Stream | None) -> None:
+        self.device = device
+        self.copy_stream = copy_stream
+        self._seconds = 0.0
+        self._pending = False
+        if copy_stream is not None:
+            self._start = torch.Event(device=device, enable_timing=True)
+            self._done = torch.Event(device=device, enable_timing=True)
+
+    @property
+    def seconds(self) -> float:
+        """Total seconds the copies took on the copy stream (on the host clock on the CPU)."""
+        self._collect()
+        return self._seconds
+
+    def _collect(self) -> None:
+        if self._pending:
+            self._done.synchronize()
+            self._seconds += self._start.elapsed_time(self._done) / 1000.0
+            self._pending = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if self.copy_stream is None:
+            started = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - started
+            return
+        self._collect()
+        compute_stream = torch.accelerator.current_stream(self.device)
+        self.copy_stream.wait_stream(compute_stream)
+        self._start.record(self.copy_stream)
+        with self.copy_stream:
+            yield
+        self._done.record(self.copy_stream)
+        compute_stream.wait_event(self._done)
+        self._pending = True

@@ -1,0 +1,158 @@
+"""Accelerate hooks that stage a module's weights onto the device when it runs.
+
+A :class:`StagingHook` is a plain ``accelerate.hooks.ModelHook`` subclass, attached with
+``accelerate.hooks.add_hook_to_module``: diffusers finds the execution device through
+``_hf_hook.execution_device``, and ``remove_all_hooks()`` (which ``enable_model_cpu_offload()``
+calls) reaches :meth:`StagingHook.detach_hook`. It deliberately does not subclass ``CpuOffload`` or
+``AlignDevicesHook``: diffusers' LoRA loaders strip hooks of those classes and re-enable their own
+offloading.
+
+The hook holds its group and its unit and nothing else; the group decides what gets evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from accelerate.utils import send_to_device
+from torch import nn
+
+from . import _device
+from .residency import Policy, ResidencyGroup, StagedUnit
+
+logger = logging.getLogger(__name__)
+
+# diffusers' HookRegistry attribute and the name its group offloading registers under; private to
+# diffusers, read only to refuse a combination that leaves dead hooks behind.
+_DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+_GROUP_OFFLOADING_HOOK = "group_offloading"
+
+
+def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None = None) -> None:
+    """Raise, before anything changes, if ``module`` is already under another offloading scheme.
+
+    Two schemes that both replace ``forward`` and both move weights fight over the same tensors, and
+    removing them out of order leaves dead hooks. A hook of ``group`` itself is fine: it is replaced.
+    """
+    for path, sub in module.named_modules():
+        where = f"{name}.{path}" if path else name
+        hook = getattr(sub, "_hf_hook", None)
+        if hook is not None and not (isinstance(hook, StagingHook) and hook.group is group):
+            if isinstance(hook, StagingHook):
+                raise ValueError(
+                    f"{where!r} is already staged by another pipeline or group. Disable that one first "
+                    "(disable_pinned_offload() or detach_staging_hook())."
+                )
+            raise ValueError(
+                f"{where!r} already has an accelerate hook ({type(hook).__name__}). Remove it first, "
+                "e.g. pipe.remove_all_hooks() after enable_model_cpu_offload()/enable_sequential_cpu_offload(), "
+                "or accelerate.hooks.remove_hook_from_module(module, recurse=True)."
+            )
+        registry = getattr(sub, _DIFFUSERS_REGISTRY_ATTR, None)
+        if registry is not None and registry.get_hook(_GROUP_OFFLOADING_HOOK) is not None:
+            raise ValueError(
+                f"{where!r} has diffusers group offloading enabled. Pinned offload replaces it; "
+                "reload the component (or remove its group offloading) before enabling pinned offload."
+            )
+
+
+class StagingHook(ModelHook):
+    """Loads its unit through the group before every forward and moves tensor inputs to the device.
+
+    ``pre_forward`` is idempotent and takes no arguments when diffusers calls it directly (its
+    ``apply_forward_hook`` does, for ``vae.decode`` and friends, and never calls ``post_forward``),
+    so nothing here relies on ``post_forward``: the next unit's load evicts this one.
+
+    While attached, the module's ``to()`` refuses a move to any device but the execution device or the
+    CPU (the weights live on host masters and the device copy is the hook's business), and dtype casts
+    (``vae.to(dtype=torch.float32)``, as SDXL does inside its call) go through the masters: they are
+    cast on the host and retaken as new masters.
+    """
+
+    def __init__(self, group: ResidencyGroup, unit: StagedUnit) -> None:
+        self.group = group
+        self.unit = unit
+
+    @property
+    def execution_device(self) -> torch.device:
+        return self.group.device
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        original_to = module.to
+        original_apply = module._apply
+        # accelerate's remove_hook_from_module pops `to` from the instance dict itself; `_apply` is
+        # popped in detach_hook.
+        module.to = lambda *args, **kwargs: self._guarded_to(module, original_to, *args, **kwargs)
+        module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.group.activate(self.unit)
+        if args or kwargs:
+            device = self.group.device
+            return send_to_device(args, device), send_to_device(kwargs, device)
+        return args, kwargs
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        module.__dict__.pop("_apply", None)
+        module.__dict__.pop("to", None)
+        self.group.remove(self.unit)
+        # Leave the module where it was found: host masters are already where a CPU module was.
+        if self.unit.original_device.type != "cpu":
+            module.to(self.unit.original_device)
+        return module
+
+    def _guarded_to(self, module: nn.Module, original_to: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            if device.type == "cpu":
+                self.unit.stager.offload()
+            elif not _device.same_device(device, self.group.device):
+                raise RuntimeError(
+                    f"{self.unit.name!r} is staged by diffusers-residency on {self.group.device}; it cannot be "
+                    f"moved to {device} while that is on. Call pipe.disable_pinned_offload() (or "
+                    "diffusers_residency.detach_staging_hook(module)) first."
+                )
+        casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
+        return original_to(**casts) if casts else module
+
+    def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
+        # Cast the host masters rather than a device copy: no device-to-host copy, and the results
+        # are host tensors ready to become the new masters.
+        self.unit.stager.offload()
+        result = original_apply(fn, recurse)
+        self.unit.stager.retake_masters()
+        return result
+
+
+def attach_staging_hook(
+    module: nn.Module,
+    group: ResidencyGroup,
+    *,
+    name: str | None = None,
+    policy: str | Policy = Policy.STAGED,
+) -> StagingHook:
+    """Stage ``module`` (a component, or a submodule such as one transformer block) through ``group``.
+
+    Hooks attached to one group share its device, copy stream and retention budget; a *staged*
+    module evicts the group's other staged modules when it loads, a *resident* one stays once loaded.
+    Undo with :func:`detach_staging_hook`.
+    """
+    name = name or type(module).__name__
+    check_attachable(module, name, group)
+    if isinstance(getattr(module, "_hf_hook", None), StagingHook):
+        remove_hook_from_module(module)
+    unit = group.add(name, module, policy)
+    hook = StagingHook(group, unit)
+    add_hook_to_module(module, hook)
+    return hook
+
+
+def detach_staging_hook(module: nn.Module) -> None:
+    """Remove the staging hook; the module keeps bit-identical weights, back on the device it had."""
+    if not isinstance(getattr(module, "_hf_hook", None), StagingHook):
+        raise ValueError(f"{type(module).__name__} has no staging hook to detach")
+    remove_hook_from_module(module)

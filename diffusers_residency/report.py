@@ -1,0 +1,92 @@
+"""What the stagers did: a small dataclass per unit that prints as a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _device
+from .residency import ResidencyGroup
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class ComponentReport:
+    """One staged unit: its policy, its weight bytes, where they are, and what loading them cost."""
+
+    name: str
+    policy: str
+    staged_bytes: int
+    loaded: bool
+    pinned: bool
+    loads: int
+    load_seconds: float
+    releases: int
+    retains: int
+
+    @property
+    def load_gbps(self) -> float | None:
+        """Effective host-to-device rate over all loads, in GB/s (None before the first load)."""
+        if not self.loads or self.load_seconds <= 0:
+            return None
+        return self.loads * self.staged_bytes / self.load_seconds / _GB
+
+
+@dataclass(frozen=True)
+class ResidencyReport:
+    device: str
+    retention_budget_bytes: int | None
+    components: tuple[ComponentReport, ...]
+
+    def __getitem__(self, name: str) -> ComponentReport:
+        for component in self.components:
+            if component.name == name:
+                return component
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        header = ("component", "policy", "GB", "where", "pinned", "loads", "load s", "GB/s", "releases", "retains")
+        rows = [
+            (
+                c.name,
+                c.policy,
+                f"{c.staged_bytes / _GB:.3f}",
+                "device" if c.loaded else "host",
+                "yes" if c.pinned else "no",
+                str(c.loads),
+                f"{c.load_seconds:.3f}",
+                "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
+                str(c.releases),
+                str(c.retains),
+            )
+            for c in self.components
+        ]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+        budget = "n/a" if self.retention_budget_bytes is None else f"{self.retention_budget_bytes / _GB:.2f} GB"
+        return "\n".join([f"device {self.device}, retention budget {budget}", *lines])
+
+
+def report_for(group: ResidencyGroup) -> ResidencyReport:
+    try:
+        budget: int | None = group.retention.budget_for(_device.read_memory_telemetry(group.device).total)
+    except Exception:
+        budget = None
+    return ResidencyReport(
+        device=str(group.device),
+        retention_budget_bytes=budget,
+        components=tuple(
+            ComponentReport(
+                name=unit.name,
+                policy=unit.policy.value,
+                staged_bytes=unit.stager.staged_bytes,
+                loaded=unit.stager.loaded,
+                pinned=unit.stager.pinned,
+                loads=unit.stager.loads,
+                load_seconds=unit.stager.load_seconds,
+                releases=unit.releases,
+                retains=unit.retains,
+            )
+            for unit in group.units
+        ),
+    )

@@ -1,0 +1,276 @@
+"""Stage a module's weights on a device from one host master per storage.
+
+Inference never writes to weights, so a module that leaves the device needs no device-to-host copy:
+its parameters and buffers are *rebound* to host masters taken once, at attach time, and the device
+copy is simply dropped. Loading allocates device storage, copies each master on a side stream and
+rebinds the tensors to the device copy.
+
+Bookkeeping is per *storage*, not per tensor: two parameters that share a storage (tied embeddings,
+views, fused projections sliced into q/k/v) get one master and one device copy, and every tensor
+keeps its dtype, shape, stride and storage offset within it. Two masters for one storage would
+untie tied weights and let each side go stale on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from torch import nn
+
+from . import _device
+from .retention import RetentionBudget
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorBinding:
+    """One tensor's place in its storage: enough to rebuild it over any copy of the storage's bytes."""
+
+    target: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    def view_over(self, backing: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=backing.device).set_(
+            backing.untyped_storage(), self.storage_offset, self.shape, self.stride
+        )
+
+
+@dataclass(frozen=True)
+class StorageGroup:
+    """The host master of one storage (a flat byte tensor) and every tensor that lives in it."""
+
+    master: torch.Tensor
+    bindings: tuple[TensorBinding, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.numel()
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the bytes: a DTensor's local shard, else the tensor itself.
+
+    ``DTensor.to_local()`` returns an alias created through autograd, and rebinding an alias would
+    leave the DTensor on its old storage, so the shard object itself (``_local_tensor``) is bound.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def module_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of the modules, each object once."""
+    seen: set[int] = set()
+    for tensor in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in modules):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
+def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
+    """Raise before anything changes if a weight has no data (a model loaded with ``device_map`` or
+    ``low_cpu_mem_usage`` that was never materialised): there would be nothing to stage."""
+    for module in modules:
+        for name, tensor in chain(module.named_parameters(), module.named_buffers()):
+            if _local_tensor(tensor).is_meta:
+                raise ValueError(
+                    f"{what} has weights on the 'meta' device (first: {name!r}), so there is nothing to stage. "
+                    "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
+                    "then enable offloading."
+                )
+
+
+def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[StorageGroup, ...]:
+    """Group every tensor by storage and take one host master per storage."""
+    grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
+    for target in module_tensors(modules):
+        local = _local_tensor(target)
+        storage = local.untyped_storage()
+        key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
+        binding = TensorBinding(
+            target=local,
+            dtype=local.dtype,
+            shape=tuple(local.shape),
+            stride=tuple(local.stride()),
+            storage_offset=local.storage_offset(),
+        )
+        grouped.setdefault(key, (local, []))[1].append(binding)
+
+    groups = []
+    for source, bindings in grouped.values():
+        storage = source.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        # A host storage becomes its own master; a device one is copied down once, here, never again.
+        master = whole.detach() if whole.device.type == "cpu" else whole.to("cpu")
+        if pin_memory:
+            master = _device.pin(master)
+        groups.append(StorageGroup(master=master, bindings=tuple(bindings)))
+    return tuple(groups)
+
+
+class ModuleStager:
+    """Load a module (or a group of modules) onto a device on demand, from immutable host masters.
+
+    ``load()`` allocates device storage on the compute stream, copies every master on the copy stream
+    and makes the compute stream wait for it: the host never blocks. ``offload()`` rebinds every tensor
+    to its master and drops the device storage: no device-to-host copy and no host allocation.
+    Out of memory on load releases the retained allocator cache and retries once. Whatever fails,
+    every tensor is left bound to valid storage: the device copy if the load completed, else the master.
+    """
+
+    def __init__(
+        self,
+        modules: nn.Module | Iterable[nn.Module],
+        device: torch.device,
+        *,
+        pin_memory: bool,
+        copy_stream: torch.Stream | None = None,
+        retention: RetentionBudget | None = None,
+    ) -> None:
+        self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
+        if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
+            raise TypeError("ModuleStager needs at least one nn.Module")
+        refuse_meta_tensors(self.modules, "The module")
+        self.device = device
+        self.pin_memory = pin_memory
+        self.retention = retention
+        self.loaded = False
+        self.loads = 0
+        self._copy = _device.TimedCopy(device, copy_stream)
+        self._device_storages: tuple[torch.Tensor, ...] = ()
+        self._groups = _snapshot(self.modules, pin_memory)
+        self._bind_masters()
+        if retention is not None:
+            retention.grow(self.staged_bytes)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Unique bytes behind the modules' tensors: what one load moves."""
+        return sum(group.nbytes for group in self._groups)
+
+    @property
+    def load_seconds(self) -> float:
+        return self._copy.seconds
+
+    @property
+    def pinned(self) -> bool:
+        return all(group.master.is_pinned() for group in self._groups)
+
+    def _bind(self, backings: Iterable[torch.Tensor]) -> None:
+        # Views made under inference mode would turn the parameters into inference tensors, which
+        # autograd and in-place updates (LoRA fusing, training) refuse once the pipeline call is over.
+        with torch.inference_mode(False):
+            for backing, group in zip(backings, self._groups):
+                for binding in group.bindings:
+                    binding.target.data = binding.view_over(backing)
+
+    def _bind_masters(self) -> None:
+        self._bind(group.master for group in self._groups)
+
+    def _load_once(self) -> None:
+        with torch.inference_mode(False):
+            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device) for g in self._groups)
+            with self._copy.running():
+                for storage, group in zip(storages, self._groups):
+                    storage.copy_(group.master, non_blocking=self.pin_memory)
+        self._bind(storages)
+        self._device_storages = storages
+        self.loaded = True
+        self.loads += 1
+
+    def _fall_back_to_masters(self) -> None:
+        """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
+        masters, and give the allocator's cache back so a retry (or the next component) finds room."""
+        try:
+            _device.synchronize(self.device)
+        except Exception:
+            logger.debug("Device synchronisation failed while restoring host masters", exc_info=True)
+        self._bind_masters()
+        self._device_storages = ()
+        self.loaded = False
+        if self.retention is not None:
+            self.retention.release(reason="failed-load")
+        else:
+            _device.empty_cache(self.device)
+
+    def load(self) -> None:
+        """Bring the weights onto the device; a no-op when they are there."""
+        if self.loaded:
+            return
+        try:
+            self._load_once()
+        except torch.OutOfMemoryError:
+            logger.info(
+                "Out of memory staging %d bytes on %s; releasing the retained cache and retrying once",
+                self.staged_bytes,
+                self.device,
+            )
+            self._fall_back_to_masters()
+            try:
+                self._load_once()
+            except BaseException:
+                self._fall_back_to_masters()
+                raise
+        except BaseException:
+            self._fall_back_to_masters()
+            raise
+
+    def offload(self) -> None:
+        """Rebind every tensor to its host master and drop the device copy.
+
+        No synchronisation is needed: the device storage was allocated on the compute stream, so the
+        allocator hands its blocks only to later work on that stream, which runs after the reads
+        already queued there.
+        """
+        if not self.loaded:
+            return
+        self._bind_masters()
+        self._device_storages = ()
+        self.loaded = False
+
+    def masters_current(self) -> bool:
+        """Whether the modules still hold exactly the tensors the masters were taken for, each with the
+        storage, dtype and layout it had then."""
+        bound: set[int] = set()
+        for group in self._groups:
+            for binding in group.bindings:
+                tensor = binding.target
+                bound.add(id(tensor))
+                if (
+                    tensor.dtype != binding.dtype
+                    or tuple(tensor.shape) != binding.shape
+                    or tuple(tensor.stride()) != binding.stride
+                    or tensor.storage_offset() != binding.storage_offset
+                    or tensor.untyped_storage().data_ptr() != group.master.data_ptr()
+                ):
+                    return False
+        return bound == {id(_local_tensor(t)) for t in module_tensors(self.modules)}
+
+    def retake_masters(self) -> None:
+        """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
+        upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed."""
+        if self.loaded:
+            raise RuntimeError("retake_masters() needs the stager offloaded first")
+        if self.masters_current():
+            return
+        refuse_meta_tensors(self.modules, "The module")
+        before = self.staged_bytes
+        self._groups = _snapshot(self.modules, self.pin_memory)
+        self._bind_masters()
+        if self.retention is not None:
+            self.retention.resize(before, self.staged_bytes)
+        logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
+
+    def close(self) -> None:
+        """Leave every tensor on its host master and forget the device; the stager is unusable after."""
+        self.offload()
+        if self.retention is not None:
+            self.retention.shrink(self.staged_bytes)
+            self.retention = None

@@ -1,0 +1,88 @@
+"""The retention budget's decisions, from allocator figures injected at the one telemetry read point
+(a CPU has no caching-allocator figures to read)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_residency import RetentionBudget, _device
+from diffusers_residency._device import MemoryTelemetry
+
+GB = 10**9
+DEVICE = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
+    state: dict = {"telemetry": None, "empty_cache_calls": 0}
+
+    def read(device: torch.device) -> MemoryTelemetry:
+        if state["telemetry"] is None:
+            raise RuntimeError("telemetry unavailable")
+        return state["telemetry"]
+
+    def empty_cache(device: torch.device) -> None:
+        state["empty_cache_calls"] += 1
+
+    monkeypatch.setattr(_device, "read_memory_telemetry", read)
+    monkeypatch.setattr(_device, "empty_cache", empty_cache)
+    return state
+
+
+def telemetry(cached: int, free: int, total: int = 100 * GB, allocated: int = 10 * GB) -> MemoryTelemetry:
+    return MemoryTelemetry(reserved=allocated + cached, allocated=allocated, free=free, total=total)
+
+
+def test_retains_within_budget(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)  # seed budget 10 GB
+    figures["telemetry"] = telemetry(cached=9 * GB, free=50 * GB)
+    decision = budget.at_boundary()
+    assert not decision.released and decision.reason == "within-budget" and decision.budget == 10 * GB
+    assert figures["empty_cache_calls"] == 0 and budget.retains == 1
+
+
+def test_over_budget_releases_once_then_learns(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)
+    figures["telemetry"] = telemetry(cached=12 * GB, free=50 * GB)
+    assert budget.at_boundary().reason == "cached-over-budget"
+    assert figures["empty_cache_calls"] == 1
+    # The observed 12 GB now sets the budget at 15 GB: the same workload is retained from now on.
+    decision = budget.at_boundary()
+    assert not decision.released and decision.budget == 15 * GB
+
+
+def test_budget_is_capped_at_a_quarter_of_the_device(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(40 * GB)  # seed 80 GB
+    figures["telemetry"] = telemetry(cached=30 * GB, free=50 * GB)
+    decision = budget.at_boundary()
+    assert decision.released and decision.budget == 25 * GB
+
+
+def test_low_free_memory_releases(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)
+    figures["telemetry"] = telemetry(cached=1 * GB, free=4 * GB)
+    assert budget.at_boundary().reason == "low-free-memory"
+    assert budget.releases == 1
+
+
+def test_missing_telemetry_releases(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    decision = budget.at_boundary()
+    assert decision.released and decision.reason.startswith("no-telemetry")
+    assert figures["empty_cache_calls"] == 1
+
+
+def test_grow_and_shrink_move_the_seed(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(3 * GB)
+    budget.grow(2 * GB)
+    assert budget.budget_for(100 * GB) == 10 * GB
+    budget.shrink(3 * GB)
+    assert budget.budget_for(100 * GB) == 4 * GB
+    budget.resize(2 * GB, 4 * GB)
+    assert budget.budget_for(100 * GB) == 8 * GB

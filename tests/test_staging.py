@@ -1,0 +1,110 @@
+"""ModuleStager on its own: storages, aliases and layouts survive every transition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffusers_residency import ModuleStager
+
+CPU = torch.device("cpu")
+
+
+class SharedStorage(nn.Module):
+    """Tensors that share one storage in every way a checkpoint can: a tied pair of Parameter
+    objects, a slice with an offset, a transposed (non-contiguous) view, a reinterpreted dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.arange(48, dtype=torch.float32)
+        self.first = nn.Parameter(base[:24].view(4, 6), requires_grad=False)
+        self.second = nn.Parameter(base[24:].view(6, 4).t(), requires_grad=False)
+        self.tied = self.first  # the same Parameter object under two names
+        self.register_buffer("as_int", base[8:16].view(torch.int32))
+        self.register_buffer("alone", torch.ones(3, dtype=torch.float64))
+        self.register_buffer("empty", torch.empty(0))
+
+
+def layouts(module: nn.Module) -> dict[str, tuple]:
+    return {
+        name: (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
+    }
+
+
+def values(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_one_master_per_storage_and_layouts_survive() -> None:
+    module = SharedStorage()
+    expected_layouts, expected_values = layouts(module), values(module)
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    # base (192 bytes) + alone (24 bytes) + empty: aliases and views share one master.
+    assert stager.staged_bytes == 48 * 4 + 3 * 8
+    for transition in (stager.load, stager.offload, stager.load, stager.offload):
+        transition()
+        assert layouts(module) == expected_layouts
+        assert all(torch.equal(v, values(module)[k]) for k, v in expected_values.items())
+        assert storage_of(module.first) == storage_of(module.second) == storage_of(module.as_int)
+        assert module.tied is module.first
+
+
+def test_load_gives_new_storage_and_offload_returns_to_the_same_master() -> None:
+    module = SharedStorage()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    master = storage_of(module.first)
+    stager.load()
+    assert stager.loaded and storage_of(module.first) != master
+    stager.load()  # idempotent
+    assert stager.loads == 1
+    stager.offload()
+    assert storage_of(module.first) == master
+
+
+def test_writes_through_a_shared_storage_stay_shared() -> None:
+    """Two names of one storage never get two copies: a write through one is seen through the other."""
+    module = SharedStorage()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    stager.load()
+    with torch.no_grad():
+        module.first.view(-1)[8] = -1.0
+    assert module.as_int[0].item() == torch.tensor(-1.0).view(torch.int32).item()
+
+
+def test_parameters_stay_ordinary_tensors_when_loaded_under_inference_mode() -> None:
+    module = SharedStorage()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    with torch.inference_mode():
+        stager.load()
+    assert not module.first.is_inference()
+    stager.offload()
+    assert not module.first.is_inference()
+
+
+def test_meta_tensors_are_refused_before_anything_changes() -> None:
+    module = SharedStorage()
+    with torch.device("meta"):
+        module.register_buffer("ghost", torch.empty(2))
+    before = storage_of(module.first)
+    with pytest.raises(ValueError, match="'ghost'"):
+        ModuleStager(module, CPU, pin_memory=False)
+    assert storage_of(module.first) == before
+
+
+def test_retake_masters_after_a_cast() -> None:
+    module = SharedStorage()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    assert stager.masters_current()
+    module.alone.data = module.alone.data.float()
+    assert not stager.masters_current()
+    stager.retake_masters()
+    assert stager.masters_current() and stager.staged_bytes == 48 * 4 + 3 * 4
+    stager.load()
+    with pytest.raises(RuntimeError, match="offloaded"):
+        stager.retake_masters()
