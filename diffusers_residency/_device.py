@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The widest alignment CPU kernels branch on (a cache line; AVX-512 loads).
+_CPU_ALIGNMENT = 64
+
 
 def is_accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
@@ -42,20 +45,32 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where ``cuda`` and ``cuda:<current>`` are the same place."""
-    return resolve_device(a) == resolve_device(b)
+    return a.type == b.type and (a.index == b.index or resolve_device(a) == resolve_device(b))
 
 
-def allocate_device_storage(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Allocate ``nbytes`` of device memory on the *current* (compute) stream.
+def allocate_device_storage(nbytes: int, device: torch.device, *, like: torch.Tensor) -> torch.Tensor:
+    """Allocate ``nbytes`` of device memory, as a flat byte tensor, for a copy of the master ``like``.
 
-    The caching allocator is stream-ordered: a block belongs to the stream it was allocated on and is
-    only handed out again to work on that stream. Allocating here, on the compute stream, rather than
-    inside the copy stream's context means that once the staged weights are dropped, their blocks
-    cannot be reused by the next load's copy while the compute stream may still be reading them
-    (the all-NaN failure of diffusers #14657). This is also the one named point where tests inject an
-    out-of-memory error on a machine that has no device memory to exhaust.
+    On an accelerator the storage is allocated on the *current* (compute) stream. The caching
+    allocator is stream-ordered: a block belongs to the stream it was allocated on and is only handed
+    out again to work on that stream. Allocating here rather than inside the copy stream's context
+    means that once the staged weights are dropped, their blocks cannot be reused by the next load's
+    copy while the compute stream may still be reading them (the all-NaN failure of diffusers #14657).
+
+    On the CPU the copy is placed at the same address modulo 64 as ``like``: CPU GEMM kernels split
+    their work by pointer alignment, so a weight copied to a differently aligned address computes
+    results that differ in the last bit (weights loaded from safetensors are often not 64-byte
+    aligned). The shift keeps every tensor's natural alignment, because ``like``'s own address is a
+    multiple of every item size stored in it.
+
+    This is also the one named point where tests inject an out-of-memory error on a machine that has
+    no device memory to exhaust.
     """
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if is_accelerator(device):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    padded = torch.empty(nbytes + _CPU_ALIGNMENT, dtype=torch.uint8)
+    shift = (like.data_ptr() - padded.data_ptr()) % _CPU_ALIGNMENT
+    return padded[shift : shift + nbytes]
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,17 @@ class TensorBinding:
     """One tensor's place in its storage: enough to rebuild it over any copy of the storage's bytes."""
 
     target: torch.Tensor
+    inference: bool
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
 
     def view_over(self, backing: torch.Tensor) -> torch.Tensor:
+        """This tensor over ``backing``, a flat byte tensor that may start inside its storage."""
+        offset = backing.storage_offset() // self.dtype.itemsize + self.storage_offset
         return torch.empty(0, dtype=self.dtype, device=backing.device).set_(
-            backing.untyped_storage(), self.storage_offset, self.shape, self.stride
+            backing.untyped_storage(), offset, self.shape, self.stride
         )
 
 
@@ -96,6 +99,7 @@ def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[Storage
         key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
         binding = TensorBinding(
             target=local,
+            inference=local.is_inference(),
             dtype=local.dtype,
             shape=tuple(local.shape),
             stride=tuple(local.stride()),
@@ -164,11 +168,22 @@ class ModuleStager:
         return all(group.master.is_pinned() for group in self._groups)
 
     def _bind(self, backings: Iterable[torch.Tensor]) -> None:
-        # Views made under inference mode would turn the parameters into inference tensors, which
-        # autograd and in-place updates (LoRA fusing, training) refuse once the pipeline call is over.
+        # A view must match its target's inference-ness. Ordinary parameters get ordinary views even
+        # when the pipeline runs under inference mode: inference tensors would be refused by autograd
+        # and by in-place updates (LoRA fusing) once the call is over. Tensors that already are
+        # inference tensors (diffusers' own offload moved them under inference mode) need inference
+        # views, or their next view or slice fails on a missing version counter.
+        deferred = []
         with torch.inference_mode(False):
             for backing, group in zip(backings, self._groups):
                 for binding in group.bindings:
+                    if binding.inference:
+                        deferred.append((backing, binding))
+                    else:
+                        binding.target.data = binding.view_over(backing)
+        if deferred:
+            with torch.inference_mode():
+                for backing, binding in deferred:
                     binding.target.data = binding.view_over(backing)
 
     def _bind_masters(self) -> None:
@@ -176,7 +191,7 @@ class ModuleStager:
 
     def _load_once(self) -> None:
         with torch.inference_mode(False):
-            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device) for g in self._groups)
+            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device, like=g.master) for g in self._groups)
             with self._copy.running():
                 for storage, group in zip(storages, self._groups):
                     storage.copy_(group.master, non_blocking=self.pin_memory)
