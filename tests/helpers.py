@@ -1,0 +1,51 @@
+"""Real pipelines built offline, their resident outputs, and the assertions the tests share."""
+
+from __future__ import annotations
+
+import torch
+
+from diffusers_residency import StagingHook
+from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
+
+
+class PipelineCase:
+    """A freshly built pipeline, how to call it, and what it produced fully resident."""
+
+    def __init__(self, kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.kind = kind
+        self.pipe = build_pipeline(kind, "tiny", dtype=dtype, device=device)
+        self.reference = self.run()
+
+    def run(self) -> torch.Tensor:
+        return pipeline_output(self.pipe, call_kwargs(self.kind, "tiny"))
+
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A detached copy of every component's weights, to compare bit for bit later."""
+        return {
+            name: {key: value.detach().clone() for key, value in module.state_dict().items()}
+            for name, module in self.pipe.components.items()
+            if isinstance(module, torch.nn.Module)
+        }
+
+
+def staging_hooks(pipe) -> dict[str, StagingHook]:
+    return {
+        name: module._hf_hook
+        for name, module in pipe.components.items()
+        if isinstance(getattr(module, "_hf_hook", None), StagingHook)
+    }
+
+
+def assert_weights_equal(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].keys() == after[name].keys(), name
+        for key, value in before[name].items():
+            assert torch.equal(value, after[name][key]), f"{name}.{key} changed"
+
+
+def assert_no_meta_or_foreign_device(pipe, device: str = "cpu") -> None:
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            for key, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                assert tensor.device.type == device, f"{name}.{key} on {tensor.device}"

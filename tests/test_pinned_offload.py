@@ -1,0 +1,200 @@
+"""enable_pinned_offload on real diffusers pipelines, on the CPU: outputs equal to resident, bit for bit."""
+
+from __future__ import annotations
+
+import accelerate
+import pytest
+import torch
+
+import diffusers_residency
+from diffusers_residency.bench.builders import PIPELINE_KINDS
+
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, staging_hooks
+
+
+@pytest.mark.parametrize("kind", PIPELINE_KINDS)
+def test_output_equals_resident_and_disable_restores(kind: str) -> None:
+    case = PipelineCase(kind)
+    before = case.state()
+
+    case.pipe.enable_pinned_offload(device="cpu")
+    hooks = staging_hooks(case.pipe)
+    modules = {n for n, m in case.pipe.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(hooks) == modules, "every nn.Module component needs a hook for _execution_device"
+    assert case.pipe._execution_device == torch.device("cpu")
+
+    assert torch.equal(case.run(), case.reference), "first call differs from resident"
+    assert torch.equal(case.run(), case.reference), "second call differs from resident"
+    report = case.pipe.residency_report()
+    assert all(c.loads >= 1 for c in report.components), str(report)
+    staged = [c for c in report.components if c.policy == "staged"]
+    assert sum(c.loaded for c in staged) == 1, "loading a staged component evicts the other staged ones"
+
+    case.pipe.disable_pinned_offload()
+    assert staging_hooks(case.pipe) == {}
+    assert "to" not in case.pipe.__dict__
+    assert_weights_equal(before, case.state())
+    assert_no_meta_or_foreign_device(case.pipe)
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_enable_twice_reconfigures(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident", "text_encoder": "resident"})
+    hooks = staging_hooks(flux.pipe)
+    assert {n: h.unit.policy.value for n, h in hooks.items()} == {
+        "text_encoder": "resident",
+        "text_encoder_2": "staged",
+        "transformer": "staged",
+        "vae": "resident",
+    }
+    # One hook per module: a second enable replaces, never wraps, the first.
+    assert all(not hasattr(h, "hooks") for h in hooks.values())
+    assert len(flux.pipe.residency_report().components) == 4
+    assert torch.equal(flux.run(), flux.reference)
+    assert torch.equal(flux.run(), flux.reference)
+    report = flux.pipe.residency_report()
+    assert report["vae"].loaded and report["text_encoder"].loaded
+    assert report["vae"].loads == 1 and report["text_encoder"].loads == 1, "resident components load once"
+    assert report["transformer"].loads == 2
+
+
+def test_exclude_from_cpu_offload_is_resident(flux: PipelineCase) -> None:
+    flux.pipe._exclude_from_cpu_offload = ["text_encoder"]
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert staging_hooks(flux.pipe)["text_encoder"].unit.policy.value == "resident"
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_functions_equal_methods(flux: PipelineCase) -> None:
+    diffusers_residency.enable_pinned_offload(flux.pipe, "cpu")
+    assert torch.equal(flux.run(), flux.reference)
+    assert diffusers_residency.residency_report(flux.pipe)["transformer"].loads == 1
+    diffusers_residency.disable_pinned_offload(flux.pipe)
+    assert staging_hooks(flux.pipe) == {}
+
+
+def test_report_prints_a_table(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    text = str(flux.pipe.residency_report())
+    for word in ("component", "policy", "transformer", "text_encoder_2", "vae", "GB/s", "releases", "retains"):
+        assert word in text
+
+
+# --- guards -----------------------------------------------------------------------------------------
+
+
+def test_pipe_to_device_is_refused_and_dtype_passes(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    with pytest.raises(RuntimeError, match="disable_pinned_offload"):
+        flux.pipe.to("cpu")
+    with pytest.raises(RuntimeError, match="disable_pinned_offload"):
+        flux.pipe.to(device="meta")
+    flux.pipe.to(torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_module_to_other_device_is_refused(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    with pytest.raises(RuntimeError, match="disable_pinned_offload"):
+        flux.pipe.transformer.to("meta")
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_dtype_cast_inside_pipeline_moves_the_masters(flux: PipelineCase) -> None:
+    """SDXL-style upcast and downcast of a staged component: the masters follow, and a lossless round
+    trip leaves the weights and the output bit-identical."""
+    before = flux.state()
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()  # the VAE is now loaded: the cast must go through the masters, not the device copy
+    vae = flux.pipe.vae
+    staged_fp32 = flux.pipe.residency_report()["vae"].staged_bytes
+    vae.to(dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in vae.parameters())
+    assert flux.pipe.residency_report()["vae"].staged_bytes == 2 * staged_fp32
+    vae.to(dtype=torch.float32)
+    assert flux.pipe.residency_report()["vae"].staged_bytes == staged_fp32
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(before, flux.state())
+
+
+def test_model_cpu_offload_after_ours_replaces_ours(flux: PipelineCase) -> None:
+    before = flux.state()
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.enable_model_cpu_offload(device="cpu")
+    assert staging_hooks(flux.pipe) == {}
+    assert "_pinned_residency" not in flux.pipe.__dict__
+    assert all(
+        isinstance(m._hf_hook, accelerate.hooks.CpuOffload)
+        for m in flux.pipe.components.values()
+        if isinstance(m, torch.nn.Module)
+    )
+    assert_weights_equal(before, flux.state())
+    # diffusers' model offload copies weights to new, differently aligned CPU storage, which moves
+    # the last bit of CPU results, so the reference is model offload on a pipeline never staged.
+    untouched = PipelineCase("flux")
+    untouched.pipe.enable_model_cpu_offload(device="cpu")
+    assert torch.equal(flux.run(), untouched.run())
+
+
+def test_refuses_accelerate_hooks_before_changing_anything(flux: PipelineCase) -> None:
+    accelerate.hooks.add_hook_to_module(flux.pipe.vae, accelerate.hooks.AlignDevicesHook(execution_device="cpu"))
+    with pytest.raises(ValueError, match="already has an accelerate hook"):
+        flux.pipe.enable_pinned_offload(device="cpu")
+    assert staging_hooks(flux.pipe) == {}
+
+
+def test_refuses_group_offloading(flux: PipelineCase) -> None:
+    flux.pipe.transformer.enable_group_offload(
+        onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+    )
+    with pytest.raises(ValueError, match="group offloading"):
+        flux.pipe.enable_pinned_offload(device="cpu")
+    assert staging_hooks(flux.pipe) == {}
+
+
+def test_refuses_meta_weights_before_changing_anything(flux: PipelineCase) -> None:
+    with torch.device("meta"):
+        flux.pipe.vae.register_buffer("never_loaded", torch.empty(3))
+    with pytest.raises(ValueError, match="meta"):
+        flux.pipe.enable_pinned_offload(device="cpu")
+    assert staging_hooks(flux.pipe) == {}
+    assert not any(p.is_pinned() for p in flux.pipe.transformer.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(components={"not_a_component": "staged"}), "not_a_component"),
+        (dict(components={"vae": "sometimes"}), "unknown residency policy"),
+        (dict(components={"tokenizer": "staged"}), "tokenizer"),
+        (dict(pin_memory=True), "pin_memory=True needs an accelerator"),
+    ],
+)
+def test_bad_arguments_raise_before_changing_anything(flux: PipelineCase, kwargs: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        flux.pipe.enable_pinned_offload(device="cpu", **kwargs)
+    assert staging_hooks(flux.pipe) == {}
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
+def test_no_accelerator_and_no_device_is_a_clear_error(flux: PipelineCase) -> None:
+    with pytest.raises(RuntimeError, match="device='cpu'"):
+        flux.pipe.enable_pinned_offload()
+    assert staging_hooks(flux.pipe) == {}
+
+
+def test_weights_that_are_already_inference_tensors(flux: PipelineCase) -> None:
+    """diffusers' model offload, run under inference mode, leaves inference tensors behind."""
+    flux.pipe.enable_model_cpu_offload(device="cpu")
+    flux.run()
+    flux.pipe.remove_all_hooks()
+    assert any(b.is_inference() for b in flux.pipe.text_encoder.buffers())
+    reference = flux.run()
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert torch.equal(flux.run(), reference)
+    assert torch.equal(flux.run(), reference)
