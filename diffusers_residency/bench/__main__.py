@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{setting}\n{environment}\n")
     print(format_table(results))
+    for result in results:
+        if result.report:
+            print(f"\nresidency_report() after the {result.mode} mode's calls:\n\n```\n{result.report}\n```")
     if args.json:
         args.json.write_text(
             json.dumps({"setting": setting, "environment": environment, "results": [r.as_dict() for r in results]}, indent=2)

@@ -65,6 +65,7 @@ class ModeResult:
     exact: bool | None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
+    report: str | None = None
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -118,6 +119,7 @@ def run_mode(
             first = output if first is None else first
         peak = _peak_allocated(device)
         loaded, gbps = _pinned_traffic(pipe, before_loads, calls) if before_loads is not None else (None, None)
+        report = str(residency_report(pipe)) if before_loads is not None else None
     except torch.OutOfMemoryError as exc:
         logger.warning("%s ran out of memory: %s", mode.name, exc)
         mode.teardown(pipe)
@@ -132,6 +134,7 @@ def run_mode(
         exact=exact,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
+        report=report,
     )
     return result, first
 
