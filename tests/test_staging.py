@@ -108,3 +108,34 @@ def test_retake_masters_after_a_cast() -> None:
     stager.load()
     with pytest.raises(RuntimeError, match="offloaded"):
         stager.retake_masters()
+
+
+@pytest.fixture
+def single_process_group():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch built without distributed")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_dtensor_is_staged_through_its_local_shard(single_process_group) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    module = nn.Linear(4, 3)
+    expected = module.weight.detach().clone()
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    master = module.weight._local_tensor.untyped_storage().data_ptr()
+    stager.load()
+    assert isinstance(module.weight, DTensor)
+    assert module.weight._local_tensor.untyped_storage().data_ptr() != master
+    assert torch.equal(module.weight.full_tensor(), expected)
+    stager.offload()
+    assert module.weight._local_tensor.untyped_storage().data_ptr() == master
+    assert torch.equal(module.weight.full_tensor(), expected)
