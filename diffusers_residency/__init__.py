@@ -1,8 +1,8 @@
 """Pinned-master offloading for diffusers pipelines.
 
-Importing the package adds ``enable_pinned_offload``, ``disable_pinned_offload`` and
-``residency_report`` to ``diffusers.DiffusionPipeline``; the same operations are functions here that
-take the pipeline first. For scripts, :func:`attach_staging_hook` stages any one module (a component
+Importing the package adds ``enable_pinned_offload``, ``disable_pinned_offload``,
+``residency_report``, ``sleep``, ``wake_up`` and ``is_sleeping`` to ``diffusers.DiffusionPipeline``;
+the same operations are functions here that take the pipeline first. For scripts, :func:`attach_staging_hook` stages any one module (a component
 or a submodule) through a :class:`ResidencyGroup`.
 """
 
@@ -13,6 +13,7 @@ from .pipeline import disable_pinned_offload, enable_pinned_offload, residency_r
 from .report import ComponentReport, ResidencyReport
 from .residency import Policy, ResidencyGroup, StagedUnit
 from .retention import RetentionBudget, RetentionDecision
+from .sleep_mode import AwakeRotation, is_sleeping, sleep, wake_up
 from .staging import ModuleStager
 
 __version__ = "0.1.0"
@@ -20,8 +21,12 @@ __version__ = "0.1.0"
 DiffusionPipeline.enable_pinned_offload = enable_pinned_offload
 DiffusionPipeline.disable_pinned_offload = disable_pinned_offload
 DiffusionPipeline.residency_report = residency_report
+DiffusionPipeline.sleep = sleep
+DiffusionPipeline.wake_up = wake_up
+DiffusionPipeline.is_sleeping = property(is_sleeping)
 
 __all__ = [
+    "AwakeRotation",
     "ComponentReport",
     "ModuleStager",
     "Policy",
@@ -35,5 +40,8 @@ __all__ = [
     "detach_staging_hook",
     "disable_pinned_offload",
     "enable_pinned_offload",
+    "is_sleeping",
     "residency_report",
+    "sleep",
+    "wake_up",
 ]

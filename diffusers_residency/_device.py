@@ -48,8 +48,13 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index == b.index or resolve_device(a) == resolve_device(b))
 
 
-def allocate_device_storage(nbytes: int, device: torch.device, *, like: torch.Tensor) -> torch.Tensor:
-    """Allocate ``nbytes`` of device memory, as a flat byte tensor, for a copy of the master ``like``.
+def host_alignment(host: torch.Tensor) -> int:
+    """The tensor's address modulo the widest alignment CPU kernels branch on."""
+    return host.data_ptr() % _CPU_ALIGNMENT
+
+
+def allocate_device_storage(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+    """Allocate ``nbytes`` of device memory as a flat byte tensor.
 
     On an accelerator the storage is allocated on the *current* (compute) stream. The caching
     allocator is stream-ordered: a block belongs to the stream it was allocated on and is only handed
@@ -57,11 +62,12 @@ def allocate_device_storage(nbytes: int, device: torch.device, *, like: torch.Te
     means that once the staged weights are dropped, their blocks cannot be reused by the next load's
     copy while the compute stream may still be reading them (the all-NaN failure of diffusers #14657).
 
-    On the CPU the copy is placed at the same address modulo 64 as ``like``: CPU GEMM kernels split
-    their work by pointer alignment, so a weight copied to a differently aligned address computes
-    results that differ in the last bit (weights loaded from safetensors are often not 64-byte
-    aligned). The shift keeps every tensor's natural alignment, because ``like``'s own address is a
-    multiple of every item size stored in it.
+    On the CPU the copy starts at ``alignment`` modulo 64: the address the weights had when they
+    were attached (see :func:`host_alignment`). CPU GEMM kernels split their work by pointer
+    alignment, so a weight copied to a differently aligned address computes results that differ in
+    the last bit (weights loaded from safetensors are often not 64-byte aligned). The shift keeps
+    every tensor's natural alignment, because the original address was a multiple of every item
+    size stored there.
 
     This is also the one named point where tests inject an out-of-memory error on a machine that has
     no device memory to exhaust.
@@ -69,7 +75,7 @@ def allocate_device_storage(nbytes: int, device: torch.device, *, like: torch.Te
     if is_accelerator(device):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     padded = torch.empty(nbytes + _CPU_ALIGNMENT, dtype=torch.uint8)
-    shift = (like.data_ptr() - padded.data_ptr()) % _CPU_ALIGNMENT
+    shift = (alignment - padded.data_ptr()) % _CPU_ALIGNMENT
     return padded[shift : shift + nbytes]
 
 
@@ -105,6 +111,18 @@ def empty_cache(device: torch.device) -> None:
     """Give the caching allocator's unused blocks back to the driver; nothing to give back on the CPU."""
     if is_accelerator(device):
         torch.accelerator.empty_cache()
+
+
+def empty_host_cache() -> None:
+    """Give pinned host blocks that no tensor uses back to the system.
+
+    PyTorch's caching host allocator keeps freed pinned blocks for reuse, so dropping pinned masters
+    alone frees no host memory. Recent torch releases expose ``torch.accelerator.empty_host_cache``;
+    older ones only the private hook it wraps; builds with neither keep the blocks.
+    """
+    release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None and torch.accelerator.is_available():
+        release()
 
 
 def synchronize(device: torch.device) -> None:

@@ -42,7 +42,8 @@ class PipelineResidency:
         return bool(self.group.units)
 
 
-def _state(pipe: DiffusionPipeline) -> PipelineResidency | None:
+def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
+    """What ``enable_pinned_offload`` set up on ``pipe``, or None (also once every hook was removed)."""
     state = pipe.__dict__.get(_STATE_ATTR)
     if state is not None and not state.active:
         _forget(pipe)
@@ -110,7 +111,7 @@ def enable_pinned_offload(
 
     Calling it again reconfigures the pipeline. All arguments are checked before anything changes.
     """
-    previous = _state(pipe)
+    previous = pipeline_state(pipe)
     group = ResidencyGroup(device, pin_memory=pin_memory)
     modules = _module_components(pipe)
     policies = _policies(pipe, modules, components)
@@ -147,7 +148,7 @@ def enable_pinned_offload(
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
     """Remove every staging hook. Each component keeps bit-identical weights on the device it had
     before ``enable_pinned_offload``. A no-op on a pipeline without pinned offload."""
-    state = _state(pipe)
+    state = pipeline_state(pipe)
     if state is None:
         return
     for hook in state.hooks.values():
@@ -159,7 +160,7 @@ def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
 
 def residency_report(pipe: DiffusionPipeline) -> ResidencyReport:
     """Per component: policy, staged bytes, where they are, loads, load time and rate, cache decisions."""
-    state = _state(pipe)
+    state = pipeline_state(pipe)
     if state is None:
         raise RuntimeError("Pinned offload is not enabled on this pipeline; call pipe.enable_pinned_offload() first.")
     return report_for(state.group)
@@ -170,7 +171,7 @@ def _guarded_pipeline_to(
 ) -> DiffusionPipeline:
     """``pipe.to(dtype)`` casts through the masters; a device move while enabled is refused, because
     diffusers' own ``to`` would move every weight, masters included, behind the hooks' back."""
-    if _state(pipe) is not None:
+    if pipeline_state(pipe) is not None:
         moves = kwargs.get("device") is not None or any(not isinstance(a, torch.dtype) for a in args)
         if moves:
             raise RuntimeError(

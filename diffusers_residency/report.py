@@ -19,10 +19,22 @@ class ComponentReport:
     staged_bytes: int
     loaded: bool
     pinned: bool
+    sleep_level: int
+    pinned_bytes: int
+    pageable_bytes: int
+    mapped_bytes: int
     loads: int
     load_seconds: float
     releases: int
     retains: int
+
+    @property
+    def state(self) -> str:
+        return f"asleep ({self.sleep_level})" if self.sleep_level else "awake"
+
+    @property
+    def device_bytes(self) -> int:
+        return self.staged_bytes if self.loaded else 0
 
     @property
     def load_gbps(self) -> float | None:
@@ -44,15 +56,22 @@ class ResidencyReport:
                 return component
         raise KeyError(name)
 
+    @property
+    def device_bytes(self) -> int:
+        """Weight bytes the package holds on the device now."""
+        return sum(c.device_bytes for c in self.components)
+
     def __str__(self) -> str:
-        header = ("component", "policy", "GB", "where", "pinned", "loads", "load s", "GB/s", "releases", "retains")
+        header = (
+            "component", "policy", "state", "GB", "device GB", "pinned GB", "pageable GB", "mapped GB",
+            "loads", "load s", "GB/s", "releases", "retains",
+        )  # fmt: skip
         rows = [
             (
                 c.name,
                 c.policy,
-                f"{c.staged_bytes / _GB:.3f}",
-                "device" if c.loaded else "host",
-                "yes" if c.pinned else "no",
+                c.state,
+                *(f"{n / _GB:.3f}" for n in (c.staged_bytes, c.device_bytes, c.pinned_bytes, c.pageable_bytes, c.mapped_bytes)),
                 str(c.loads),
                 f"{c.load_seconds:.3f}",
                 "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
@@ -82,6 +101,8 @@ def report_for(group: ResidencyGroup) -> ResidencyReport:
                 staged_bytes=unit.stager.staged_bytes,
                 loaded=unit.stager.loaded,
                 pinned=unit.stager.pinned,
+                sleep_level=unit.sleep_level,
+                **{f"{kind}_bytes": held for kind, held in unit.stager.host_bytes().items()},
                 loads=unit.stager.loads,
                 load_seconds=unit.stager.load_seconds,
                 releases=unit.releases,

@@ -10,6 +10,7 @@ staged ones; a *resident* unit is loaded on first use and stays.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -47,6 +48,9 @@ class StagedUnit:
     releases: int = 0
     retains: int = 0
     original_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # 0 awake; 1 asleep with host masters; 2 asleep with masters mapped from checkpoint files.
+    sleep_level: int = 0
+    load_on_wake: bool = False
 
 
 class ResidencyGroup:
@@ -105,6 +109,9 @@ class ResidencyGroup:
         ``pre_forward``, so the common case (already loaded) returns at once."""
         if unit.stager.loaded:
             return
+        if unit.sleep_level:
+            logger.info("Waking %r for a call", unit.name)
+            self._wake_masters(unit)
         if unit.policy is Policy.STAGED:
             self.evict_staged(keep=unit)
         unit.stager.load()
@@ -124,8 +131,38 @@ class ResidencyGroup:
         else:
             last.retains += 1
 
-    def offload_all(self) -> None:
-        """Offload every unit, resident ones included, and release the cache."""
-        for unit in self.units:
-            unit.stager.offload()
-        self.retention.release(reason="offload-all")
+    def sleep(self, unit: StagedUnit, level: int, sources: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Put ``unit`` to sleep: level 1 keeps its host masters, level 2 also swaps every master that
+        ``sources`` (views of a memory-mapped checkpoint) holds byte for byte for that view.
+
+        A unit already asleep keeps its level: changing it would mean waking it first, which the
+        caller did not ask for, so the request is logged as a warning and ignored.
+        """
+        if unit.sleep_level:
+            if unit.sleep_level != level:
+                logger.warning(
+                    "%r is already asleep at level %d; keeping that level (asked for %d). Wake it first to change it.",
+                    unit.name,
+                    unit.sleep_level,
+                    level,
+                )
+            return
+        load_on_wake = unit.stager.loaded or unit.policy is Policy.RESIDENT
+        unit.stager.offload()
+        if level == 2:
+            unit.stager.map_masters(sources or {})
+        unit.load_on_wake = load_on_wake
+        unit.sleep_level = level
+
+    def wake(self, unit: StagedUnit) -> None:
+        """Wake ``unit``: masters back in memory of their own, and on the device again if it was there
+        (or is resident). A no-op for a unit that is awake."""
+        if not unit.sleep_level:
+            return
+        self._wake_masters(unit)
+        if unit.load_on_wake:
+            self.activate(unit)
+
+    def _wake_masters(self, unit: StagedUnit) -> None:
+        unit.stager.unmap_masters()
+        unit.sleep_level = 0

@@ -14,8 +14,8 @@ untie tied weights and let each side go stale on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import torch
@@ -48,17 +48,24 @@ class TensorBinding:
 
 @dataclass(frozen=True)
 class StorageGroup:
-    """The host master of one storage (a flat byte tensor) and every tensor that lives in it."""
+    """The host master of one storage (a flat byte tensor) and every tensor that lives in it.
+
+    ``mapped`` marks a master that is a view of a memory-mapped checkpoint file rather than memory
+    of its own: its pages come from the page cache and can be dropped by the kernel at any time.
+    """
 
     master: torch.Tensor
     bindings: tuple[TensorBinding, ...]
+    # The storage's address modulo 64 when it was attached, kept for CPU copies (see _device).
+    alignment: int
+    mapped: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.master.numel()
 
 
-def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds the bytes: a DTensor's local shard, else the tensor itself.
 
     ``DTensor.to_local()`` returns an alias created through autograd, and rebinding an alias would
@@ -82,7 +89,7 @@ def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
     ``low_cpu_mem_usage`` that was never materialised): there would be nothing to stage."""
     for module in modules:
         for name, tensor in chain(module.named_parameters(), module.named_buffers()):
-            if _local_tensor(tensor).is_meta:
+            if local_tensor(tensor).is_meta:
                 raise ValueError(
                     f"{what} has weights on the 'meta' device (first: {name!r}), so there is nothing to stage. "
                     "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
@@ -94,7 +101,7 @@ def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[Storage
     """Group every tensor by storage and take one host master per storage."""
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in module_tensors(modules):
-        local = _local_tensor(target)
+        local = local_tensor(target)
         storage = local.untyped_storage()
         key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
         binding = TensorBinding(
@@ -115,8 +122,24 @@ def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[Storage
         master = whole.detach() if whole.device.type == "cpu" else whole.to("cpu")
         if pin_memory:
             master = _device.pin(master)
-        groups.append(StorageGroup(master=master, bindings=tuple(bindings)))
+        groups.append(StorageGroup(master=master, bindings=tuple(bindings), alignment=_device.host_alignment(whole)))
     return tuple(groups)
+
+
+def _fills_storage(group: StorageGroup) -> bool:
+    """Whether the group's single tensor is contiguous and covers its storage byte for byte."""
+    (binding,) = group.bindings
+    contiguous = torch.empty(binding.shape, device="meta").stride()
+    numel = torch.Size(binding.shape).numel()
+    return (
+        binding.storage_offset == 0
+        and (binding.stride == contiguous or numel <= 1)
+        and numel * binding.dtype.itemsize == group.nbytes
+    )
+
+
+def _own_copy(master: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    return _device.pin(master) if pin_memory else master.clone()
 
 
 class ModuleStager:
@@ -167,6 +190,14 @@ class ModuleStager:
     def pinned(self) -> bool:
         return all(group.master.is_pinned() for group in self._groups)
 
+    def host_bytes(self) -> dict[str, int]:
+        """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file."""
+        held = {"pinned": 0, "pageable": 0, "mapped": 0}
+        for group in self._groups:
+            kind = "mapped" if group.mapped else "pinned" if group.master.is_pinned() else "pageable"
+            held[kind] += group.nbytes
+        return held
+
     def _bind(self, backings: Iterable[torch.Tensor]) -> None:
         # A view must match its target's inference-ness. Ordinary parameters get ordinary views even
         # when the pipeline runs under inference mode: inference tensors would be refused by autograd
@@ -191,7 +222,7 @@ class ModuleStager:
 
     def _load_once(self) -> None:
         with torch.inference_mode(False):
-            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device, like=g.master) for g in self._groups)
+            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups)
             with self._copy.running():
                 for storage, group in zip(storages, self._groups):
                     storage.copy_(group.master, non_blocking=self.pin_memory)
@@ -262,17 +293,15 @@ class ModuleStager:
                     tensor.dtype != binding.dtype
                     or tuple(tensor.shape) != binding.shape
                     or tuple(tensor.stride()) != binding.stride
-                    or tensor.storage_offset() != binding.storage_offset
-                    or tensor.untyped_storage().data_ptr() != group.master.data_ptr()
+                    or tensor.data_ptr() != group.master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
                 ):
                     return False
-        return bound == {id(_local_tensor(t)) for t in module_tensors(self.modules)}
+        return bound == {id(local_tensor(t)) for t in module_tensors(self.modules)}
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
         upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed."""
-        if self.loaded:
-            raise RuntimeError("retake_masters() needs the stager offloaded first")
+        self._require_offloaded("retake_masters()")
         if self.masters_current():
             return
         refuse_meta_tensors(self.modules, "The module")
@@ -282,6 +311,44 @@ class ModuleStager:
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
+
+    def map_masters(self, sources: Mapping[int, torch.Tensor]) -> int:
+        """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.
+
+        ``sources`` maps ``id(tensor)`` to a flat byte view of that tensor's bytes in the file. A
+        storage qualifies when it holds one tensor that fills it exactly and the file holds the same
+        bytes: equality is checked here, so a weight changed since loading (a fused LoRA, a cast)
+        keeps its own master rather than coming back stale. Expects the stager offloaded; returns the
+        bytes whose master memory was released.
+        """
+        self._require_offloaded("map_masters()")
+        released = 0
+        groups = []
+        for group in self._groups:
+            source = sources.get(id(group.bindings[0].target)) if len(group.bindings) == 1 else None
+            if source is not None and not group.mapped and _fills_storage(group) and torch.equal(group.master, source):
+                group = replace(group, master=source, mapped=True)
+                released += group.nbytes
+            groups.append(group)
+        self._groups = tuple(groups)
+        self._bind_masters()
+        return released
+
+    def unmap_masters(self) -> None:
+        """Give masters mapped from a file memory of their own again (pinned when this stager pins),
+        so the file is not read at every load."""
+        self._require_offloaded("unmap_masters()")
+        if not any(group.mapped for group in self._groups):
+            return
+        self._groups = tuple(
+            replace(group, master=_own_copy(group.master, self.pin_memory), mapped=False) if group.mapped else group
+            for group in self._groups
+        )
+        self._bind_masters()
+
+    def _require_offloaded(self, what: str) -> None:
+        if self.loaded:
+            raise RuntimeError(f"{what} needs the stager offloaded first")
 
     def close(self) -> None:
         """Leave every tensor on its host master and forget the device; the stager is unusable after."""

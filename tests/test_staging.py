@@ -139,3 +139,28 @@ def test_dtensor_is_staged_through_its_local_shard(single_process_group) -> None
     stager.offload()
     assert module.weight._local_tensor.untyped_storage().data_ptr() == master
     assert torch.equal(module.weight.full_tensor(), expected)
+
+
+def test_map_masters_takes_only_byte_identical_whole_storages() -> None:
+    module = nn.Module()
+    module.same = nn.Parameter(torch.arange(6, dtype=torch.float32), requires_grad=False)
+    module.changed = nn.Parameter(torch.ones(4), requires_grad=False)
+    module.shared = SharedStorage()  # storages holding several tensors never map
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    file_bytes = {
+        id(module.same): module.same.detach().clone().view(torch.uint8),
+        id(module.changed): torch.zeros(4).view(torch.uint8),  # the weight changed since it was saved
+        id(module.shared.first): module.shared.first.detach().clone().reshape(-1).view(torch.uint8),
+    }
+    stager.load()
+    with pytest.raises(RuntimeError, match="offloaded"):
+        stager.map_masters(file_bytes)
+    stager.offload()
+    assert stager.map_masters(file_bytes) == 6 * 4
+    assert stager.host_bytes()["mapped"] == 6 * 4
+    assert module.same.data_ptr() == file_bytes[id(module.same)].data_ptr()
+    assert torch.equal(module.changed, torch.ones(4))
+    stager.unmap_masters()
+    assert stager.host_bytes()["mapped"] == 0
+    assert module.same.data_ptr() != file_bytes[id(module.same)].data_ptr()
+    assert torch.equal(module.same, torch.arange(6, dtype=torch.float32))

@@ -1,0 +1,205 @@
+"""Sleep and wake: give a pipeline's device memory back without unloading it, and take it again.
+
+vLLM's sleep mode copies every weight device-to-host into newly allocated pinned memory at each
+level-1 sleep. A pipeline under pinned offload already holds a host master of every weight, so its
+level-1 sleep is an offload: rebind to the masters, drop the device storage, release the cache; no
+copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
+of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
+byte, so a weight changed since loading keeps its own master); waking copies them back into pinned
+memory and onto the device.
+
+A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from torch import nn
+
+from . import _device
+from .pipeline import PipelineResidency, enable_pinned_offload, pipeline_state
+from .residency import StagedUnit
+from .staging import local_tensor
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, torch.Tensor]:
+    """Flat byte views, memory-mapped, of the module's tensors in the ``*.safetensors`` files of a
+    component folder, keyed by ``id`` of the tensor they hold. Tensors whose name, dtype or shape
+    differ from the file's, or whose bytes sit at an offset their dtype cannot be viewed at, are
+    left out (they keep their own masters)."""
+    by_name: dict[str, torch.Tensor] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        by_name[name] = local_tensor(tensor)
+    views: dict[int, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_size))
+        size = path.stat().st_size
+        # A private mapping: pages are read from the page cache when touched, never written back.
+        mapped = torch.empty(0, dtype=torch.uint8).set_(
+            torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size), 0, (size,), (1,)
+        )
+        for name, entry in header.items():
+            tensor = by_name.get(name)
+            if tensor is None or name == "__metadata__":
+                continue
+            start, end = (8 + header_size + offset for offset in entry["data_offsets"])
+            if (
+                _SAFETENSORS_DTYPES.get(entry["dtype"]) == tensor.dtype
+                and tuple(entry["shape"]) == tuple(tensor.shape)
+                and start % tensor.dtype.itemsize == 0
+            ):
+                views[id(tensor)] = mapped[start:end]
+    return views
+
+
+def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, StagedUnit]:
+    return {name: state.hooks[name].unit for name in names if name in state.hooks}
+
+
+def _sleep_plan(
+    pipe: DiffusionPipeline, level: int, offload: Iterable[str] | None, discard: Iterable[str] | None
+) -> dict[str, int]:
+    components = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
+    if offload is None and discard is None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (keep host masters) or 2 (drop them too), not {level!r}")
+        return dict.fromkeys(components, level)
+    offload, discard = list(offload or ()), list(discard or ())
+    both = sorted(set(offload) & set(discard))
+    if both:
+        raise ValueError(f"{both} named in both offload= and discard=; each component gets one level")
+    unknown = sorted(set(offload + discard) - set(components))
+    if unknown:
+        raise ValueError(f"{unknown} are not nn.Module components of {type(pipe).__name__}; choose from {components}")
+    return {**dict.fromkeys(offload, 1), **dict.fromkeys(discard, 2)}
+
+
+def _checkpoint_folders(pipe: DiffusionPipeline, names: Iterable[str]) -> dict[str, Path]:
+    """Each named component's safetensors folder in the directory the pipeline was loaded from, or
+    a clear error before anything is put to sleep."""
+    names = list(names)
+    if not names:
+        return {}
+    root = Path(pipe.name_or_path or "")
+    missing = [name for name in names if not any((root / name).glob("*.safetensors"))] if root.is_dir() else names
+    if missing:
+        raise ValueError(
+            f"Level-2 sleep reloads weights from the pipeline's safetensors files, and none were found for "
+            f"{missing} under {str(root)!r} (pipe.name_or_path). Load the pipeline with from_pretrained() "
+            "from a local directory, or save_pretrained() it and load it from there, or use level 1."
+        )
+    return {name: root / name for name in names}
+
+
+def sleep(
+    pipe: DiffusionPipeline,
+    level: int = 1,
+    *,
+    offload: Iterable[str] | None = None,
+    discard: Iterable[str] | None = None,
+) -> None:
+    """Free the device memory the pipeline's weights hold, keeping the pipeline usable.
+
+    Args:
+        level: 1 keeps every weight in host memory (its pinned master); 2 also gives that host
+            memory back, keeping only a memory-mapped view of the checkpoint files the pipeline was
+            loaded from (refused, before anything changes, when there are none).
+        offload / discard: per component, in the spirit of vLLM's tags: the components named in
+            ``offload`` sleep at level 1, those in ``discard`` at level 2, the others stay awake.
+
+    A pipeline without pinned offload gets it first (every component resident, on the device the
+    pipeline is on), so its host masters are taken once, here. Sleeping what sleeps is a no-op; a
+    different level for a component that already sleeps is ignored with a warning.
+    """
+    plan = _sleep_plan(pipe, level, offload, discard)
+    folders = _checkpoint_folders(pipe, [name for name, lvl in plan.items() if lvl == 2])
+    state = pipeline_state(pipe)
+    if state is None:
+        modules = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
+        enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"))
+        state = pipeline_state(pipe)
+    group = state.group
+    for name, unit in _units(state, plan).items():
+        sources = checkpoint_views(folders[name], unit.module) if name in folders else None
+        group.sleep(unit, plan[name], sources)
+    group.retention.release(reason="sleep")
+    if folders:
+        _device.empty_host_cache()
+
+
+def wake_up(pipe: DiffusionPipeline, components: Iterable[str] | None = None) -> None:
+    """Wake every sleeping component, or the named ones: host masters back in memory of their own,
+    and on the device again those that were there (and every resident one). Waking what is awake is
+    a no-op."""
+    state = pipeline_state(pipe)
+    if state is None:
+        return
+    names = list(state.hooks) if components is None else list(components)
+    unknown = sorted(set(names) - set(state.hooks))
+    if unknown:
+        raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(state.hooks)}")
+    for unit in _units(state, names).values():
+        state.group.wake(unit)
+
+
+def is_sleeping(pipe: DiffusionPipeline) -> bool:
+    """Whether any component of the pipeline is asleep (``residency_report()`` says which)."""
+    state = pipeline_state(pipe)
+    return state is not None and any(unit.sleep_level for unit in state.group.units)
+
+
+class AwakeRotation:
+    """Several pipelines sharing one device: one awake at a time, the others asleep.
+
+    ``rotation.use("sdxl")`` puts the awake pipeline to sleep first, so the device never holds two
+    pipelines' weights at once, then wakes the one asked for and returns it::
+
+        rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
+        image = rotation.use("flux")(prompt).images[0]
+        image = rotation.use("sdxl")(prompt).images[0]
+    """
+
+    def __init__(self, pipelines: Mapping[str, DiffusionPipeline], *, level: int = 1) -> None:
+        if not pipelines:
+            raise ValueError("AwakeRotation needs at least one pipeline")
+        self.pipelines = dict(pipelines)
+        self.level = level
+        self.awake: str | None = None
+        for name, pipe in self.pipelines.items():
+            sleep(pipe, level)
+
+    def use(self, name: str) -> DiffusionPipeline:
+        if name not in self.pipelines:
+            raise KeyError(f"no pipeline named {name!r}; choose from {sorted(self.pipelines)}")
+        if self.awake != name:
+            if self.awake is not None:
+                sleep(self.pipelines[self.awake], self.level)
+            wake_up(self.pipelines[name])
+            self.awake = name
+        return self.pipelines[name]

@@ -1,0 +1,207 @@
+"""Sleep and wake on real pipelines, on the CPU: the state machine, errors, and exact outputs."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from diffusers_residency import AwakeRotation, sleep, wake_up
+from diffusers_residency import sleep_mode
+
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device
+
+
+def states(pipe) -> dict[str, str]:
+    return {c.name: c.state for c in pipe.residency_report().components}
+
+
+def test_level_1_sleep_and_wake(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident"})
+    flux.run()
+    loaded_before = {c.name for c in flux.pipe.residency_report().components if c.loaded}
+    assert loaded_before == {"transformer", "vae"}  # the last staged component, and the resident one
+    flux.pipe.sleep()
+    assert flux.pipe.is_sleeping
+    report = flux.pipe.residency_report()
+    assert report.device_bytes == 0
+    assert set(states(flux.pipe).values()) == {"asleep (1)"}
+    assert all(c.mapped_bytes == 0 for c in report.components)
+
+    flux.pipe.wake_up()
+    assert not flux.pipe.is_sleeping
+    loaded = {c.name for c in flux.pipe.residency_report().components if c.loaded}
+    assert loaded == loaded_before, "what was on the device comes back"
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_sleep_sets_up_masters_once_on_a_pipeline_without_offload(flux: PipelineCase) -> None:
+    flux.pipe.sleep()
+    units = {u.name: u for u in flux.pipe.__dict__["_pinned_residency"].group.units}
+    assert {u.policy.value for u in units.values()} == {"resident"}
+    stagers = {name: u.stager for name, u in units.items()}
+    flux.pipe.wake_up()
+    assert all(c.loaded for c in flux.pipe.residency_report().components), "a resident pipeline wakes resident"
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep()
+    flux.pipe.wake_up()
+    assert {u.name: u.stager for u in flux.pipe.__dict__["_pinned_residency"].group.units} == stagers
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_call_wakes_what_it_needs(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.sleep()
+    assert torch.equal(flux.run(), flux.reference)
+    assert not flux.pipe.is_sleeping
+
+
+def test_level_2_maps_masters_to_the_checkpoint_and_reloads_exactly(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=2)
+    report = flux.pipe.residency_report()
+    assert set(states(flux.pipe).values()) == {"asleep (2)"}
+    for c in report.components:
+        # Only buffers that are not saved in checkpoints (position ids, say) keep their own memory.
+        assert c.mapped_bytes >= 0.95 * c.staged_bytes, str(report)
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert torch.equal(flux.run(), flux.reference), "a call after level 2 wakes from the files"
+    flux.pipe.sleep(level=2)
+    flux.pipe.wake_up()
+    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_level_2_without_checkpoint_files_is_refused_before_anything_sleeps(flux: PipelineCase, tmp_path) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.register_to_config(_name_or_path=str(tmp_path))
+    with pytest.raises(ValueError, match="save_pretrained"):
+        flux.pipe.sleep(level=2)
+    assert not flux.pipe.is_sleeping
+    with pytest.raises(ValueError, match="transformer"):
+        flux.pipe.sleep(discard=["transformer"])
+    assert not flux.pipe.is_sleeping
+
+
+def test_per_component_levels(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    sleep(flux.pipe, offload=["text_encoder", "vae"], discard=["transformer"])
+    assert states(flux.pipe) == {
+        "text_encoder": "asleep (1)",
+        "text_encoder_2": "awake",
+        "transformer": "asleep (2)",
+        "vae": "asleep (1)",
+    }
+    wake_up(flux.pipe, ["transformer"])
+    assert states(flux.pipe)["transformer"] == "awake"
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(level=3), "level must be 1"),
+        (dict(offload=["vae"], discard=["vae"]), "both offload= and discard="),
+        (dict(offload=["tokenizer"]), "tokenizer"),
+    ],
+)
+def test_bad_sleep_arguments(flux: PipelineCase, kwargs: dict, error: str) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    with pytest.raises(ValueError, match=error):
+        flux.pipe.sleep(**kwargs)
+    assert not flux.pipe.is_sleeping
+
+
+def test_sleeping_what_sleeps_keeps_its_level(flux: PipelineCase, caplog: pytest.LogCaptureFixture) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.sleep(level=1)
+    with caplog.at_level(logging.WARNING, logger="diffusers_residency"):
+        flux.pipe.sleep(level=2)
+    assert set(states(flux.pipe).values()) == {"asleep (1)"}
+    assert "keeping that level" in caplog.text
+    flux.pipe.sleep(level=1)  # same level: silently a no-op
+    flux.pipe.wake_up()
+    flux.pipe.wake_up()  # awake already: a no-op
+    assert torch.equal(flux.run(), flux.reference)
+    with pytest.raises(ValueError, match="not staged components"):
+        flux.pipe.wake_up(["scheduler"])
+
+
+def test_awake_rotation_between_two_pipelines() -> None:
+    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
+    assert flux.pipe.is_sleeping and sdxl.pipe.is_sleeping
+    for name, case in [("flux", flux), ("sdxl", sdxl), ("flux", flux)]:
+        assert rotation.use(name) is case.pipe
+        other = sdxl if case is flux else flux
+        assert other.pipe.is_sleeping and not case.pipe.is_sleeping
+        assert torch.equal(case.run(), case.reference)
+    with pytest.raises(KeyError, match="wan"):
+        rotation.use("wan")
+
+
+def test_failure_inside_sleep_leaves_the_pipeline_usable(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    real = sleep_mode.checkpoint_views
+    calls = []
+
+    def failing(directory, module):
+        calls.append(directory.name)
+        if len(calls) == 2:
+            raise OSError("injected: checkpoint unreadable")
+        return real(directory, module)
+
+    monkeypatch.setattr(sleep_mode, "checkpoint_views", failing)
+    with pytest.raises(OSError, match="injected"):
+        flux.pipe.sleep(level=2)
+    monkeypatch.undo()
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep(level=2)
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_failure_inside_wake_leaves_the_pipeline_usable(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers_residency import _device
+
+    flux.pipe.sleep(level=2)
+    with monkeypatch.context() as patch:
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("injected: out of device memory")
+
+        patch.setattr(_device, "allocate_device_storage", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            flux.pipe.wake_up()
+    assert_no_meta_or_foreign_device(flux.pipe)
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_interpreter_exit_while_asleep(level: int) -> None:
+    script = textwrap.dedent(
+        f"""
+        import torch
+        import diffusers_residency
+        from diffusers_residency.bench.builders import build_pipeline, call_kwargs
+        pipe = build_pipeline("flux")
+        device = torch.accelerator.current_accelerator() or "cpu"
+        pipe.enable_pinned_offload(device)
+        pipe(**call_kwargs("flux"))
+        pipe.sleep(level={level})
+        print("asleep", pipe.is_sleeping)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "asleep True" in done.stdout
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
