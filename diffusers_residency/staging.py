@@ -118,10 +118,12 @@ def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[Storage
     for source, bindings in grouped.values():
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
-        # A host storage becomes its own master; a device one is copied down once, here, never again.
-        master = whole.detach() if whole.device.type == "cpu" else whole.to("cpu")
-        if pin_memory:
-            master = _device.pin(master)
+        if whole.device.type == "cpu":
+            # A host storage becomes its own master (pinned: one copy into page-locked memory).
+            master = _device.pin(whole.detach()) if pin_memory else whole.detach()
+        else:
+            # A device storage is copied down once, here, straight into its master, never again.
+            master = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=pin_memory).copy_(whole)
         groups.append(StorageGroup(master=master, bindings=tuple(bindings), alignment=_device.host_alignment(whole)))
     return tuple(groups)
 
@@ -138,8 +140,13 @@ def _fills_storage(group: StorageGroup) -> bool:
     )
 
 
-def _own_copy(master: torch.Tensor, pin_memory: bool) -> torch.Tensor:
-    return _device.pin(master) if pin_memory else master.clone()
+def _own_copy(group: StorageGroup, pin_memory: bool) -> torch.Tensor:
+    """A copy of a mapped master in memory of its own: pinned, or else at the alignment the storage
+    had when attached, so CPU results stay bit-identical (see ``_device.allocate_device_storage``)."""
+    if pin_memory:
+        return _device.pin(group.master)
+    own = _device.allocate_device_storage(group.nbytes, torch.device("cpu"), alignment=group.alignment)
+    return own.copy_(group.master)
 
 
 class ModuleStager:
@@ -181,6 +188,10 @@ class ModuleStager:
     def staged_bytes(self) -> int:
         """Unique bytes behind the modules' tensors: what one load moves."""
         return sum(group.nbytes for group in self._groups)
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(group.bindings) for group in self._groups)
 
     @property
     def load_seconds(self) -> float:
@@ -341,7 +352,7 @@ class ModuleStager:
         if not any(group.mapped for group in self._groups):
             return
         self._groups = tuple(
-            replace(group, master=_own_copy(group.master, self.pin_memory), mapped=False) if group.mapped else group
+            replace(group, master=_own_copy(group, self.pin_memory), mapped=False) if group.mapped else group
             for group in self._groups
         )
         self._bind_masters()
@@ -351,8 +362,10 @@ class ModuleStager:
             raise RuntimeError(f"{what} needs the stager offloaded first")
 
     def close(self) -> None:
-        """Leave every tensor on its host master and forget the device; the stager is unusable after."""
+        """Leave every tensor on a host master of its own and forget the device; the stager is
+        unusable after."""
         self.offload()
+        self.unmap_masters()
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None

@@ -108,3 +108,47 @@ def test_loads_do_not_block_the_host() -> None:
     assert not torch.cuda.current_stream().query(), "activate() waited for the device"
     torch.cuda.synchronize()
     assert torch.equal(case.run(), case.reference)
+
+
+def test_level_1_sleep_frees_the_device_and_wakes_exact() -> None:
+    baseline = torch.cuda.memory_allocated()
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    resident = torch.cuda.memory_allocated() - baseline
+    case.pipe.sleep()  # no pinned offload yet: sleep takes the masters itself, once
+    assert case.pipe.is_sleeping
+    assert torch.cuda.memory_allocated() - baseline < 0.01 * resident
+    assert case.pipe.residency_report().device_bytes == 0
+    case.pipe.wake_up()
+    assert all(c.loaded for c in case.pipe.residency_report().components)
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path) -> None:
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.save_pretrained(tmp_path)
+    case.pipe.register_to_config(_name_or_path=str(tmp_path))
+    case.pipe.sleep(level=2)
+    report = case.pipe.residency_report()
+    assert all(c.mapped_bytes >= 0.95 * c.staged_bytes for c in report.components), str(report)
+    case.pipe.wake_up()
+    report = case.pipe.residency_report()
+    assert all(c.mapped_bytes == 0 and c.pinned for c in report.components), str(report)
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_hundred_sleep_wake_cycles_keep_memory_flat() -> None:
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+
+    def cycles(times: int) -> None:
+        for _ in range(times):
+            case.pipe.sleep()
+            case.pipe.wake_up()
+        torch.cuda.synchronize()
+
+    cycles(10)
+    device_before, reserved_before, rss_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), rss_bytes()
+    cycles(90)
+    assert torch.cuda.memory_allocated() == device_before
+    assert torch.cuda.memory_reserved() <= reserved_before
+    assert rss_bytes() - rss_before < 16 * 2**20
+    assert torch.equal(case.run(), case.reference)

@@ -13,7 +13,7 @@ import torch
 from diffusers_residency import AwakeRotation, sleep, wake_up
 from diffusers_residency import sleep_mode
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
 
 
 def states(pipe) -> dict[str, str]:
@@ -205,3 +205,12 @@ def test_interpreter_exit_while_asleep(level: int) -> None:
     assert done.returncode == 0, done.stderr
     assert "asleep True" in done.stdout
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_disable_after_level_2_gives_weights_memory_of_their_own(flux: PipelineCase) -> None:
+    before = flux.state()
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.sleep(level=2)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(before, flux.state())
+    assert torch.equal(flux.run(), flux.reference)

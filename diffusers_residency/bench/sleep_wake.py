@@ -1,0 +1,200 @@
+"""``python -m diffusers_residency.bench.sleep_wake``: sleep and wake, measured against the bus and
+against the reference design, in one process.
+
+- the pinned host-to-device rate, measured here with one large copy: the bound a wake is held to;
+- level-1 sleep and wake of a resident pipeline (``pipe.sleep()`` / ``pipe.wake_up()``);
+- the same done vLLM's way, beside it: every weight copied device-to-host into newly allocated
+  pinned memory at each sleep, and copied back at each wake;
+- level-2 sleep and wake from the pipeline's own safetensors files, in the page cache;
+- switching one device between two pipelines with :class:`AwakeRotation`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+
+from .. import _device
+from ..pipeline import pipeline_state
+from ..sleep_mode import AwakeRotation, sleep, wake_up
+from ..staging import local_tensor, module_tensors
+from .builders import build_pipeline
+
+GB = 1e9
+
+
+def _timed(device: torch.device, action: Callable[[], object]) -> float:
+    _device.synchronize(device)
+    started = time.perf_counter()
+    action()
+    _device.synchronize(device)
+    return time.perf_counter() - started
+
+
+def pinned_rate(device: torch.device, nbytes: int = 2**32) -> float:
+    """Bytes per second of one large pinned host-to-device copy (best of three)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_device.is_accelerator(device))
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = min(_timed(device, lambda: target.copy_(host, non_blocking=True)) for _ in range(3))
+    del host, target
+    _device.empty_cache(device)
+    return nbytes / best
+
+
+def weight_bytes(pipe: DiffusionPipeline) -> int:
+    storages = {}
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            for tensor in module_tensors((component,)):
+                storage = local_tensor(tensor).untyped_storage()
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+class ReferenceSleep:
+    """Level-1 sleep as vLLM's allocator does it: each weight's storage is copied device-to-host into
+    newly allocated pinned memory at every sleep, and back into new device memory at every wake."""
+
+    def __init__(self, pipe: DiffusionPipeline, device: torch.device) -> None:
+        self.device = device
+        self.storages: dict[tuple, list[torch.Tensor]] = {}
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for tensor in module_tensors((component,)):
+                    local = local_tensor(tensor)
+                    self.storages.setdefault(local.untyped_storage().data_ptr(), []).append(local)
+
+    def _move(self, make: Callable[[int], torch.Tensor]) -> None:
+        for tensors in self.storages.values():
+            storage = tensors[0].untyped_storage()
+            backing = make(storage.nbytes())
+            backing.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=True)
+            for tensor in tensors:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=backing.device).set_(
+                    backing.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+                )
+
+    def sleep(self) -> None:
+        pin = _device.is_accelerator(self.device)
+        self._move(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
+        _device.synchronize(self.device)
+        _device.empty_cache(self.device)
+
+    def wake(self) -> None:
+        self._move(lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
+
+
+def _cycle_times(device: torch.device, go_to_sleep: Callable[[], object], wake: Callable[[], object], cycles: int):
+    sleeps, wakes = [], []
+    for _ in range(cycles):
+        sleeps.append(_timed(device, go_to_sleep))
+        wakes.append(_timed(device, wake))
+    return min(sleeps), min(wakes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffusers_residency.bench.sleep_wake", description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = _device.resolve_device(torch.accelerator.current_accelerator() or "cpu")
+    dtype = {"flux": torch.bfloat16, "sdxl": torch.float16}
+    rows: list[tuple[str, str, str, str]] = []
+    results: dict[str, float] = {}
+
+    def note(key: str, seconds: float, bound: float | None, detail: str) -> None:
+        results[key] = seconds
+        ratio = "-" if bound is None else f"{seconds / bound:.2f}x bound"
+        rows.append((key, f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.3f} s", ratio, detail))
+        print(f"  {key}: {rows[-1][1]} ({ratio})", file=sys.stderr, flush=True)
+
+    rate = pinned_rate(device, 2**32 if args.scale == "full" else 2**26)
+    results["pinned_h2d_gbps"] = rate / GB
+    print(f"pinned host-to-device: {rate / GB:.1f} GB/s; building {args.scale} flux ...", file=sys.stderr, flush=True)
+    flux = build_pipeline("flux", args.scale, dtype=dtype["flux"], device=device)
+    flux_bytes = weight_bytes(flux)
+    bound = flux_bytes / rate
+
+    def held_by_flux() -> int:
+        """Device bytes the pipeline holds: the allocator's figure where there is one."""
+        if _device.is_accelerator(device):
+            return int(torch.accelerator.memory_allocated(device)) - baseline
+        return flux.residency_report().device_bytes
+
+    baseline = int(torch.accelerator.memory_allocated(device)) - flux_bytes if _device.is_accelerator(device) else 0
+    reference = ReferenceSleep(flux, device)
+    ref_sleep, ref_wake = _cycle_times(device, reference.sleep, reference.wake, 1)
+    note("reference level-1 sleep (D2H into new pinned memory)", ref_sleep, None, "vLLM's way")
+    note("reference level-1 wake", ref_wake, bound, f"{flux_bytes / GB:.1f} GB")
+    del reference
+
+    first = _timed(device, lambda: sleep(flux))
+    note("first level-1 sleep (takes the pinned masters)", first, None, "once per pipeline")
+    wake_up(flux)
+    held_before = held_by_flux()
+    l1_sleep, l1_wake = _cycle_times(device, lambda: sleep(flux), lambda: wake_up(flux), args.cycles)
+    sleep(flux)
+    held_asleep = held_by_flux()
+    wake_up(flux)
+    note("level-1 sleep", l1_sleep, None, f"device memory held asleep: {100 * held_asleep / held_before:.2f} % of awake")
+    # Where a level-1 sleep spends its time: rebinding every tensor, then freeing the cached segments.
+    group = pipeline_state(flux).group
+    tensors = sum(unit.stager.tensor_count for unit in group.units)
+    rebind = _timed(device, lambda: [group.sleep(unit, 1) for unit in group.units])
+    segments = torch.accelerator.memory_stats(device).get("segment.all.current", 0) if _device.is_accelerator(device) else 0
+    release = _timed(device, lambda: _device.empty_cache(device))
+    note("  of which rebinding to the masters", rebind, None, f"{tensors} tensors")
+    note("  of which releasing the allocator cache", release, None, f"{segments} segments freed")
+    wake_up(flux)
+    note("level-1 wake", l1_wake, bound, f"{flux_bytes / GB:.1f} GB at {flux_bytes / l1_wake / GB:.1f} GB/s")
+    results["reference_over_ours_sleep"] = ref_sleep / l1_sleep
+
+    print("building sdxl ...", file=sys.stderr, flush=True)
+    sdxl = build_pipeline("sdxl", args.scale, dtype=dtype["sdxl"], device=device)
+    sdxl_bytes = weight_bytes(sdxl)
+    rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
+    switches = {"flux": [], "sdxl": []}
+    rotation.use("flux")
+    for _ in range(args.cycles):
+        for name in ("sdxl", "flux"):
+            switches[name].append(_timed(device, lambda: rotation.use(name)))
+    note("switch to sdxl (flux sleeps, sdxl wakes)", min(switches["sdxl"]), sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
+    note("switch to flux (sdxl sleeps, flux wakes)", min(switches["flux"]), bound, f"{flux_bytes / GB:.1f} GB")
+    sleep(sdxl)
+    sdxl_wake = _timed(device, lambda: wake_up(sdxl))
+    note("  sdxl's wake alone", sdxl_wake, sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
+    del rotation
+    sleep(sdxl)
+
+    with tempfile.TemporaryDirectory(dir=".") as directory:
+        print("saving flux for level 2 ...", file=sys.stderr, flush=True)
+        flux.save_pretrained(directory)
+        flux.register_to_config(_name_or_path=directory)
+        l2_sleep = _timed(device, lambda: sleep(flux, level=2))
+        mapped = sum(c.mapped_bytes for c in flux.residency_report().components)
+        note("level-2 sleep (checks every byte against the files)", l2_sleep, None, f"{mapped / GB:.1f} GB now mapped from files")
+        l2_wake = _timed(device, lambda: wake_up(flux))
+        note("level-2 wake (page cache -> pinned -> device)", l2_wake, bound, f"{l2_wake / l1_wake:.1f}x level-1 wake")
+
+    print(f"\n{args.scale} flux ({flux_bytes / GB:.1f} GB) and sdxl ({sdxl_bytes / GB:.1f} GB), "
+          f"pinned host-to-device {rate / GB:.1f} GB/s, best of {args.cycles}\n")
+    print("| operation | time | vs bytes / pinned rate | detail |")
+    print("| --- | --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
