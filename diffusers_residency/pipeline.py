@@ -130,6 +130,10 @@ def enable_pinned_offload(
                 continue
             hooks[name] = attach_staging_hook(module, group, name=name, policy=policies[name])
             attached[id(module)] = name
+        # diffusers keeps these on the device because pipelines may use them without calling them.
+        for name in pipe._exclude_from_cpu_offload:
+            if name in hooks:
+                group.activate(hooks[name].unit)
     except BaseException:
         for name in hooks:
             remove_hook_from_module(modules[name])

@@ -178,7 +178,6 @@ class ModuleStager:
         self.loaded = False
         self.loads = 0
         self._copy = _device.TimedCopy(device, copy_stream)
-        self._device_storages: tuple[torch.Tensor, ...] = ()
         self._groups = _snapshot(self.modules, pin_memory)
         self._bind_masters()
         if retention is not None:
@@ -233,12 +232,12 @@ class ModuleStager:
 
     def _load_once(self) -> None:
         with torch.inference_mode(False):
-            storages = tuple(_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups)
+            storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups]
             with self._copy.running():
                 for storage, group in zip(storages, self._groups):
                     storage.copy_(group.master, non_blocking=self.pin_memory)
+        # From here on the bound views are what keeps the device storage alive.
         self._bind(storages)
-        self._device_storages = storages
         self.loaded = True
         self.loads += 1
 
@@ -250,7 +249,6 @@ class ModuleStager:
         except Exception:
             logger.debug("Device synchronisation failed while restoring host masters", exc_info=True)
         self._bind_masters()
-        self._device_storages = ()
         self.loaded = False
         if self.retention is not None:
             self.retention.release(reason="failed-load")
@@ -289,7 +287,6 @@ class ModuleStager:
         if not self.loaded:
             return
         self._bind_masters()
-        self._device_storages = ()
         self.loaded = False
 
     def masters_current(self) -> bool:

@@ -63,6 +63,7 @@ def test_exclude_from_cpu_offload_is_resident(flux: PipelineCase) -> None:
     flux.pipe._exclude_from_cpu_offload = ["text_encoder"]
     flux.pipe.enable_pinned_offload(device="cpu")
     assert staging_hooks(flux.pipe)["text_encoder"].unit.policy.value == "resident"
+    assert flux.pipe.residency_report()["text_encoder"].loaded, "loaded at enable, as diffusers keeps it on the device"
     assert torch.equal(flux.run(), flux.reference)
 
 
