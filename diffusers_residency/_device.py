@@ -94,14 +94,15 @@ class MemoryTelemetry:
         return max(0, self.reserved - self.allocated)
 
 
-def read_memory_telemetry(device: torch.device) -> MemoryTelemetry:
-    """Read the caching allocator's figures; raises where the platform exposes none (the CPU, some backends)."""
+def read_memory_telemetry(device: torch.device) -> MemoryTelemetry | None:
+    """The caching allocator's figures, or None where the platform has none (the CPU)."""
     if not is_accelerator(device):
-        raise RuntimeError(f"no allocator telemetry on {device}")
+        return None
+    stats = torch.accelerator.memory_stats(device)
     free, total = torch.accelerator.get_memory_info(device)
     return MemoryTelemetry(
-        reserved=int(torch.accelerator.memory_reserved(device)),
-        allocated=int(torch.accelerator.memory_allocated(device)),
+        reserved=int(stats.get("reserved_bytes.all.current", 0)),
+        allocated=int(stats.get("allocated_bytes.all.current", 0)),
         free=int(free),
         total=int(total),
     )

@@ -12,6 +12,7 @@ The hook holds its group and its unit and nothing else; the group decides what g
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -28,6 +29,21 @@ logger = logging.getLogger(__name__)
 # diffusers' HookRegistry attribute and the name its group offloading registers under; private to
 # diffusers, read only to refuse a combination that leaves dead hooks behind.
 _DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+
+
+def _not_compiled(method: Callable) -> Callable:
+    """Keep ``torch.compile`` out of a hook method: its body rebinds tensors and reads host state,
+    which would only become graph breaks and guards. Wrapped on first call, because
+    ``torch.compiler.disable`` imports dynamo, which costs seconds at import time."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if wrapper.disabled is None:
+            wrapper.disabled = torch.compiler.disable(method)
+        return wrapper.disabled(*args, **kwargs)
+
+    wrapper.disabled = None
+    return wrapper
 _GROUP_OFFLOADING_HOOK = "group_offloading"
 
 
@@ -89,6 +105,7 @@ class StagingHook(ModelHook):
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         return module
 
+    @_not_compiled
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self.group.activate(self.unit)
         if args or kwargs:
@@ -97,20 +114,31 @@ class StagingHook(ModelHook):
         return args, kwargs
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
-        module.__dict__.pop("_apply", None)
-        module.__dict__.pop("to", None)
-        self.group.remove(self.unit)
+        stager = self.unit.stager
+        stager.offload()
+        stager.unmap_masters()
+        guards = {name: module.__dict__.pop(name) for name in ("_apply", "to") if name in module.__dict__}
         # Leave the module where it was found: host masters are already where a CPU module was.
         if self.unit.original_device.type != "cpu":
-            module.to(self.unit.original_device)
+            try:
+                module.to(self.unit.original_device)
+            except BaseException:
+                # A partial move (out of memory, say): back onto the masters, hook still in place.
+                stager.rebind_masters()
+                module.__dict__.update(guards)
+                raise
+        self.group.remove(self.unit)
         return module
 
+    @_not_compiled
     def _guarded_to(self, module: nn.Module, original_to: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
-            if device.type == "cpu":
+            if _device.same_device(device, self.group.device):
+                self.group.activate(self.unit)  # callers of .to(device) expect the weights there
+            elif device.type == "cpu":
                 self.unit.stager.offload()
-            elif not _device.same_device(device, self.group.device):
+            else:
                 raise RuntimeError(
                     f"{self.unit.name!r} is staged by diffusers-residency on {self.group.device}; it cannot be "
                     f"moved to {device} while that is on. Call pipe.disable_pinned_offload() (or "
@@ -119,6 +147,7 @@ class StagingHook(ModelHook):
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
         return original_to(**casts) if casts else module
 
+    @_not_compiled
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.

@@ -19,10 +19,11 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from . import _device
 from .hooks import StagingHook, attach_staging_hook, check_attachable
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
-from .staging import refuse_meta_tensors
+from .staging import module_tensors, refuse_meta_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +84,43 @@ def _policies(
     unknown = sorted(set(components) - set(modules))
     if unknown:
         raise ValueError(
-            f"components names {unknown} that are not nn.Module components of {type(pipe).__name__}; "
+            f"components names {unknown}, which are not nn.Module components of {type(pipe).__name__}; "
             f"choose from {sorted(modules)}"
         )
     return {
         name: Policy.parse(components[name], name) if name in components else _default_policy(pipe, name)
         for name in modules
     }
+
+
+def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
+    """Two components that share weights (but are not one module) cannot each own their storages."""
+    owner: dict[int, str] = {}
+    seen: set[int] = set()
+    for name, module in modules.items():
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for tensor in module_tensors((module,)):
+            other = owner.setdefault(id(tensor), name)
+            if other != name:
+                raise ValueError(f"components {other!r} and {name!r} share weights; pinned offload stages each weight once")
+
+
+def _same_setup(previous: PipelineResidency, group: ResidencyGroup, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether a new enable keeps the device, the pinning and the modules of the previous one."""
+    return (
+        previous.group.device == group.device
+        and previous.group.pin_memory == group.pin_memory
+        and {id(hook.unit.module) for hook in previous.hooks.values()} == {id(m) for m in modules.values()}
+    )
+
+
+def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
+    # diffusers keeps these on the device because pipelines may use them without calling them.
+    for name in pipe._exclude_from_cpu_offload:
+        if name in state.hooks:
+            state.group.activate(state.hooks[name].unit)
 
 
 def enable_pinned_offload(
@@ -109,7 +140,9 @@ def enable_pinned_offload(
             default for ``_exclude_from_cpu_offload`` and for components outside the sequence).
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator.
 
-    Calling it again reconfigures the pipeline. All arguments are checked before anything changes.
+    Calling it again reconfigures the pipeline: with the same device and pinning only the policies
+    change and the masters are kept; otherwise pinned offload is disabled and set up anew. All
+    arguments are checked before anything changes.
     """
     previous = pipeline_state(pipe)
     group = ResidencyGroup(device, pin_memory=pin_memory)
@@ -118,7 +151,14 @@ def enable_pinned_offload(
     for name, module in modules.items():
         check_attachable(module, name, previous.group if previous else None)
         refuse_meta_tensors((module,), f"Component {name!r}")
+    _refuse_shared_weights(modules)
 
+    if previous is not None and _same_setup(previous, group, modules):
+        # Only the policies change: keep the masters rather than giving them up and pinning again.
+        for name, hook in previous.hooks.items():
+            hook.unit.policy = policies[name]
+        _load_excluded(pipe, previous)
+        return
     if previous is not None:
         disable_pinned_offload(pipe)
     hooks: dict[str, StagingHook] = {}
@@ -130,17 +170,15 @@ def enable_pinned_offload(
                 continue
             hooks[name] = attach_staging_hook(module, group, name=name, policy=policies[name])
             attached[id(module)] = name
-        # diffusers keeps these on the device because pipelines may use them without calling them.
-        for name in pipe._exclude_from_cpu_offload:
-            if name in hooks:
-                group.activate(hooks[name].unit)
+        state = PipelineResidency(group=group, hooks=hooks)
+        _load_excluded(pipe, state)
     except BaseException:
         for name in hooks:
             remove_hook_from_module(modules[name])
         raise
 
     original_to = pipe.to
-    pipe.__dict__[_STATE_ATTR] = PipelineResidency(group=group, hooks=hooks)
+    pipe.__dict__[_STATE_ATTR] = state
     pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_pipeline_to(pipe, original_to, *args, **kwargs)
     logger.info(
         "Pinned offload on %s: %s",
@@ -155,10 +193,22 @@ def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
     state = pipeline_state(pipe)
     if state is None:
         return
-    for hook in state.hooks.values():
+    failures = []
+    for name, hook in state.hooks.items():
         module = hook.unit.module
         if getattr(module, "_hf_hook", None) is hook:
-            remove_hook_from_module(module)
+            try:
+                remove_hook_from_module(module)
+            except Exception as exc:  # the others are still detached; this one keeps its hook
+                failures.append((name, exc))
+    # Masters dropped by components that went back to the device stay in PyTorch's pinned cache.
+    _device.empty_host_cache()
+    if failures:
+        name, exc = failures[0]
+        raise RuntimeError(
+            f"could not move {[n for n, _ in failures]} back to the device they were on; they are still "
+            "staged, on their host masters. Free device memory and call disable_pinned_offload() again."
+        ) from exc
     _forget(pipe)
 
 

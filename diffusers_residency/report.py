@@ -87,10 +87,8 @@ class ResidencyReport:
 
 
 def report_for(group: ResidencyGroup) -> ResidencyReport:
-    try:
-        budget: int | None = group.retention.budget_for(_device.read_memory_telemetry(group.device).total)
-    except Exception:
-        budget = None
+    memory = _device.read_memory_telemetry(group.device)
+    budget = None if memory is None else group.retention.budget_for(memory.total)
     return ResidencyReport(
         device=str(group.device),
         retention_budget_bytes=budget,

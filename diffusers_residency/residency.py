@@ -112,6 +112,10 @@ class ResidencyGroup:
         if unit.sleep_level:
             logger.info("Waking %r for a call", unit.name)
             self._wake_masters(unit)
+        # Weights replaced or added while offloaded (a LoRA adapter injected, projections fused, a
+        # submodule cast) are bound to no master yet: take theirs before loading. Masters of the
+        # unchanged storages are reused as they are, so this copies only what is new.
+        unit.stager.retake_masters()
         if unit.policy is Policy.STAGED:
             self.evict_staged(keep=unit)
         unit.stager.load()

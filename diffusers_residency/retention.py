@@ -82,8 +82,10 @@ class RetentionBudget:
     def _decide(self) -> RetentionDecision:
         try:
             memory = _device.read_memory_telemetry(self.device)
-        except Exception as exc:
+        except Exception as exc:  # a backend whose allocator does not report
             return RetentionDecision(released=True, reason=f"no-telemetry ({exc})")
+        if memory is None:
+            return RetentionDecision(released=True, reason="no-telemetry")
         # Decide against the budget as it stood, then learn from the observation, so a one-off
         # over-budget boundary releases once and raises the budget for the boundaries after it.
         budget = self.budget_for(memory.total)

@@ -78,19 +78,25 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, torch.Tens
     return views
 
 
+def _names(value: str | Iterable[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or ())
+
+
 def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, StagedUnit]:
-    return {name: state.hooks[name].unit for name in names if name in state.hooks}
+    """The group's units of the named components (a hook removed on its own is no longer one)."""
+    by_name = {unit.name: unit for unit in state.group.units}
+    return {name: by_name[name] for name in names if name in by_name}
 
 
 def _sleep_plan(
-    pipe: DiffusionPipeline, level: int, offload: Iterable[str] | None, discard: Iterable[str] | None
+    pipe: DiffusionPipeline, level: int, offload: str | Iterable[str] | None, discard: str | Iterable[str] | None
 ) -> dict[str, int]:
     components = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
     if offload is None and discard is None:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (keep host masters) or 2 (drop them too), not {level!r}")
         return dict.fromkeys(components, level)
-    offload, discard = list(offload or ()), list(discard or ())
+    offload, discard = _names(offload), _names(discard)
     both = sorted(set(offload) & set(discard))
     if both:
         raise ValueError(f"{both} named in both offload= and discard=; each component gets one level")
@@ -121,8 +127,8 @@ def sleep(
     pipe: DiffusionPipeline,
     level: int = 1,
     *,
-    offload: Iterable[str] | None = None,
-    discard: Iterable[str] | None = None,
+    offload: str | Iterable[str] | None = None,
+    discard: str | Iterable[str] | None = None,
 ) -> None:
     """Free the device memory the pipeline's weights hold, keeping the pipeline usable.
 
@@ -153,17 +159,18 @@ def sleep(
         _device.empty_host_cache()
 
 
-def wake_up(pipe: DiffusionPipeline, components: Iterable[str] | None = None) -> None:
+def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = None) -> None:
     """Wake every sleeping component, or the named ones: host masters back in memory of their own,
     and on the device again those that were there (and every resident one). Waking what is awake is
     a no-op."""
     state = pipeline_state(pipe)
     if state is None:
         return
-    names = list(state.hooks) if components is None else list(components)
-    unknown = sorted(set(names) - set(state.hooks))
+    staged = [unit.name for unit in state.group.units]
+    names = staged if components is None else _names(components)
+    unknown = sorted(set(names) - set(staged))
     if unknown:
-        raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(state.hooks)}")
+        raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
     for unit in _units(state, names).values():
         state.group.wake(unit)
 

@@ -1,6 +1,6 @@
 """Stage a module's weights on a device from one host master per storage.
 
-Inference never writes to weights, so a module that leaves the device needs no device-to-host copy:
+Inference does not write to weights, so a module that leaves the device needs no device-to-host copy:
 its parameters and buffers are *rebound* to host masters taken once, at attach time, and the device
 copy is simply dropped. Loading allocates device storage, copies each master on a side stream and
 rebinds the tensors to the device copy.
@@ -97,8 +97,14 @@ def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
                 )
 
 
-def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[StorageGroup, ...]:
-    """Group every tensor by storage and take one host master per storage."""
+def _snapshot(
+    modules: tuple[nn.Module, ...], pin_memory: bool, alignments: Mapping[int, int] | None = None
+) -> tuple[StorageGroup, ...]:
+    """Group every tensor by storage and take one host master per storage.
+
+    ``alignments`` carries, per tensor, the alignment its storage had when first attached, so a
+    weight cast and cast back (SDXL's VAE upcast) keeps computing bit-identically on the CPU.
+    """
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in module_tensors(modules):
         local = local_tensor(target)
@@ -124,7 +130,10 @@ def _snapshot(modules: tuple[nn.Module, ...], pin_memory: bool) -> tuple[Storage
         else:
             # A device storage is copied down once, here, straight into its master, never again.
             master = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=pin_memory).copy_(whole)
-        groups.append(StorageGroup(master=master, bindings=tuple(bindings), alignment=_device.host_alignment(whole)))
+        alignment = (alignments or {}).get(id(bindings[0].target), _device.host_alignment(whole))
+        if any(alignment % binding.dtype.itemsize for binding in bindings):
+            alignment = _device.host_alignment(whole)
+        groups.append(StorageGroup(master=master, bindings=tuple(bindings), alignment=alignment))
     return tuple(groups)
 
 
@@ -153,7 +162,7 @@ class ModuleStager:
     """Load a module (or a group of modules) onto a device on demand, from immutable host masters.
 
     ``load()`` allocates device storage on the compute stream, copies every master on the copy stream
-    and makes the compute stream wait for it: the host never blocks. ``offload()`` rebinds every tensor
+    and makes the compute stream wait for it: the host does not wait for the copy. ``offload()`` rebinds every tensor
     to its master and drops the device storage: no device-to-host copy and no host allocation.
     Out of memory on load releases the retained allocator cache and retries once. Whatever fails,
     every tensor is left bound to valid storage: the device copy if the load completed, else the master.
@@ -177,9 +186,11 @@ class ModuleStager:
         self.retention = retention
         self.loaded = False
         self.loads = 0
+        # Device storage of a load under way, held until a failure path has synchronised.
+        self._in_flight: list[torch.Tensor] = []
         self._copy = _device.TimedCopy(device, copy_stream)
         self._groups = _snapshot(self.modules, pin_memory)
-        self._bind_masters()
+        self.rebind_masters()
         if retention is not None:
             retention.grow(self.staged_bytes)
 
@@ -227,17 +238,21 @@ class ModuleStager:
                 for backing, binding in deferred:
                     binding.target.data = binding.view_over(backing)
 
-    def _bind_masters(self) -> None:
+    def rebind_masters(self) -> None:
+        """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._bind(group.master for group in self._groups)
+        self.loaded = False
 
     def _load_once(self) -> None:
         with torch.inference_mode(False):
-            storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups]
+            storages = self._in_flight = [
+                _device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups
+            ]
             with self._copy.running():
                 for storage, group in zip(storages, self._groups):
                     storage.copy_(group.master, non_blocking=self.pin_memory)
-        # From here on the bound views are what keeps the device storage alive.
         self._bind(storages)
+        self._in_flight = []  # from here on the bound views keep the device storage alive
         self.loaded = True
         self.loads += 1
 
@@ -248,8 +263,8 @@ class ModuleStager:
             _device.synchronize(self.device)
         except Exception:
             logger.debug("Device synchronisation failed while restoring host masters", exc_info=True)
-        self._bind_masters()
-        self.loaded = False
+        self.rebind_masters()
+        self._in_flight = []
         if self.retention is not None:
             self.retention.release(reason="failed-load")
         else:
@@ -286,8 +301,7 @@ class ModuleStager:
         """
         if not self.loaded:
             return
-        self._bind_masters()
-        self.loaded = False
+        self.rebind_masters()
 
     def masters_current(self) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
@@ -308,14 +322,16 @@ class ModuleStager:
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
-        upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed."""
+        upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed.
+        Storages still on their pinned masters keep them: pinning an already pinned storage is free."""
         self._require_offloaded("retake_masters()")
         if self.masters_current():
             return
         refuse_meta_tensors(self.modules, "The module")
         before = self.staged_bytes
-        self._groups = _snapshot(self.modules, self.pin_memory)
-        self._bind_masters()
+        alignments = {id(binding.target): group.alignment for group in self._groups for binding in group.bindings}
+        self._groups = _snapshot(self.modules, self.pin_memory, alignments)
+        self.rebind_masters()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
@@ -339,7 +355,7 @@ class ModuleStager:
                 released += group.nbytes
             groups.append(group)
         self._groups = tuple(groups)
-        self._bind_masters()
+        self.rebind_masters()
         return released
 
     def unmap_masters(self) -> None:
@@ -352,7 +368,7 @@ class ModuleStager:
             replace(group, master=_own_copy(group, self.pin_memory), mapped=False) if group.mapped else group
             for group in self._groups
         )
-        self._bind_masters()
+        self.rebind_masters()
 
     def _require_offloaded(self, what: str) -> None:
         if self.loaded:

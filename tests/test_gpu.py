@@ -152,3 +152,19 @@ def test_hundred_sleep_wake_cycles_keep_memory_flat() -> None:
     assert torch.cuda.memory_reserved() <= reserved_before
     assert rss_bytes() - rss_before < 16 * 2**20
     assert torch.equal(case.run(), case.reference)
+
+
+def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
+    pytest.importorskip("peft")
+    from .test_changing_weights import lora_state_dict
+
+    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    lora = lora_state_dict(resident)
+    resident.pipe.load_lora_weights(lora, adapter_name="style")
+    case = staged_from_host()
+    case.run()
+    case.pipe.load_lora_weights(lora, adapter_name="style")
+    assert torch.equal(case.run(), resident.run())
+    case.pipe.transformer.fuse_qkv_projections()
+    resident.pipe.transformer.fuse_qkv_projections()
+    assert torch.equal(case.run(), resident.run())

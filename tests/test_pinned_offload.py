@@ -40,7 +40,9 @@ def test_output_equals_resident_and_disable_restores(kind: str) -> None:
 
 def test_enable_twice_reconfigures(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
+    stagers = {n: h.unit.stager for n, h in staging_hooks(flux.pipe).items()}
     flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident", "text_encoder": "resident"})
+    assert {n: h.unit.stager for n, h in staging_hooks(flux.pipe).items()} == stagers, "same device: masters kept"
     hooks = staging_hooks(flux.pipe)
     assert {n: h.unit.policy.value for n, h in hooks.items()} == {
         "text_encoder": "resident",
@@ -48,9 +50,8 @@ def test_enable_twice_reconfigures(flux: PipelineCase) -> None:
         "transformer": "staged",
         "vae": "resident",
     }
-    # One hook per module: a second enable replaces, never wraps, the first.
-    assert all(not hasattr(h, "hooks") for h in hooks.values())
-    assert len(flux.pipe.residency_report().components) == 4
+    # One unit per module: a second enable never stacks a second hook.
+    assert len(flux.pipe.__dict__["_pinned_residency"].group.units) == 4
     assert torch.equal(flux.run(), flux.reference)
     assert torch.equal(flux.run(), flux.reference)
     report = flux.pipe.residency_report()
@@ -92,6 +93,9 @@ def test_pipe_to_device_is_refused_and_dtype_passes(flux: PipelineCase) -> None:
         flux.pipe.to("cpu")
     with pytest.raises(RuntimeError, match="disable_pinned_offload"):
         flux.pipe.to(device="meta")
+    staged = flux.pipe.residency_report()["transformer"].staged_bytes
+    flux.pipe.to(torch.float64)
+    assert flux.pipe.residency_report()["transformer"].staged_bytes == 2 * staged, "masters follow the cast"
     flux.pipe.to(torch.float32)
     assert torch.equal(flux.run(), flux.reference)
 
@@ -199,3 +203,21 @@ def test_weights_that_are_already_inference_tensors(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     assert torch.equal(flux.run(), reference)
     assert torch.equal(flux.run(), reference)
+
+
+def test_enable_on_another_setup_starts_anew(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    first = staging_hooks(flux.pipe)["transformer"].unit.stager
+    flux.pipe.transformer.fuse_qkv_projections()  # a different module set is a different setup too
+    flux.pipe.vae = PipelineCase("flux").pipe.vae
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert staging_hooks(flux.pipe)["transformer"].unit.stager is not first
+    assert len(flux.pipe.__dict__["_pinned_residency"].group.units) == 4
+
+
+def test_component_to_its_execution_device_loads_it(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert not flux.pipe.residency_report()["text_encoder"].loaded
+    flux.pipe.text_encoder.to("cpu")  # the execution device here: a request to have the weights there
+    assert flux.pipe.residency_report()["text_encoder"].loaded

@@ -17,9 +17,9 @@ DEVICE = torch.device("cuda", 0)
 def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
     state: dict = {"telemetry": None, "empty_cache_calls": 0}
 
-    def read(device: torch.device) -> MemoryTelemetry:
-        if state["telemetry"] is None:
-            raise RuntimeError("telemetry unavailable")
+    def read(device: torch.device) -> MemoryTelemetry | None:
+        if state["telemetry"] == "broken":
+            raise RuntimeError("allocator stats unavailable")
         return state["telemetry"]
 
     def empty_cache(device: torch.device) -> None:
@@ -70,7 +70,9 @@ def test_low_free_memory_releases(figures: dict) -> None:
     assert budget.releases == 1
 
 
-def test_missing_telemetry_releases(figures: dict) -> None:
+@pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])
+def test_missing_telemetry_releases(figures: dict, telemetry) -> None:
+    figures["telemetry"] = telemetry
     budget = RetentionBudget(DEVICE)
     decision = budget.at_boundary()
     assert decision.released and decision.reason.startswith("no-telemetry")
