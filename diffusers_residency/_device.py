@@ -9,11 +9,16 @@ That keeps the whole mechanism testable on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # The widest alignment CPU kernels branch on (a cache line; AVX-512 loads).
 _CPU_ALIGNMENT = 64
@@ -114,18 +119,6 @@ def empty_cache(device: torch.device) -> None:
         torch.accelerator.empty_cache()
 
 
-def empty_host_cache() -> None:
-    """Give pinned host blocks that no tensor uses back to the system.
-
-    PyTorch's caching host allocator keeps freed pinned blocks for reuse, so dropping pinned masters
-    alone frees no host memory. Recent torch releases expose ``torch.accelerator.empty_host_cache``;
-    older ones only the private hook it wraps; builds with neither keep the blocks.
-    """
-    release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if release is not None and torch.accelerator.is_available():
-        release()
-
-
 def synchronize(device: torch.device) -> None:
     if is_accelerator(device):
         torch.accelerator.synchronize(device)
@@ -135,9 +128,44 @@ def new_copy_stream(device: torch.device) -> torch.Stream | None:
     return torch.Stream(device=device) if is_accelerator(device) else None
 
 
-def pin(host: torch.Tensor) -> torch.Tensor:
-    """A page-locked copy of a host tensor, which the copy engine can read asynchronously at full speed."""
-    return host if host.is_pinned() else host.pin_memory()
+def register_host_memory(address: int, nbytes: int) -> bool:
+    """Page-lock existing host memory where it is (``cudaHostRegister``); False where that cannot be
+    done, and the memory stays pageable.
+
+    Only the CUDA runtime (and HIP, behind the same torch binding) can register memory; other
+    accelerators have no such call, and their masters are copied into a block instead.
+    """
+    if not torch.cuda.is_available():
+        return False
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(error) == 0:
+        return True
+    logger.info("Could not page-lock %d bytes of host memory in place (CUDA error %d)", nbytes, int(error))
+    _clear_last_cuda_error()
+    return False
+
+
+def unregister_host_memory(address: int) -> None:
+    if int(torch.cuda.cudart().cudaHostUnregister(address)) != 0:
+        logger.warning("Could not unregister page-locked host memory at %#x", address)
+        _clear_last_cuda_error()
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's per-thread "last error" after a failed call.
+
+    A failed runtime call stays recorded until ``cudaGetLastError`` reads it, and PyTorch reads it
+    after every kernel launch: the next, unrelated kernel would raise this error. torch exposes no
+    binding for ``cudaGetLastError``, so it is called from the runtime library the process already
+    has loaded (found in ``/proc/self/maps``, never loaded anew).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcudart.so" in line or "libamdhip64.so" in line)
+        runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        (runtime.cudaGetLastError if hasattr(runtime, "cudaGetLastError") else runtime.hipGetLastError)()
+    except (OSError, StopIteration, AttributeError):
+        logger.warning("Could not clear a failed CUDA call's error; the next kernel launch may report it")
 
 
 class TimedCopy:

@@ -19,7 +19,6 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from . import _device
 from .hooks import StagingHook, attach_staging_hook, check_attachable
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
@@ -108,10 +107,11 @@ def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
 
 
 def _same_setup(previous: PipelineResidency, group: ResidencyGroup, modules: Mapping[str, nn.Module]) -> bool:
-    """Whether a new enable keeps the device, the pinning and the modules of the previous one."""
+    """Whether a new enable keeps the device, the pinning (and its budget) and the modules of the previous one."""
     return (
         previous.group.device == group.device
         and previous.group.pin_memory == group.pin_memory
+        and previous.group.pin_budget == group.pin_budget
         and {id(hook.unit.module) for hook in previous.hooks.values()} == {id(m) for m in modules.values()}
     )
 
@@ -129,6 +129,7 @@ def enable_pinned_offload(
     *,
     components: Mapping[str, str] | None = None,
     pin_memory: bool | None = None,
+    pin_budget: int | float | None = None,
 ) -> None:
     """Stage the pipeline's components on ``device`` from pinned host masters.
 
@@ -138,14 +139,20 @@ def enable_pinned_offload(
         components: component name -> ``"staged"`` (on the device only while in use; the default
             for components in ``model_cpu_offload_seq``) or ``"resident"`` (loaded once, kept; the
             default for ``_exclude_from_cpu_offload`` and for components outside the sequence).
-        pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator.
+        pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
+            are weights' own host memory, page-locked in place where the platform allows (CUDA);
+            weights on the device are copied down once into exactly sized blocks.
+        pin_budget: the most host memory the package keeps page-locked in this process, every
+            pipeline's masters counted, in bytes or as a fraction of physical RAM (default 0.75).
+            Masters beyond it stay pageable: loads still work, at the pageable copy rate, and the
+            report's ``pageable GB`` column shows them.
 
     Calling it again reconfigures the pipeline: with the same device and pinning only the policies
     change and the masters are kept; otherwise pinned offload is disabled and set up anew. All
     arguments are checked before anything changes.
     """
     previous = pipeline_state(pipe)
-    group = ResidencyGroup(device, pin_memory=pin_memory)
+    group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
     modules = _module_components(pipe)
     policies = _policies(pipe, modules, components)
     for name, module in modules.items():
@@ -201,8 +208,6 @@ def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
                 remove_hook_from_module(module)
             except Exception as exc:  # the others are still detached; this one keeps its hook
                 failures.append((name, exc))
-    # Masters dropped by components that went back to the device stay in PyTorch's pinned cache.
-    _device.empty_host_cache()
     if failures:
         name, exc = failures[0]
         raise RuntimeError(

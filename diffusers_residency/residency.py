@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from . import _device
+from . import _device, host_memory
 from .retention import RetentionBudget
 from .staging import ModuleStager, module_tensors
 
@@ -60,9 +60,17 @@ class ResidencyGroup:
         device: where the units compute; ``None`` takes the current accelerator.
         pin_memory: pin the host masters (default: when ``device`` is an accelerator). Pinned masters
             are what make loads asynchronous and fast; on the CPU there is nothing to pin for.
+        pin_budget: the most host memory the package may keep page-locked in this process, in bytes
+            or as a fraction of physical RAM (default 0.75); masters beyond it stay pageable.
     """
 
-    def __init__(self, device: str | torch.device | None = None, *, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        pin_memory: bool | None = None,
+        pin_budget: int | float | None = None,
+    ) -> None:
         self.device = _device.resolve_device(device)
         accelerated = _device.is_accelerator(self.device)
         if pin_memory is None:
@@ -70,6 +78,7 @@ class ResidencyGroup:
         if pin_memory and not accelerated:
             raise ValueError(f"pin_memory=True needs an accelerator device, not {self.device}; leave it unset on the CPU")
         self.pin_memory = pin_memory
+        self.pin_budget = host_memory.resolve_pin_budget(pin_budget)
         self.retention = RetentionBudget(self.device)
         self.copy_stream = _device.new_copy_stream(self.device)
         self.units: list[StagedUnit] = []
@@ -92,6 +101,7 @@ class ResidencyGroup:
             module,
             self.device,
             pin_memory=self.pin_memory,
+            pin_budget=self.pin_budget,
             copy_stream=self.copy_stream,
             retention=self.retention,
         )

@@ -23,7 +23,6 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from . import _device
 from .pipeline import PipelineResidency, enable_pinned_offload, pipeline_state
 from .residency import StagedUnit
 from .staging import local_tensor
@@ -155,8 +154,6 @@ def sleep(
         sources = checkpoint_views(folders[name], unit.module) if name in folders else None
         group.sleep(unit, plan[name], sources)
     group.retention.release(reason="sleep")
-    if folders:
-        _device.empty_host_cache()
 
 
 def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = None) -> None:

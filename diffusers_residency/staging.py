@@ -21,7 +21,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from . import _device
+from . import _device, host_memory
 from .retention import RetentionBudget
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class StorageGroup:
     # The storage's address modulo 64 when it was attached, kept for CPU copies (see _device).
     alignment: int
     mapped: bool = False
+    pinned: bool = False
+    # The registration that keeps the master page-locked, when this package made it so.
+    pin: host_memory.HostPin | None = None
 
     @property
     def nbytes(self) -> int:
@@ -98,12 +101,15 @@ def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
 
 
 def _snapshot(
-    modules: tuple[nn.Module, ...], pin_memory: bool, alignments: Mapping[int, int] | None = None
+    modules: tuple[nn.Module, ...], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
 ) -> tuple[StorageGroup, ...]:
     """Group every tensor by storage and take one host master per storage.
 
-    ``alignments`` carries, per tensor, the alignment its storage had when first attached, so a
-    weight cast and cast back (SDXL's VAE upcast) keeps computing bit-identically on the CPU.
+    A host storage becomes its own master, page-locked in place when ``pin_budget`` (bytes, None for
+    no pinning) allows; a device storage, or a host storage whose pages could not be locked in
+    place, is copied once into one exactly sized host block. Masters of ``previous`` that the
+    tensors still live in are kept as they are, registration and alignment included, so a snapshot
+    after a small change (a LoRA layer added) copies and pins only what is new.
     """
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in module_tensors(modules):
@@ -120,21 +126,68 @@ def _snapshot(
         )
         grouped.setdefault(key, (local, []))[1].append(binding)
 
-    groups = []
-    for source, bindings in grouped.values():
+    kept = {(group.master.data_ptr(), group.nbytes): group for group in previous if group.master.device.type == "cpu"}
+    previous_alignments = {id(binding.target): group.alignment for group in previous for binding in group.bindings}
+    wholes, alignments = [], []
+    settled: dict[int, StorageGroup] = {}
+    for index, (source, bindings) in enumerate(grouped.values()):
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
-        if whole.device.type == "cpu":
-            # A host storage becomes its own master (pinned: one copy into page-locked memory).
-            master = _device.pin(whole.detach()) if pin_memory else whole.detach()
-        else:
-            # A device storage is copied down once, here, straight into its master, never again.
-            master = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=pin_memory).copy_(whole)
-        alignment = (alignments or {}).get(id(bindings[0].target), _device.host_alignment(whole))
+        wholes.append(whole.detach())
+        alignment = previous_alignments.get(id(bindings[0].target), _device.host_alignment(whole))
         if any(alignment % binding.dtype.itemsize for binding in bindings):
             alignment = _device.host_alignment(whole)
-        groups.append(StorageGroup(master=master, bindings=tuple(bindings), alignment=alignment))
+        alignments.append(alignment)
+        previous_group = kept.get((whole.data_ptr(), whole.numel())) if whole.device.type == "cpu" else None
+        if previous_group is not None:
+            settled[index] = replace(previous_group, bindings=tuple(bindings))
+    if pin_budget is not None:
+        masters = _pinned_masters(wholes, alignments, settled.keys(), pin_budget)
+    else:
+        # Unpinned (the CPU device): a device storage still gets a host copy, never pinned.
+        to_copy = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
+        copies = host_memory.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], 0, pin=False)
+        masters = dict(zip(to_copy, copies))
+
+    groups = []
+    for index, (source, bindings) in enumerate(grouped.values()):
+        if index in settled:
+            groups.append(settled[index])
+            continue
+        whole = wholes[index]
+        master = masters.get(index, host_memory.HostMaster(whole, None, pinned=False))
+        groups.append(
+            StorageGroup(
+                master=master.data,
+                bindings=tuple(bindings),
+                alignment=alignments[index],
+                pinned=master.pinned,
+                pin=master.pin,
+            )
+        )
     return tuple(groups)
+
+
+def _pinned_masters(
+    wholes: list[torch.Tensor], alignments: list[int], settled: Iterable[int], pin_budget: int
+) -> dict[int, host_memory.HostMaster]:
+    """Masters for the storages not ``settled`` yet: large host ones locked in place, the rest copied
+    into one pinned block while the budget lasts; what the budget cannot hold stays (or becomes)
+    pageable."""
+    settled = set(settled)
+    on_host = [i for i, w in enumerate(wholes) if i not in settled and w.device.type == "cpu" and w.numel()]
+    in_place = [i for i in on_host if wholes[i].numel() >= host_memory.IN_PLACE_MIN_BYTES]
+    masters = dict(zip(in_place, host_memory.pin_in_place([wholes[i] for i in in_place], pin_budget)))
+    unpinned_host = [i for i in on_host if i not in masters or not masters[i].pinned]
+    on_device = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
+    to_copy = unpinned_host + on_device
+    room = pin_budget - host_memory.locked_bytes()
+    if unpinned_host and sum(wholes[i].numel() for i in to_copy) > room:
+        # Copying host memory that cannot be pinned in place only pays if the copy gets pinned.
+        to_copy = on_device
+    copies = host_memory.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], pin_budget, pin=True)
+    masters.update(zip(to_copy, copies))
+    return masters
 
 
 def _fills_storage(group: StorageGroup) -> bool:
@@ -149,11 +202,9 @@ def _fills_storage(group: StorageGroup) -> bool:
     )
 
 
-def _own_copy(group: StorageGroup, pin_memory: bool) -> torch.Tensor:
-    """A copy of a mapped master in memory of its own: pinned, or else at the alignment the storage
-    had when attached, so CPU results stay bit-identical (see ``_device.allocate_device_storage``)."""
-    if pin_memory:
-        return _device.pin(group.master)
+def _own_copy(group: StorageGroup) -> torch.Tensor:
+    """A pageable copy of a mapped master, at the alignment the storage had when attached, so CPU
+    results stay bit-identical (see ``_device.allocate_device_storage``)."""
     own = _device.allocate_device_storage(group.nbytes, torch.device("cpu"), alignment=group.alignment)
     return own.copy_(group.master)
 
@@ -174,6 +225,7 @@ class ModuleStager:
         device: torch.device,
         *,
         pin_memory: bool,
+        pin_budget: int | float | None = None,
         copy_stream: torch.Stream | None = None,
         retention: RetentionBudget | None = None,
     ) -> None:
@@ -183,13 +235,15 @@ class ModuleStager:
         refuse_meta_tensors(self.modules, "The module")
         self.device = device
         self.pin_memory = pin_memory
+        # Bytes this process may keep page-locked when this stager pins a master; None: never pin.
+        self.pin_budget = host_memory.resolve_pin_budget(pin_budget) if pin_memory else None
         self.retention = retention
         self.loaded = False
         self.loads = 0
         # Device storage of a load under way, held until a failure path has synchronised.
         self._in_flight: list[torch.Tensor] = []
         self._copy = _device.TimedCopy(device, copy_stream)
-        self._groups = _snapshot(self.modules, pin_memory)
+        self._groups = _snapshot(self.modules, self.pin_budget)
         self.rebind_masters()
         if retention is not None:
             retention.grow(self.staged_bytes)
@@ -209,13 +263,13 @@ class ModuleStager:
 
     @property
     def pinned(self) -> bool:
-        return all(group.master.is_pinned() for group in self._groups)
+        return all(group.pinned for group in self._groups)
 
     def host_bytes(self) -> dict[str, int]:
         """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file."""
         held = {"pinned": 0, "pageable": 0, "mapped": 0}
         for group in self._groups:
-            kind = "mapped" if group.mapped else "pinned" if group.master.is_pinned() else "pageable"
+            kind = "mapped" if group.mapped else "pinned" if group.pinned else "pageable"
             held[kind] += group.nbytes
         return held
 
@@ -323,14 +377,13 @@ class ModuleStager:
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
         upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed.
-        Storages still on their pinned masters keep them: pinning an already pinned storage is free."""
+        Storages still on their masters keep them, page-locked as they were."""
         self._require_offloaded("retake_masters()")
         if self.masters_current():
             return
         refuse_meta_tensors(self.modules, "The module")
         before = self.staged_bytes
-        alignments = {id(binding.target): group.alignment for group in self._groups for binding in group.bindings}
-        self._groups = _snapshot(self.modules, self.pin_memory, alignments)
+        self._groups = _snapshot(self.modules, self.pin_budget, self._groups)
         self.rebind_masters()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
@@ -351,7 +404,7 @@ class ModuleStager:
         for group in self._groups:
             source = sources.get(id(group.bindings[0].target)) if len(group.bindings) == 1 else None
             if source is not None and not group.mapped and _fills_storage(group) and torch.equal(group.master, source):
-                group = replace(group, master=source, mapped=True)
+                group = replace(group, master=source, mapped=True, pinned=False, pin=None)
                 released += group.nbytes
             groups.append(group)
         self._groups = tuple(groups)
@@ -364,10 +417,24 @@ class ModuleStager:
         self._require_offloaded("unmap_masters()")
         if not any(group.mapped for group in self._groups):
             return
-        self._groups = tuple(
-            replace(group, master=_own_copy(group, self.pin_memory), mapped=False) if group.mapped else group
-            for group in self._groups
+        mapped = [group for group in self._groups if group.mapped]
+        # Registering the mapped pages with write access makes the kernel copy them out of the page
+        # cache into memory of this process (copy-on-write of a private mapping), so the locked pages
+        # are the master's own and later changes to the file cannot reach them. The mapping is this
+        # package's own (see sleep_mode.checkpoint_views), so its pages hold masters only, whatever
+        # their size.
+        pinned = (
+            host_memory.pin_in_place([group.master for group in mapped], self.pin_budget)
+            if self.pin_budget is not None
+            else [None] * len(mapped)
         )
+        owned = {
+            id(group): replace(group, pinned=True, pin=master.pin, mapped=False)
+            if master is not None and master.pinned
+            else replace(group, master=_own_copy(group), mapped=False)
+            for group, master in zip(mapped, pinned)
+        }
+        self._groups = tuple(owned.get(id(group), group) for group in self._groups)
         self.rebind_masters()
 
     def _require_offloaded(self, what: str) -> None:
@@ -379,6 +446,9 @@ class ModuleStager:
         unusable after."""
         self.offload()
         self.unmap_masters()
+        # Unlock the masters now rather than whenever the stager is collected: the tensors keep
+        # the memory, pageable again, as it was before the stager pinned it.
+        self._groups = tuple(replace(group, pinned=group.pinned and group.pin is None, pin=None) for group in self._groups)
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None

@@ -77,3 +77,81 @@ def test_a_submodule_cast_is_staged_not_undone(flux: PipelineCase) -> None:
     assert flux.pipe.transformer.proj_out.weight.dtype == torch.float64
     flux.pipe.transformer.proj_out.to(torch.float32)
     assert torch.equal(flux.run(), flux.reference)
+
+
+def second_lora(case: PipelineCase) -> dict[str, torch.Tensor]:
+    """Another LoRA of the same shape and rank, with different weights."""
+    torch.manual_seed(2)
+    return {key: torch.randn_like(value) * 0.05 for key, value in lora_state_dict(case).items()}
+
+
+def test_adapters_switched_weighted_and_deleted_after_enable(flux: PipelineCase) -> None:
+    loras = {"style": lora_state_dict(flux), "detail": second_lora(flux)}
+    resident = PipelineCase("flux")
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    for case in (resident, flux):
+        for name, lora in loras.items():
+            case.pipe.load_lora_weights(lora, adapter_name=name)
+
+    steps = [
+        lambda pipe: pipe.set_adapters(["style", "detail"], adapter_weights=[0.7, 0.4]),
+        lambda pipe: pipe.set_adapters("detail"),
+        lambda pipe: pipe.disable_lora(),
+        lambda pipe: pipe.enable_lora(),
+        lambda pipe: pipe.delete_adapters("detail"),
+    ]
+    outputs = set()
+    for step in steps:
+        step(resident.pipe)
+        step(flux.pipe)
+        expected = resident.run()
+        assert torch.equal(flux.run(), expected)
+        outputs.add(expected.sum().item())
+    assert len(outputs) >= 3, "the steps must change the output for this test to mean anything"
+    assert_every_weight_staged(flux.pipe, "transformer")
+
+
+def test_adapter_hotswapped_between_calls(flux: PipelineCase) -> None:
+    first, second = lora_state_dict(flux), second_lora(flux)
+    resident = PipelineCase("flux")
+    flux.pipe.enable_pinned_offload(device="cpu")
+    for case in (resident, flux):
+        case.pipe.load_lora_weights(first, adapter_name="style")
+        case.run()
+        case.pipe.load_lora_weights(second, adapter_name="style", hotswap=True)
+    expected = resident.run()
+    assert torch.equal(flux.run(), expected)
+    with_second = PipelineCase("flux")
+    with_second.pipe.load_lora_weights(second, adapter_name="style")
+    assert torch.equal(expected, with_second.run()), "hotswapping must give the second adapter's output"
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def storage_bytes(module: torch.nn.Module) -> int:
+    return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in module.parameters()}.values())
+
+
+@pytest.mark.parametrize("order", ["casting-then-offload", "offload-then-casting"])
+def test_layerwise_casting_keeps_fp8_storage_on_host_and_device(flux: PipelineCase, order: str) -> None:
+    resident = PipelineCase("flux")
+    resident.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    expected = resident.run()
+    assert not torch.equal(expected, flux.reference), "fp8 storage must change the output for this test to mean anything"
+
+    transformer = flux.pipe.transformer
+    if order == "casting-then-offload":
+        transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+        flux.pipe.enable_pinned_offload(device="cpu")
+    else:
+        flux.pipe.enable_pinned_offload(device="cpu")
+        flux.run()
+        transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    for _ in range(2):
+        assert torch.equal(flux.run(), expected)
+        report = flux.pipe.residency_report()
+        assert report["transformer"].staged_bytes == storage_bytes(transformer), "masters hold the fp8 bytes"
+        assert any(t.dtype == FP8 for t in transformer.parameters())
+    assert_every_weight_staged(flux.pipe, "transformer")

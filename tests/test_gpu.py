@@ -5,6 +5,7 @@ Marked ``gpu``: skipped on machines without CUDA (CI), run on the GPU machine.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -15,6 +16,13 @@ from .helpers import PipelineCase, assert_weights_equal, staging_hooks
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def release_pipelines():
+    """Collect each test's pipelines, so their page-locked masters are unregistered before the next."""
+    yield
+    gc.collect()
 
 
 def rss_bytes() -> int:
@@ -168,3 +176,60 @@ def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
     case.pipe.transformer.fuse_qkv_projections()
     resident.pipe.transformer.fuse_qkv_projections()
     assert torch.equal(case.run(), resident.run())
+
+
+def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> None:
+    from diffusers_residency import host_memory
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    gc.collect()  # pipelines of earlier tests release their registrations
+    before = host_memory.locked_bytes()
+    case.pipe.enable_pinned_offload()
+    report = case.pipe.residency_report()
+    staged = sum(c.staged_bytes for c in report.components)
+    groups = sum(len(hook.unit.stager._groups) for hook in staging_hooks(case.pipe).values())
+    assert all(c.pinned for c in report.components), str(report)
+    assert all(t.is_pinned() for t in case.pipe.transformer.parameters())
+    # Tiny weights are copied into one exactly sized block per component: slot padding, no rounding.
+    assert staged <= host_memory.locked_bytes() - before <= staged + groups * 576 + 8 * 4096
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    case.pipe.disable_pinned_offload()
+    assert host_memory.locked_bytes() == before
+    assert not any(t.is_pinned() for t in case.pipe.transformer.parameters())
+
+
+def test_pin_budget_leaves_masters_pageable_and_loads_still_exact() -> None:
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload(pin_budget=0)
+    report = case.pipe.residency_report()
+    assert all(c.pinned_bytes == 0 and c.pageable_bytes == c.staged_bytes for c in report.components), str(report)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    case.pipe.disable_pinned_offload()
+
+
+@pytest.mark.parametrize("how", ["regional", "whole"])
+def test_inductor_compiled_staged_transformer_never_recompiles(how: str) -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from .test_compile import compile_transformer
+
+    torch._dynamo.reset()
+    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    compile_transformer(resident, how, "inductor")
+    expected = resident.run()
+    case = staged_from_host()
+    compile_transformer(case, how, "inductor")
+    counters.clear()
+    first = case.run()
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        later = [case.run() for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    for output in (first, *later):
+        torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=1e-2)
+    torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""``python -m diffusers_residency.bench``: resident, diffusers' model offload and pinned offload, side by side.
+"""``python -m diffusers_residency.bench``: resident, pinned offload and diffusers' offloading modes, side by side.
 
 With no arguments it builds a tiny FLUX pipeline (real classes, random weights, no download) and runs
 it on the current accelerator, or on the CPU where there is none. ``--scale full`` builds the
@@ -45,13 +45,16 @@ def _gb(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e9:.2f}"
 
 
-def format_table(results: list[ModeResult]) -> str:
+def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     resident = next((r.seconds_per_call for r in results if r.mode == "resident"), None)
-    header = ("mode", "s/call", "x resident", "peak alloc GB", "setup s", "loaded GB/call", "load GB/s", "exact")
+    header = (
+        "mode", "s/call", "x resident", "peak alloc GB", "setup s", "host RSS GB", "RSS x weights",
+        "loaded GB/call", "load GB/s", "exact",
+    )  # fmt: skip
     rows = []
     for r in results:
         if r.error:
-            rows.append((r.mode, r.error, "-", _gb(r.peak_allocated_bytes), "-", "-", "-", "-"))
+            rows.append((r.mode, r.error, "-", _gb(r.peak_allocated_bytes), *("-",) * (len(header) - 4)))
             continue
         rows.append(
             (
@@ -60,6 +63,8 @@ def format_table(results: list[ModeResult]) -> str:
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
                 f"{r.setup_seconds:.2f}",
+                _gb(r.host_rss_bytes),
+                "-" if r.host_rss_bytes is None else f"{r.host_rss_bytes / weight_bytes:.2f}",
                 _gb(r.loaded_bytes_per_call),
                 "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
                 {None: "reference" if r.mode == "resident" else "-", True: "yes", False: "NO"}[r.exact],
@@ -68,6 +73,17 @@ def format_table(results: list[ModeResult]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
+    """Unique bytes behind every parameter and buffer of the pipeline's modules."""
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for m in modules
+        for t in (*m.parameters(), *m.buffers())
+    }
+    return sum(storages.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # mode from the host, as a pipeline loaded from disk would.
     pipe = build_pipeline(args.pipeline, args.scale, dtype=dtype, device=device)
     pipe.set_progress_bar_config(disable=True)
+    weight_bytes = _weight_bytes(pipe)
     kwargs = dict(steps=args.steps, height=args.height, width=args.width)
 
     def call() -> torch.Tensor:
@@ -100,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {result.seconds_per_call:.3f} s/call", file=sys.stderr, flush=True)
 
     setting = (
-        f"{args.scale} {args.pipeline}, {dtype}, {args.steps or 'default'} steps, "
+        f"{args.scale} {args.pipeline}, {weight_bytes / 1e9:.2f} GB of weights, {dtype}, {args.steps or 'default'} steps, "
         f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} warm-up + {args.calls} timed calls per mode"
     )
     environment = (
@@ -108,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
     )
     print(f"{setting}\n{environment}\n")
-    print(format_table(results))
+    print(format_table(results, weight_bytes))
     for result in results:
         if result.report:
             print(f"\nresidency_report() after the {result.mode} mode's calls:\n\n```\n{result.report}\n```")

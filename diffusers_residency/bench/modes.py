@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,10 +50,35 @@ def _remove_model_cpu_offload(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
+def _group_offload_leaf(pipe: DiffusionPipeline, device: torch.device) -> None:
+    # Streams are what make it fast; the CPU has none, and diffusers refuses them there.
+    stream = _device.is_accelerator(device)
+    pipe.enable_group_offload(onload_device=device, offload_type="leaf_level", use_stream=stream)
+
+
+def _remove_group_offload(pipe: DiffusionPipeline) -> None:
+    # diffusers has no public way to remove group offloading; these are the hook names it registers
+    # (see diffusers.hooks.group_offloading._maybe_remove_and_reapply_group_offloading).
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.group_offloading import (
+        _GROUP_OFFLOADING,
+        _LAYER_EXECUTION_TRACKER,
+        _LAZY_PREFETCH_GROUP_OFFLOADING,
+    )
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            registry = HookRegistry.check_if_exists_or_initialize(component)
+            for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
+                registry.remove_hook(name, recurse=True)
+    pipe.to("cpu")
+
+
 MODES: dict[str, Mode] = {
     "resident": Mode("resident", _resident, _to_host),
     "pinned": Mode("pinned", lambda pipe, device: enable_pinned_offload(pipe, device), disable_pinned_offload),
     "model_cpu_offload": Mode("model_cpu_offload", _model_cpu_offload, _remove_model_cpu_offload),
+    "group_offload_leaf": Mode("group_offload_leaf", _group_offload_leaf, _remove_group_offload),
 }
 
 
@@ -63,6 +89,8 @@ class ModeResult:
     peak_allocated_bytes: int | None
     setup_seconds: float
     exact: bool | None
+    # Resident set size of the process right after setup: what the mode costs in host memory.
+    host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
     report: str | None = None
@@ -78,6 +106,15 @@ def _settle(device: torch.device) -> None:
     _device.empty_cache(device)
     if _device.is_accelerator(device):
         torch.accelerator.reset_peak_memory_stats(device)
+
+
+def host_rss_bytes() -> int | None:
+    """The process's resident set size (Linux only)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
 def _peak_allocated(device: torch.device) -> int | None:
@@ -102,6 +139,7 @@ def run_mode(
         mode.setup(pipe, device)
         _device.synchronize(device)
         setup_seconds = time.perf_counter() - started
+        rss = host_rss_bytes()
         first = None
         for _ in range(warmup):
             output = call()
@@ -132,6 +170,7 @@ def run_mode(
         peak_allocated_bytes=peak,
         setup_seconds=setup_seconds,
         exact=exact,
+        host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
         report=report,

@@ -1,0 +1,219 @@
+"""Host memory for masters: page-locked where it already is, counted against a budget, never rounded.
+
+``tensor.pin_memory()`` copies into PyTorch's caching host allocator, which rounds every block up to
+a power of two and keeps freed blocks for reuse: a pipeline's weights end up in host RAM twice for a
+while (the original and the copy) and up to twice over for good (the rounding), and pinning costs
+about 0.5 s per GiB. Registering the pages a weight already occupies (``cudaHostRegister``) locks
+them where they are, about ten times faster, with no second copy and no rounding. That is done for
+large weights, whose pages hold nothing else; small ones, weights that are not on the host (a
+pipeline built on the device) and weights whose pages cannot be registered are copied, once, into
+an exactly sized, page-aligned block that is registered in turn, and their old memory is freed.
+
+Page locking is process-wide and the pages cannot be swapped out, so it is bounded: every masters'
+registration counts against a pin budget; what does not fit stays pageable. Loads from pageable
+masters still work, at the pageable copy rate, and the report says which bytes are pinned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _device
+
+logger = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+# The default pin budget, as a fraction of physical RAM: what is locked cannot be paged out, so the
+# rest of the system keeps a quarter to work in.
+DEFAULT_PIN_FRACTION = 0.75
+# Masters copied into a block start at multiples of this, which keeps DMA reads aligned.
+_SLOT_ALIGNMENT = 512
+# Only storages at least this large are locked in place. Registration works on whole pages, and a
+# page that is only partly registered breaks every copy that touches it: a host tensor that starts
+# in a registered page and ends in an unregistered one fails to copy to the device with "invalid
+# argument" (measured on the H200 machine). A small weight shares its pages with whatever the heap
+# put beside it, including tensors allocated later; an allocation this large is always served by
+# its own mapping (32 MiB is glibc's largest mmap threshold; other allocators give large
+# allocations whole pages too), so its pages hold nothing else.
+IN_PLACE_MIN_BYTES = 32 << 20
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_pin_budget(pin_budget: int | float | None) -> int:
+    """Bytes the package may keep page-locked in this process: ``None`` for the default (75 % of
+    physical RAM), a float in (0, 1] for a fraction of physical RAM, or an int number of bytes."""
+    if pin_budget is None:
+        return int(DEFAULT_PIN_FRACTION * physical_memory_bytes())
+    if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)):
+        raise TypeError(f"pin_budget must be bytes (int) or a fraction of RAM (float), not {pin_budget!r}")
+    if isinstance(pin_budget, float):
+        if not 0.0 < pin_budget <= 1.0:
+            raise ValueError(f"pin_budget as a fraction of RAM must be in (0, 1], not {pin_budget}")
+        return int(pin_budget * physical_memory_bytes())
+    if pin_budget < 0:
+        raise ValueError(f"pin_budget must be at least 0 bytes, not {pin_budget}")
+    return pin_budget
+
+
+class _LockedRanges:
+    """The page ranges this process has registered through this module, and their total.
+
+    Registering a range that overlaps one already registered fails, and a failed CUDA runtime call
+    poisons the next kernel launch (see ``_device.register_host_memory``), so overlaps are ruled out
+    here, before the call.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.locked_bytes = 0
+
+    def overlaps(self, start: int, end: int) -> bool:
+        index = bisect.bisect_right(self._starts, start)
+        before = index > 0 and self._ends[index - 1] > start
+        after = index < len(self._starts) and self._starts[index] < end
+        return before or after
+
+    def add(self, start: int, end: int) -> None:
+        index = bisect.bisect_right(self._starts, start)
+        self._starts.insert(index, start)
+        self._ends.insert(index, end)
+        self.locked_bytes += end - start
+
+    def remove(self, start: int, end: int) -> None:
+        index = bisect.bisect_left(self._starts, start)
+        del self._starts[index], self._ends[index]
+        self.locked_bytes -= end - start
+
+
+LOCKED = _LockedRanges()
+
+
+def locked_bytes() -> int:
+    """Host bytes page-locked by this package in this process, over every pipeline."""
+    return LOCKED.locked_bytes
+
+
+class HostPin:
+    """One registered page range; unregistered when the last master inside it is dropped.
+
+    The finalizer holds the tensors whose pages the range covers, so their memory cannot be freed
+    (and reused or unmapped) while it is still registered. It does not run at interpreter exit:
+    the driver releases every registration with the process, and the runtime may be gone by then.
+    """
+
+    def __init__(self, start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.nbytes = end - start
+        self._finalizer = weakref.finalize(self, _unpin, start, end, tensors)
+        self._finalizer.atexit = False
+
+
+def _unpin(start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> None:
+    LOCKED.remove(start, end)
+    _device.unregister_host_memory(start)
+
+
+def _pin_range(start: int, end: int, tensors: tuple[torch.Tensor, ...], budget: int) -> HostPin | None:
+    if LOCKED.locked_bytes + (end - start) > budget or LOCKED.overlaps(start, end):
+        return None
+    if not _device.register_host_memory(start, end - start):
+        return None
+    LOCKED.add(start, end)
+    return HostPin(start, end, tensors)
+
+
+@dataclass(frozen=True)
+class HostMaster:
+    """A master's bytes and, when they are page-locked, the registration that keeps them so."""
+
+    data: torch.Tensor
+    pin: HostPin | None
+    # Page-locked: by ``pin``, or already before the package saw it (memory from pin_memory()).
+    pinned: bool
+
+
+def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start - start % _PAGE, _align_up(start + tensor.numel(), _PAGE)
+
+
+def _locked_elsewhere(host: torch.Tensor) -> bool:
+    """Whether the memory was page-locked before the package saw it (``pin_memory()``, another library).
+
+    ``is_pinned()`` asks the driver about one address only: a weight that merely starts in a page
+    this package registered for a neighbouring weight would pass, and copying it would fail on its
+    unregistered pages. So ranges of this package's own never count, and both ends are asked.
+    """
+    start, end = _page_span(host)
+    return not LOCKED.overlaps(start, end) and host.is_pinned() and host[-1:].is_pinned()
+
+
+def pin_in_place(hosts: Sequence[torch.Tensor], budget: int) -> list[HostMaster]:
+    """Register the pages of flat host byte tensors where they are, within ``budget``; memory that is
+    page-locked already is left as it is. The caller vouches that nothing else lives in those pages
+    (see ``IN_PLACE_MIN_BYTES``).
+
+    Tensors whose pages overlap (consecutive weights of one memory-mapped file) are registered
+    together as one run: a page can be registered only once.
+    A run that does not fit the budget, or cannot be registered, stays pageable as it is.
+    """
+    masters = [HostMaster(host, None, pinned=_locked_elsewhere(host)) for host in hosts]
+    order = sorted((i for i, master in enumerate(masters) if not master.pinned), key=lambda i: hosts[i].data_ptr())
+    runs: list[tuple[int, int, list[int]]] = []
+    for index in order:
+        start, end = _page_span(hosts[index])
+        if runs and start < runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(end, runs[-1][1]), [*runs[-1][2], index])
+        else:
+            runs.append((start, end, [index]))
+    for start, end, members in runs:
+        pin = _pin_range(start, end, tuple(hosts[i] for i in members), budget)
+        if pin is not None:
+            for i in members:
+                masters[i] = HostMaster(hosts[i], pin, pinned=True)
+    return masters
+
+
+def copy_to_host(
+    sources: Sequence[torch.Tensor], alignments: Sequence[int], budget: int, *, pin: bool
+) -> list[HostMaster]:
+    """Copy flat byte tensors (on the device, or host memory that could not be pinned in place) into
+    one exactly sized host block, page-locked if ``pin`` and within ``budget``.
+
+    The block is an anonymous mapping of its own, so the registered pages hold nothing but masters
+    and are freed with the last master in them. Each copy starts at its ``alignments`` entry
+    modulo 64, the address its storage had, which keeps CPU results bit-identical (see
+    ``_device.allocate_device_storage``).
+    """
+    offsets = []
+    total = 0
+    for source, alignment in zip(sources, alignments):
+        offsets.append(_align_up(total, _SLOT_ALIGNMENT) + alignment)
+        total = offsets[-1] + source.numel()
+    if not sources:
+        return []
+    span = _align_up(total, _PAGE)
+    # A mapping of its own, not the heap: its pages hold nothing but masters (see IN_PLACE_MIN_BYTES).
+    block = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)
+    host_pin = _pin_range(block.data_ptr(), block.data_ptr() + span, (block,), budget) if pin else None
+    masters = []
+    for source, offset in zip(sources, offsets):
+        data = block[offset : offset + source.numel()]
+        data.copy_(source)
+        masters.append(HostMaster(data, host_pin, pinned=host_pin is not None))
+    return masters

@@ -1,0 +1,170 @@
+"""Host masters: the weights' own memory page-locked in place, within a budget, never a second copy.
+
+Page locking (``cudaHostRegister``) cannot exist on a machine without CUDA, so these tests replace
+it at its one named point, ``_device.register_host_memory``, with a registry that enforces the
+driver's rule (a page is registered at most once). On the GPU machine ``test_gpu.py`` covers the
+real call.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+from diffusers_residency import ModuleStager, _device, host_memory
+
+CPU = torch.device("cpu")
+PAGE = mmap.PAGESIZE
+
+
+class FakeDriver:
+    """What the CUDA driver does with registrations, as far as the package can observe it."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def register(self, address: int, nbytes: int) -> bool:
+        assert address % PAGE == 0 and nbytes % PAGE == 0, "registration must cover whole pages"
+        if any(address < start + size and start < address + nbytes for start, size in self.ranges.items()):
+            return False  # cudaErrorHostMemoryAlreadyRegistered
+        self.ranges[address] = nbytes
+        return True
+
+    def unregister(self, address: int) -> None:
+        del self.ranges[address]
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(self.ranges.values())
+
+    def covers(self, tensor: torch.Tensor) -> bool:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        return any(base <= start and end <= base + size for base, size in self.ranges.items())
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    gc.collect()
+    assert host_memory.locked_bytes() == 0, "an earlier test left masters registered"
+    fake = FakeDriver()
+    monkeypatch.setattr(_device, "register_host_memory", fake.register)
+    monkeypatch.setattr(_device, "unregister_host_memory", fake.unregister)
+    yield fake
+    assert host_memory.locked_bytes() == fake.registered_bytes
+
+
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(module.state_dict(keep_vars=True))
+
+
+def large_and_small() -> torch.nn.Module:
+    """One weight large enough to be locked in place (37.7 MB), and small ones beside it."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4096, 2304), torch.nn.GELU(), torch.nn.Linear(2304, 8)).eval()
+
+
+def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(driver: FakeDriver) -> None:
+    module = large_and_small()
+    x = torch.randn(3, 4096)
+    expected = module(x)
+    large = module[0].weight
+    assert large.untyped_storage().nbytes() >= host_memory.IN_PLACE_MIN_BYTES
+    address = large.data_ptr()
+    small_addresses = {name: t.data_ptr() for name, t in weights(module).items() if t is not large}
+
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    assert large.data_ptr() == address, "the large weight is locked where it is: no copy"
+    assert all(weights(module)[name].data_ptr() != old for name, old in small_addresses.items())
+    assert stager.pinned and stager.host_bytes()["pinned"] == stager.staged_bytes
+    assert all(driver.covers(t) for t in weights(module).values())
+    # Two registrations: the large weight's pages, and one exactly sized block for the small ones.
+    assert len(driver.ranges) == 2 and driver.registered_bytes == host_memory.locked_bytes()
+    assert driver.registered_bytes <= stager.staged_bytes + 4 * PAGE + 3 * 512
+
+    stager.load()
+    assert torch.equal(module(x), expected)
+    stager.offload()
+    assert torch.equal(module(x), expected)
+    stager.close()
+    assert driver.ranges == {} and host_memory.locked_bytes() == 0
+    assert large.data_ptr() == address and torch.equal(module(x), expected)
+
+
+def test_pipeline_masters_all_locked_and_outputs_unchanged(flux, driver: FakeDriver) -> None:
+    stager = ModuleStager(flux.pipe.transformer, CPU, pin_memory=True, pin_budget=1 << 40)
+    assert stager.pinned and all(driver.covers(t) for t in weights(flux.pipe.transformer).values())
+    stager.load()
+    assert torch.equal(flux.run(), flux.reference)
+    stager.offload()
+    assert torch.equal(flux.run(), flux.reference)
+    stager.close()
+    assert driver.ranges == {}
+
+
+def test_pin_budget_counts_every_component_and_leaves_the_rest_pageable(flux, driver: FakeDriver) -> None:
+    first = ModuleStager(flux.pipe.transformer, CPU, pin_memory=True, pin_budget=1 << 40)
+    budget = host_memory.locked_bytes() + PAGE  # room for the first component only
+    second = ModuleStager(flux.pipe.text_encoder_2, CPU, pin_memory=True, pin_budget=budget)
+
+    assert first.pinned and not second.pinned
+    assert second.host_bytes() == {"pinned": 0, "pageable": second.staged_bytes, "mapped": 0}
+    assert host_memory.locked_bytes() <= budget
+    first.load()
+    second.load()
+    assert torch.equal(flux.run(), flux.reference), "loads from pageable masters work too"
+    second.offload()
+    assert torch.equal(flux.run(), flux.reference)
+    first.close()
+    second.close()
+
+
+def test_pages_locked_by_someone_else_are_copied_once_into_a_locked_block(driver: FakeDriver) -> None:
+    module = large_and_small()
+    x = torch.randn(3, 4096)
+    expected = module(x)
+    large = module[0].weight
+    before, address = large.detach().clone(), large.data_ptr()
+    foreign = address - address % PAGE + 16 * PAGE
+    driver.ranges[foreign] = PAGE  # another library locked one of its pages
+
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    assert large.data_ptr() != address and torch.equal(large, before)
+    assert driver.covers(large) and stager.pinned
+    stager.load()
+    assert torch.equal(module(x), expected)
+    stager.close()
+    del driver.ranges[foreign]
+
+
+def test_components_never_register_a_page_twice(flux, driver: FakeDriver) -> None:
+    stagers = [
+        ModuleStager(flux.pipe.transformer, CPU, pin_memory=True, pin_budget=1 << 40),
+        ModuleStager(flux.pipe.text_encoder, CPU, pin_memory=True, pin_budget=1 << 40),
+        ModuleStager(flux.pipe.text_encoder_2, CPU, pin_memory=True, pin_budget=1 << 40),
+    ]
+    assert all(stager.pinned for stager in stagers), "overlapping pages went to a block, not refused"
+    assert host_memory.locked_bytes() == driver.registered_bytes
+    for stager in stagers:
+        stager.close()
+    assert driver.ranges == {}
+
+
+def test_pin_budget_arguments() -> None:
+    ram = host_memory.physical_memory_bytes()
+    assert host_memory.resolve_pin_budget(None) == int(host_memory.DEFAULT_PIN_FRACTION * ram)
+    assert host_memory.resolve_pin_budget(0.5) == int(0.5 * ram)
+    assert host_memory.resolve_pin_budget(1 << 30) == 1 << 30
+    for bad, error in ((0.0, ValueError), (1.5, ValueError), (-1, ValueError), ("8GB", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="pin_budget"):
+            host_memory.resolve_pin_budget(bad)
+
+
+def test_bad_pin_budget_is_refused_before_anything_changes(flux) -> None:
+    before = {name: t.data_ptr() for name, t in weights(flux.pipe.transformer).items()}
+    with pytest.raises(ValueError, match="pin_budget"):
+        flux.pipe.enable_pinned_offload("cpu", pin_budget=2.0)
+    assert not hasattr(flux.pipe.transformer, "_hf_hook")
+    assert {name: t.data_ptr() for name, t in weights(flux.pipe.transformer).items()} == before
