@@ -128,14 +128,18 @@ def new_copy_stream(device: torch.device) -> torch.Stream | None:
     return torch.Stream(device=device) if is_accelerator(device) else None
 
 
+def can_register_host_memory() -> bool:
+    """Whether existing host memory can be page-locked in place: the CUDA runtime (and HIP, behind
+    the same torch binding) can; other accelerators have no such call."""
+    return torch.cuda.is_available()
+
+
 def register_host_memory(address: int, nbytes: int) -> bool:
     """Page-lock existing host memory where it is (``cudaHostRegister``); False where that cannot be
     done, and the memory stays pageable.
 
-    Only the CUDA runtime (and HIP, behind the same torch binding) can register memory; other
-    accelerators have no such call, and their masters are copied into a block instead.
     """
-    if not torch.cuda.is_available():
+    if not can_register_host_memory():
         return False
     error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
     if int(error) == 0:
@@ -157,14 +161,20 @@ def _clear_last_cuda_error() -> None:
     A failed runtime call stays recorded until ``cudaGetLastError`` reads it, and PyTorch reads it
     after every kernel launch: the next, unrelated kernel would raise this error. torch exposes no
     binding for ``cudaGetLastError``, so it is called from the runtime library the process already
-    has loaded (found in ``/proc/self/maps``, never loaded anew).
+    has loaded (found in ``/proc/self/maps``, never loaded anew; every one found, since another
+    library may have brought its own copy).
     """
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if "libcudart.so" in line or "libamdhip64.so" in line)
-        runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
-        (runtime.cudaGetLastError if hasattr(runtime, "cudaGetLastError") else runtime.hipGetLastError)()
-    except (OSError, StopIteration, AttributeError):
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart" in line or "libamdhip64" in line}
+    cleared = False
+    for path in paths:  # a process may hold more than one runtime; the error sits in torch's
+        try:
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            (getattr(runtime, "cudaGetLastError", None) or runtime.hipGetLastError)()
+            cleared = True
+        except (OSError, AttributeError):
+            continue
+    if not cleared:
         logger.warning("Could not clear a failed CUDA call's error; the next kernel launch may report it")
 
 
@@ -186,6 +196,10 @@ class TimedCopy:
         if copy_stream is not None:
             self._start = torch.Event(device=device, enable_timing=True)
             self._done = torch.Event(device=device, enable_timing=True)
+
+    def wait(self) -> None:
+        """Block until the last copy has finished reading its source (before that memory may go)."""
+        self._collect()
 
     @property
     def seconds(self) -> float:

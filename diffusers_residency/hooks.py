@@ -116,7 +116,7 @@ class StagingHook(ModelHook):
     def detach_hook(self, module: nn.Module) -> nn.Module:
         stager = self.unit.stager
         stager.offload()
-        stager.unmap_masters()
+        stager.unmap_masters(pin=False)  # the masters are about to be let go
         guards = {name: module.__dict__.pop(name) for name in ("_apply", "to") if name in module.__dict__}
         # Leave the module where it was found: host masters are already where a CPU module was.
         if self.unit.original_device.type != "cpu":

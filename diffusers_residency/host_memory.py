@@ -1,13 +1,14 @@
-"""Host memory for masters: page-locked where it already is, counted against a budget, never rounded.
+"""Host memory for masters: page-locked where it already is, counted against a budget, not rounded up.
 
 ``tensor.pin_memory()`` copies into PyTorch's caching host allocator, which rounds every block up to
 a power of two and keeps freed blocks for reuse: a pipeline's weights end up in host RAM twice for a
 while (the original and the copy) and up to twice over for good (the rounding), and pinning costs
 about 0.5 s per GiB. Registering the pages a weight already occupies (``cudaHostRegister``) locks
-them where they are, about ten times faster, with no second copy and no rounding. That is done for
+them where they are, about ten times faster, with no second copy and no rounding up. That is done for
 large weights, whose pages hold nothing else; small ones, weights that are not on the host (a
 pipeline built on the device) and weights whose pages cannot be registered are copied, once, into
-an exactly sized, page-aligned block that is registered in turn, and their old memory is freed.
+a block sized to their bytes (slots padded to 512 bytes, the block to whole pages) that is
+registered in turn, and their old memory is freed.
 
 Page locking is process-wide and the pages cannot be swapped out, so it is bounded: every masters'
 registration counts against a pin budget; what does not fit stays pageable. Loads from pageable
@@ -75,30 +76,29 @@ class _LockedRanges:
 
     Registering a range that overlaps one already registered fails, and a failed CUDA runtime call
     poisons the next kernel launch (see ``_device.register_host_memory``), so overlaps are ruled out
-    here, before the call.
+    here, before the call. One sorted list of ``(start, end)`` pairs, changed by single calls:
+    ``_unpin`` runs from finalizers, which the garbage collector may start in the middle of any
+    method here, and two parallel lists could be caught half updated.
     """
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
+        self._ranges: list[tuple[int, int]] = []
         self.locked_bytes = 0
 
     def overlaps(self, start: int, end: int) -> bool:
-        index = bisect.bisect_right(self._starts, start)
-        before = index > 0 and self._ends[index - 1] > start
-        after = index < len(self._starts) and self._starts[index] < end
-        return before or after
+        index = bisect.bisect_left(self._ranges, (end,))
+        return index > 0 and self._ranges[index - 1][1] > start
 
     def add(self, start: int, end: int) -> None:
-        index = bisect.bisect_right(self._starts, start)
-        self._starts.insert(index, start)
-        self._ends.insert(index, end)
+        bisect.insort(self._ranges, (start, end))
         self.locked_bytes += end - start
 
     def remove(self, start: int, end: int) -> None:
-        index = bisect.bisect_left(self._starts, start)
-        del self._starts[index], self._ends[index]
+        self._ranges.remove((start, end))
         self.locked_bytes -= end - start
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(self._ranges)
 
 
 LOCKED = _LockedRanges()
@@ -118,7 +118,6 @@ class HostPin:
     """
 
     def __init__(self, start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.nbytes = end - start
         self._finalizer = weakref.finalize(self, _unpin, start, end, tensors)
         self._finalizer.atexit = False
 
@@ -189,31 +188,44 @@ def pin_in_place(hosts: Sequence[torch.Tensor], budget: int) -> list[HostMaster]
     return masters
 
 
+def block_bytes(sizes: Sequence[int], alignments: Sequence[int]) -> tuple[list[int], int]:
+    """Where each copy goes in a block, and the block's size: each copy starts on a 512-byte slot
+    boundary plus its ``alignments`` entry (below 64), and the block ends on a page boundary."""
+    offsets = []
+    total = 0
+    for size, alignment in zip(sizes, alignments):
+        offsets.append(_align_up(total, _SLOT_ALIGNMENT) + alignment)
+        total = offsets[-1] + size
+    return offsets, max(_align_up(total, _PAGE), _PAGE)  # a mapping cannot be empty
+
+
 def copy_to_host(
     sources: Sequence[torch.Tensor], alignments: Sequence[int], budget: int, *, pin: bool
 ) -> list[HostMaster]:
     """Copy flat byte tensors (on the device, or host memory that could not be pinned in place) into
-    one exactly sized host block, page-locked if ``pin`` and within ``budget``.
+    one host block sized by :func:`block_bytes`, page-locked if ``pin`` and within ``budget``.
 
-    The block is an anonymous mapping of its own, so the registered pages hold nothing but masters
-    and are freed with the last master in them. Each copy starts at its ``alignments`` entry
-    modulo 64, the address its storage had, which keeps CPU results bit-identical (see
-    ``_device.allocate_device_storage``).
+    The block is a private anonymous mapping of its own, so the registered pages hold nothing but
+    masters, and are unmapped with the last master in them. Each master is a storage of its own
+    over its slot: tensors bound to it group by that storage, as the weights did, when masters are
+    taken again. Each copy starts at its ``alignments`` entry modulo 64, the address its storage
+    had, which keeps CPU results bit-identical (see ``_device.allocate_device_storage``).
     """
-    offsets = []
-    total = 0
-    for source, alignment in zip(sources, alignments):
-        offsets.append(_align_up(total, _SLOT_ALIGNMENT) + alignment)
-        total = offsets[-1] + source.numel()
     if not sources:
         return []
-    span = _align_up(total, _PAGE)
-    # A mapping of its own, not the heap: its pages hold nothing but masters (see IN_PLACE_MIN_BYTES).
-    block = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)
-    host_pin = _pin_range(block.data_ptr(), block.data_ptr() + span, (block,), budget) if pin else None
+    offsets, span = block_bytes([source.numel() for source in sources], alignments)
+    mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block = memoryview(mapping)
+    start = torch.frombuffer(block[:1], dtype=torch.uint8).data_ptr()
+    host_pin = _pin_range(start, start + span, (mapping,), budget) if pin else None
     masters = []
     for source, offset in zip(sources, offsets):
-        data = block[offset : offset + source.numel()]
+        size = source.numel()
+        data = (
+            torch.frombuffer(block[offset : offset + size], dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         data.copy_(source)
-        masters.append(HostMaster(data, host_pin, pinned=host_pin is not None))
+        masters.append(HostMaster(data, host_pin, pinned=host_pin is not None or (pin and not size)))
     return masters

@@ -141,7 +141,7 @@ def enable_pinned_offload(
             default for ``_exclude_from_cpu_offload`` and for components outside the sequence).
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
-            weights on the device are copied down once into exactly sized blocks.
+            weights on the device are copied down once into blocks sized to them.
         pin_budget: the most host memory the package keeps page-locked in this process, every
             pipeline's masters counted, in bytes or as a fraction of physical RAM (default 0.75).
             Masters beyond it stay pageable: loads still work, at the pageable copy rate, and the

@@ -107,7 +107,7 @@ def _snapshot(
 
     A host storage becomes its own master, page-locked in place when ``pin_budget`` (bytes, None for
     no pinning) allows; a device storage, or a host storage whose pages could not be locked in
-    place, is copied once into one exactly sized host block. Masters of ``previous`` that the
+    place, is copied once into one host block sized to the copies. Masters of ``previous`` that the
     tensors still live in are kept as they are, registration and alignment included, so a snapshot
     after a small change (a LoRA layer added) copies and pins only what is new.
     """
@@ -155,7 +155,9 @@ def _snapshot(
             groups.append(settled[index])
             continue
         whole = wholes[index]
-        master = masters.get(index, host_memory.HostMaster(whole, None, pinned=False))
+        # An empty storage has no bytes to lock, and must not make the unit look pageable.
+        empty_pinned = pin_budget is not None and not whole.numel()
+        master = masters.get(index, host_memory.HostMaster(whole, None, pinned=empty_pinned))
         groups.append(
             StorageGroup(
                 master=master.data,
@@ -182,10 +184,12 @@ def _pinned_masters(
     on_device = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
     to_copy = unpinned_host + on_device
     room = pin_budget - host_memory.locked_bytes()
-    if unpinned_host and sum(wholes[i].numel() for i in to_copy) > room:
+    _, block = host_memory.block_bytes([wholes[i].numel() for i in to_copy], [alignments[i] for i in to_copy])
+    if unpinned_host and (block > room or not _device.can_register_host_memory()):
         # Copying host memory that cannot be pinned in place only pays if the copy gets pinned.
         to_copy = on_device
-    copies = host_memory.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], pin_budget, pin=True)
+    sources, source_alignments = [wholes[i] for i in to_copy], [alignments[i] for i in to_copy]
+    copies = host_memory.copy_to_host(sources, source_alignments, pin_budget, pin=True)
     masters.update(zip(to_copy, copies))
     return masters
 
@@ -200,13 +204,6 @@ def _fills_storage(group: StorageGroup) -> bool:
         and (binding.stride == contiguous or numel <= 1)
         and numel * binding.dtype.itemsize == group.nbytes
     )
-
-
-def _own_copy(group: StorageGroup) -> torch.Tensor:
-    """A pageable copy of a mapped master, at the alignment the storage had when attached, so CPU
-    results stay bit-identical (see ``_device.allocate_device_storage``)."""
-    own = _device.allocate_device_storage(group.nbytes, torch.device("cpu"), alignment=group.alignment)
-    return own.copy_(group.master)
 
 
 class ModuleStager:
@@ -382,6 +379,7 @@ class ModuleStager:
         if self.masters_current():
             return
         refuse_meta_tensors(self.modules, "The module")
+        self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
         self._groups = _snapshot(self.modules, self.pin_budget, self._groups)
         self.rebind_masters()
@@ -399,6 +397,7 @@ class ModuleStager:
         bytes whose master memory was released.
         """
         self._require_offloaded("map_masters()")
+        self._copy.wait()  # the masters released here may still be read by the last load
         released = 0
         groups = []
         for group in self._groups:
@@ -411,30 +410,34 @@ class ModuleStager:
         self.rebind_masters()
         return released
 
-    def unmap_masters(self) -> None:
-        """Give masters mapped from a file memory of their own again (pinned when this stager pins),
-        so the file is not read at every load."""
+    def unmap_masters(self, *, pin: bool = True) -> None:
+        """Give masters mapped from a file memory of their own again, so the file is not read at
+        every load: page-locked when this stager pins and ``pin`` (``close()`` passes False: the
+        memory is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
-        if not any(group.mapped for group in self._groups):
+        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
+        if not mapped:
             return
-        mapped = [group for group in self._groups if group.mapped]
-        # Registering the mapped pages with write access makes the kernel copy them out of the page
-        # cache into memory of this process (copy-on-write of a private mapping), so the locked pages
-        # are the master's own and later changes to the file cannot reach them. The mapping is this
-        # package's own (see sleep_mode.checkpoint_views), so its pages hold masters only, whatever
-        # their size.
-        pinned = (
-            host_memory.pin_in_place([group.master for group in mapped], self.pin_budget)
-            if self.pin_budget is not None
-            else [None] * len(mapped)
+        self._copy.wait()
+        groups = list(self._groups)
+        masters: dict[int, host_memory.HostMaster] = {}
+        budget = self.pin_budget if pin else None
+        if budget is not None:
+            # Registering the mapped pages with write access makes the kernel copy them out of the
+            # page cache into memory of this process (copy-on-write of a private mapping), so the
+            # locked pages are the master's own and later changes to the file cannot reach them.
+            # The mapping is this package's own (see sleep_mode.checkpoint_views), so its pages
+            # hold masters only, whatever their size.
+            in_place = host_memory.pin_in_place([groups[i].master for i in mapped], budget)
+            masters.update((i, master) for i, master in zip(mapped, in_place) if master.pinned)
+        rest = [i for i in mapped if i not in masters]
+        copies = host_memory.copy_to_host(
+            [groups[i].master for i in rest], [groups[i].alignment for i in rest], budget or 0, pin=budget is not None
         )
-        owned = {
-            id(group): replace(group, pinned=True, pin=master.pin, mapped=False)
-            if master is not None and master.pinned
-            else replace(group, master=_own_copy(group), mapped=False)
-            for group, master in zip(mapped, pinned)
-        }
-        self._groups = tuple(owned.get(id(group), group) for group in self._groups)
+        masters.update(zip(rest, copies))
+        for i, master in masters.items():
+            groups[i] = replace(groups[i], master=master.data, mapped=False, pinned=master.pinned, pin=master.pin)
+        self._groups = tuple(groups)
         self.rebind_masters()
 
     def _require_offloaded(self, what: str) -> None:
@@ -445,10 +448,13 @@ class ModuleStager:
         """Leave every tensor on a host master of its own and forget the device; the stager is
         unusable after."""
         self.offload()
-        self.unmap_masters()
+        self.unmap_masters(pin=False)
+        self._copy.wait()
         # Unlock the masters now rather than whenever the stager is collected: the tensors keep
         # the memory, pageable again, as it was before the stager pinned it.
-        self._groups = tuple(replace(group, pinned=group.pinned and group.pin is None, pin=None) for group in self._groups)
+        self._groups = tuple(
+            replace(group, pinned=group.pinned and group.pin is None, pin=None) for group in self._groups
+        )
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None

@@ -139,7 +139,9 @@ def test_layerwise_casting_keeps_fp8_storage_on_host_and_device(flux: PipelineCa
     resident = PipelineCase("flux")
     resident.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
     expected = resident.run()
-    assert not torch.equal(expected, flux.reference), "fp8 storage must change the output for this test to mean anything"
+    assert not torch.equal(expected, flux.reference), (
+        "fp8 storage must change the output for this test to mean anything"
+    )
 
     transformer = flux.pipe.transformer
     if order == "casting-then-offload":

@@ -50,9 +50,11 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     gc.collect()
     assert host_memory.locked_bytes() == 0, "an earlier test left masters registered"
     fake = FakeDriver()
+    monkeypatch.setattr(_device, "can_register_host_memory", lambda: True)
     monkeypatch.setattr(_device, "register_host_memory", fake.register)
     monkeypatch.setattr(_device, "unregister_host_memory", fake.unregister)
     yield fake
+    assert host_memory.LOCKED.ranges() == sorted((start, start + size) for start, size in fake.ranges.items())
     assert host_memory.locked_bytes() == fake.registered_bytes
 
 
@@ -168,3 +170,67 @@ def test_bad_pin_budget_is_refused_before_anything_changes(flux) -> None:
         flux.pipe.enable_pinned_offload("cpu", pin_budget=2.0)
     assert not hasattr(flux.pipe.transformer, "_hf_hook")
     assert {name: t.data_ptr() for name, t in weights(flux.pipe.transformer).items()} == before
+
+
+def test_a_block_holds_each_copy_at_its_alignment_and_takes_empty_tensors() -> None:
+    sources = [
+        torch.empty(0, dtype=torch.uint8),
+        torch.arange(5, dtype=torch.uint8),
+        torch.ones(700, dtype=torch.uint8),
+    ]
+    masters = host_memory.copy_to_host(sources, [0, 3, 48], budget=0, pin=False)
+    assert [m.data.numel() for m in masters] == [0, 5, 700]
+    assert all(torch.equal(m.data, s) for m, s in zip(masters, sources))
+    assert [m.data.data_ptr() % 64 for m in masters[1:]] == [3, 48]
+    assert not any(m.pinned for m in masters)
+
+
+def test_taking_masters_again_keeps_every_unchanged_one_and_locks_only_what_is_new(driver: FakeDriver) -> None:
+    module = large_and_small()
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    before = {name: t.data_ptr() for name, t in weights(module).items()}
+    groups, staged, ranges = len(stager._groups), stager.staged_bytes, dict(driver.ranges)
+
+    module.append(torch.nn.Linear(8, 8))  # a new layer, as an adapter would add
+    stager.retake_masters()
+    assert {name: weights(module)[name].data_ptr() for name in before} == before, "no master copied again"
+    assert len(stager._groups) == groups + 2
+    assert stager.staged_bytes == staged + (8 * 8 + 8) * 4
+    assert ranges.items() <= driver.ranges.items() and len(driver.ranges) == len(ranges) + 1
+    assert stager.pinned
+    stager.close()
+    assert driver.ranges == {}
+
+
+def test_level_2_masters_give_their_pages_back_and_are_locked_again_on_waking(driver: FakeDriver) -> None:
+    module = large_and_small()
+    x = torch.randn(3, 4096)
+    expected = module(x)
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    large = module[0].weight
+    view = large.detach().clone().view(-1).view(torch.uint8)  # stands in for the checkpoint's bytes
+    registered = len(driver.ranges)
+
+    released = stager.map_masters({id(large): view})
+    assert released == view.numel() and stager.host_bytes()["mapped"] == view.numel()
+    assert len(driver.ranges) == registered - 1, "the large weight's pages are unlocked"
+    assert torch.equal(module(x), expected)
+
+    stager.unmap_masters()
+    assert stager.pinned and stager.host_bytes()["mapped"] == 0 and driver.covers(large)
+    stager.load()
+    assert torch.equal(module(x), expected)
+    stager.offload()
+    stager.map_masters({id(large): large.detach().clone().view(-1).view(torch.uint8)})
+    stager.close()  # gives the mapped master memory of its own without locking it first
+    assert driver.ranges == {} and torch.equal(module(x), expected)
+
+
+def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: FakeDriver) -> None:
+    transformer = flux.pipe.transformer
+    addresses = {name: t.data_ptr() for name, t in weights(transformer).items()}
+    exact = sum(t.untyped_storage().nbytes() for t in weights(transformer).values())
+    stager = ModuleStager(transformer, CPU, pin_memory=True, pin_budget=exact)  # no room for padding
+    assert not stager.pinned and driver.ranges == {}
+    assert {name: t.data_ptr() for name, t in weights(transformer).items()} == addresses, "nothing copied"
+    stager.close()

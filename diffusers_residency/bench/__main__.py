@@ -133,7 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps({"setting": setting, "environment": environment, "results": [r.as_dict() for r in results]}, indent=2)
         )
-    return 0 if all(r.exact in (None, True) for r in results) else 1
+    inexact = [r.mode for r in results if r.exact is False]
+    if inexact and device.type == "cpu":
+        print(
+            f"\nnote: {', '.join(inexact)} differ from resident in the last bits. On the CPU, matrix kernels' "
+            "results depend on where the weights sit (64-byte alignment); a mode that copies weights to new "
+            "addresses changes them. Pinned offload keeps each weight's alignment, so it is exact there too."
+        )
+    # The exit status answers for this package's mode; diffusers' modes are measured, not vouched for.
+    return 1 if "pinned" in inexact else 0
 
 
 if __name__ == "__main__":
