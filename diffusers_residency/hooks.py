@@ -82,7 +82,8 @@ class StagingHook(ModelHook):
     ``apply_forward_hook`` does, for ``vae.decode`` and friends, and never calls ``post_forward``),
     so nothing here relies on ``post_forward``: the next unit's load evicts this one.
 
-    While attached, the module's ``to()`` refuses a move to any device but the execution device or the
+    While attached, ``module.compile()`` compiles the forward the hook wraps rather than the whole
+    call, so the staging call stays outside the graph. The module's ``to()`` refuses a move to any device but the execution device or the
     CPU (the weights live on host masters and the device copy is the hook's business), and dtype casts
     (``vae.to(dtype=torch.float32)``, as SDXL does inside its call) go through the masters: they are
     cast on the host and retaken as new masters.
@@ -103,6 +104,7 @@ class StagingHook(ModelHook):
         # popped in detach_hook.
         module.to = lambda *args, **kwargs: self._guarded_to(module, original_to, *args, **kwargs)
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
+        module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
         return module
 
     @_not_compiled
@@ -117,7 +119,7 @@ class StagingHook(ModelHook):
         stager = self.unit.stager
         stager.offload()
         stager.unmap_masters(pin=False)  # the masters are about to be let go
-        guards = {name: module.__dict__.pop(name) for name in ("_apply", "to") if name in module.__dict__}
+        guards = {name: module.__dict__.pop(name) for name in ("_apply", "to", "compile") if name in module.__dict__}
         # Leave the module where it was found: host masters are already where a CPU module was.
         if self.unit.original_device.type != "cpu":
             try:
@@ -146,6 +148,15 @@ class StagingHook(ModelHook):
                 )
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
         return original_to(**casts) if casts else module
+
+    @staticmethod
+    def _compile_wrapped_forward(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        # nn.Module.compile() compiles the whole call, staging included: the staging call runs
+        # eagerly by design, so it would break the graph at the component's entry, and
+        # fullgraph=True would fail. Compiling the forward this hook wraps keeps the hook outside
+        # the graph and the model's forward whole. accelerate restores that forward, compiled, when
+        # the hook is removed.
+        module._old_forward = torch.compile(module._old_forward, *args, **kwargs)
 
     @_not_compiled
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:

@@ -19,7 +19,7 @@ def compile_transformer(case: PipelineCase, how: str, backend: str) -> None:
     if how == "regional":
         case.pipe.transformer.compile_repeated_blocks(backend=backend, fullgraph=True)
     else:
-        case.pipe.transformer.compile(backend=backend)
+        case.pipe.transformer.compile(backend=backend, fullgraph=True)
 
 
 def graph_breaks() -> dict[str, int]:
@@ -47,12 +47,35 @@ def test_compiled_staged_transformer_never_recompiles(flux: PipelineCase, how: s
     assert torch.equal(flux.run(), expected)
     graphs = counters["stats"]["unique_graphs"]
     breaks = graph_breaks()
-    if how == "regional":
-        assert breaks == {}, "fullgraph=True: the blocks compile as whole graphs"
-    else:
-        # The staging call at the component's entry runs eagerly; the forward after it is one graph.
-        assert len(breaks) == 1 and "StagingHook.pre_forward" in next(iter(breaks)), breaks
+    assert breaks == {} and graphs >= 1, "fullgraph=True: compiled as whole graphs, the hooks outside them"
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):  # weights at new device addresses each call: still no recompilation
             assert torch.equal(flux.run(), expected)
     assert counters["stats"]["unique_graphs"] == graphs and graph_breaks() == breaks
+
+
+def test_a_component_compiled_before_enabling_breaks_its_graph_once_and_never_recompiles(flux: PipelineCase) -> None:
+    resident = PipelineCase("flux")
+    resident.pipe.transformer.compile(backend="eager")
+    expected = resident.run()
+
+    flux.pipe.transformer.compile(backend="eager")  # nn.Module.compile: the whole call, hooks to come
+    flux.pipe.enable_pinned_offload(device="cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(flux.run(), expected)
+    breaks = graph_breaks()
+    # The staging call at the component's entry runs eagerly; the forward after it is one graph.
+    assert len(breaks) == 1 and "StagingHook.pre_forward" in next(iter(breaks)), breaks
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(flux.run(), expected)
+    assert graph_breaks() == breaks
+
+
+def test_detaching_keeps_the_compiled_forward(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.transformer.compile(backend="eager", fullgraph=True)
+    flux.pipe.disable_pinned_offload()
+    assert "compile" not in flux.pipe.transformer.__dict__
+    assert torch.equal(flux.run(), flux.reference)
+    assert counters["stats"]["unique_graphs"] >= 1
