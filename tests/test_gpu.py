@@ -178,6 +178,47 @@ def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
     assert torch.equal(case.run(), resident.run())
 
 
+def test_adapters_switched_hotswapped_and_deleted_on_cuda_match_resident() -> None:
+    pytest.importorskip("peft")
+    from .test_changing_weights import lora_state_dict, second_lora
+
+    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    first, second = lora_state_dict(resident), second_lora(resident)
+    case = staged_from_host()
+    case.run()
+    steps = [
+        lambda pipe: pipe.load_lora_weights(first, adapter_name="style"),
+        lambda pipe: pipe.load_lora_weights(second, adapter_name="detail"),
+        lambda pipe: pipe.set_adapters(["style", "detail"], adapter_weights=[0.7, 0.4]),
+        lambda pipe: pipe.load_lora_weights(second, adapter_name="style", hotswap=True),
+        lambda pipe: pipe.delete_adapters("detail"),
+    ]
+    for step in steps:
+        step(resident.pipe)
+        step(case.pipe)
+        assert torch.equal(case.run(), resident.run())
+
+
+@pytest.mark.parametrize("order", ["casting-then-offload", "offload-then-casting"])
+def test_layerwise_fp8_casting_on_cuda_matches_resident_casting(order: str) -> None:
+    fp8 = torch.float8_e4m3fn
+    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    resident.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
+    expected = resident.run()
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    if order == "casting-then-offload":
+        case.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
+        case.pipe.enable_pinned_offload()
+    else:
+        case.pipe.enable_pinned_offload()
+        case.run()
+        case.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(case.run(), expected)
+    assert any(t.dtype == fp8 and t.device.type == "cpu" for t in case.pipe.transformer.parameters())
+
+
 def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> None:
     from diffusers_residency import host_memory
 
