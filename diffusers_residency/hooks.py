@@ -26,6 +26,12 @@ from .residency import Policy, ResidencyGroup, StagedUnit
 
 logger = logging.getLogger(__name__)
 
+# diffusers' component methods that write into the weights in place (peft merging a LoRA into the
+# base weights, a hotswap copying new adapter weights over the old). Run on a loaded component, the
+# writes would land in the device copy and be lost at its next offload, so they run offloaded: on
+# the masters, which are the weights then.
+IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
+
 # diffusers' HookRegistry attribute and the name its group offloading registers under; private to
 # diffusers, read only to refuse a combination that leaves dead hooks behind.
 _DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
@@ -105,6 +111,9 @@ class StagingHook(ModelHook):
         module.to = lambda *args, **kwargs: self._guarded_to(module, original_to, *args, **kwargs)
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
+        for name in IN_PLACE_WEIGHT_METHODS:
+            if hasattr(module, name):
+                setattr(module, name, self._offloaded_first(getattr(module, name)))
         return module
 
     @_not_compiled
@@ -119,7 +128,11 @@ class StagingHook(ModelHook):
         stager = self.unit.stager
         stager.offload()
         stager.unmap_masters(pin=False)  # the masters are about to be let go
-        guards = {name: module.__dict__.pop(name) for name in ("_apply", "to", "compile") if name in module.__dict__}
+        guards = {
+            name: module.__dict__.pop(name)
+            for name in ("_apply", "to", "compile", *IN_PLACE_WEIGHT_METHODS)
+            if name in module.__dict__
+        }
         # Leave the module where it was found: host masters are already where a CPU module was.
         if self.unit.original_device.type != "cpu":
             try:
@@ -148,6 +161,14 @@ class StagingHook(ModelHook):
                 )
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
         return original_to(**casts) if casts else module
+
+    def _offloaded_first(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def offloaded_first(*args: Any, **kwargs: Any) -> Any:
+            self.unit.stager.offload()  # loaded again at its next forward
+            return method(*args, **kwargs)
+
+        return offloaded_first
 
     @staticmethod
     def _compile_wrapped_forward(module: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ masters) as soon as it meets a component without ``_hf_hook``. The hooks are nev
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from .staging import module_tensors, refuse_meta_tensors
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_pinned_residency"
+# Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
+# merged by a function, not a component method the hooks could wrap): run with every component
+# offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
+_IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 
 
 @dataclass
@@ -52,8 +57,8 @@ def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
 
 
 def _forget(pipe: DiffusionPipeline) -> None:
-    pipe.__dict__.pop(_STATE_ATTR, None)
-    pipe.__dict__.pop("to", None)
+    for name in (_STATE_ATTR, "to", *_IN_PLACE_PIPELINE_METHODS):
+        pipe.__dict__.pop(name, None)
 
 
 def _module_components(pipe: DiffusionPipeline) -> dict[str, nn.Module]:
@@ -187,6 +192,9 @@ def enable_pinned_offload(
     original_to = pipe.to
     pipe.__dict__[_STATE_ATTR] = state
     pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_pipeline_to(pipe, original_to, *args, **kwargs)
+    for name in _IN_PLACE_PIPELINE_METHODS:
+        if hasattr(pipe, name):
+            pipe.__dict__[name] = _offloaded_first(state, getattr(pipe, name))
     logger.info(
         "Pinned offload on %s: %s",
         group.device,
@@ -223,6 +231,16 @@ def residency_report(pipe: DiffusionPipeline) -> ResidencyReport:
     if state is None:
         raise RuntimeError("Pinned offload is not enabled on this pipeline; call pipe.enable_pinned_offload() first.")
     return report_for(state.group)
+
+
+def _offloaded_first(state: PipelineResidency, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def offloaded_first(*args: Any, **kwargs: Any) -> Any:
+        for hook in state.hooks.values():
+            hook.unit.stager.offload()  # each is loaded again at its next forward
+        return method(*args, **kwargs)
+
+    return offloaded_first
 
 
 def _guarded_pipeline_to(

@@ -239,6 +239,9 @@ class ModuleStager:
         self.loads = 0
         # Device storage of a load under way, held until a failure path has synchronised.
         self._in_flight: list[torch.Tensor] = []
+        # Each tensor and the address the last load bound it to: a tensor found elsewhere at
+        # offload was replaced while loaded.
+        self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         self._groups = _snapshot(self.modules, self.pin_budget)
         self.rebind_masters()
@@ -270,7 +273,7 @@ class ModuleStager:
             held[kind] += group.nbytes
         return held
 
-    def _bind(self, backings: Iterable[torch.Tensor]) -> None:
+    def _bind(self, backings: Iterable[torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
         # A view must match its target's inference-ness. Ordinary parameters get ordinary views even
         # when the pipeline runs under inference mode: inference tensors would be refused by autograd
         # and by in-place updates (LoRA fusing) once the call is over. Tensors that already are
@@ -280,6 +283,8 @@ class ModuleStager:
         with torch.inference_mode(False):
             for backing, group in zip(backings, self._groups):
                 for binding in group.bindings:
+                    if id(binding.target) in keep:
+                        continue
                     if binding.inference:
                         deferred.append((backing, binding))
                     else:
@@ -292,6 +297,7 @@ class ModuleStager:
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._bind(group.master for group in self._groups)
+        self._loaded_addresses = ()
         self.loaded = False
 
     def _load_once(self) -> None:
@@ -304,6 +310,7 @@ class ModuleStager:
                     storage.copy_(group.master, non_blocking=self.pin_memory)
         self._bind(storages)
         self._in_flight = []  # from here on the bound views keep the device storage alive
+        self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
         self.loaded = True
         self.loads += 1
 
@@ -344,7 +351,8 @@ class ModuleStager:
             raise
 
     def offload(self) -> None:
-        """Rebind every tensor to its host master and drop the device copy.
+        """Rebind every tensor to its host master and drop the device copy; a tensor replaced while
+        loaded keeps its new value and gets a master of its own.
 
         No synchronisation is needed: the device storage was allocated on the compute stream, so the
         allocator hands its blocks only to later work on that stream, which runs after the reads
@@ -352,7 +360,18 @@ class ModuleStager:
         """
         if not self.loaded:
             return
-        self.rebind_masters()
+        replaced = frozenset(id(target) for target, address in self._loaded_addresses if target.data_ptr() != address)
+        if not replaced:
+            self.rebind_masters()
+            return
+        # Tensors replaced while loaded (layers cast to a storage dtype, weights assigned through
+        # `.data`) are the module's weights now, and rebinding them to their masters would undo
+        # that: keep them, bind the rest, and take masters for them (a copy of those alone).
+        logger.info("%d tensors were replaced while loaded; taking masters for them", len(replaced))
+        self._bind((group.master for group in self._groups), keep=replaced)
+        self._loaded_addresses = ()
+        self.loaded = False
+        self.retake_masters()
 
     def masters_current(self) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the

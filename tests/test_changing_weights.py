@@ -157,3 +157,61 @@ def test_layerwise_casting_keeps_fp8_storage_on_host_and_device(flux: PipelineCa
         assert report["transformer"].staged_bytes == storage_bytes(transformer), "masters hold the fp8 bytes"
         assert any(t.dtype == FP8 for t in transformer.parameters())
     assert_every_weight_staged(flux.pipe, "transformer")
+
+
+def resident_transformer(case: PipelineCase) -> None:
+    """Pinned offload with the transformer resident: on the device from its first call on."""
+    case.pipe.enable_pinned_offload(device="cpu", components={"transformer": "resident"})
+    case.run()
+    group = case.pipe.__dict__["_pinned_residency"].group
+    assert next(u for u in group.units if u.name == "transformer").stager.loaded
+
+
+def test_lora_fused_hotswapped_and_unfused_on_a_loaded_component_survive_its_offload(flux: PipelineCase) -> None:
+    first, second = lora_state_dict(flux), second_lora(flux)
+    resident = PipelineCase("flux")
+    resident_transformer(flux)
+    steps = [
+        lambda pipe: pipe.load_lora_weights(first, adapter_name="style"),
+        lambda pipe: pipe.fuse_lora(),
+        lambda pipe: pipe.unfuse_lora(),
+        lambda pipe: pipe.load_lora_weights(second, adapter_name="style", hotswap=True),
+        lambda pipe: pipe.fuse_lora(),
+    ]
+    for step in steps:
+        step(resident.pipe)
+        step(flux.pipe)
+        expected = resident.run()
+        assert torch.equal(flux.run(), expected)
+        flux.pipe.sleep(offload=["transformer"])  # the resident transformer leaves the device
+        flux.pipe.wake_up()
+        assert torch.equal(flux.run(), expected), "the change reached the masters"
+
+
+def test_layerwise_casting_enabled_on_a_loaded_component_survives_its_offload(flux: PipelineCase) -> None:
+    resident = PipelineCase("flux")
+    resident.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    expected = resident.run()
+    resident_transformer(flux)
+    flux.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    assert torch.equal(flux.run(), expected)
+    flux.pipe.sleep(offload=["transformer"])
+    assert any(t.dtype == FP8 and t.device.type == "cpu" for t in flux.pipe.transformer.parameters())
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), expected)
+
+
+def test_a_component_fused_directly_while_loaded_keeps_the_fusion(flux: PipelineCase) -> None:
+    lora = lora_state_dict(flux)
+    resident = PipelineCase("flux")
+    resident_transformer(flux)
+    for case in (resident, flux):
+        case.pipe.load_lora_weights(lora, adapter_name="style")
+        case.run()
+        case.pipe.transformer.fuse_lora()  # the component's own method, not the pipeline's
+    expected = resident.run()
+    flux.pipe.sleep(offload=["transformer"])
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), expected)
+    flux.pipe.disable_pinned_offload()
+    assert "fuse_lora" not in flux.pipe.transformer.__dict__ and "fuse_lora" not in flux.pipe.__dict__
