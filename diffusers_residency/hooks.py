@@ -35,22 +35,33 @@ IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
 # diffusers' HookRegistry attribute and the name its group offloading registers under; private to
 # diffusers, read only to refuse a combination that leaves dead hooks behind.
 _DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+_GROUP_OFFLOADING_HOOK = "group_offloading"
+
+# Hook methods kept out of torch.compile, each with the function it wraps.
+_UNCOMPILED: list[tuple[Callable, Callable]] = []
 
 
 def _not_compiled(method: Callable) -> Callable:
     """Keep ``torch.compile`` out of a hook method: its body rebinds tensors and reads host state,
-    which would only become graph breaks and guards. Wrapped on first call, because
-    ``torch.compiler.disable`` imports dynamo, which costs seconds at import time."""
+    which would only become graph breaks and guards.
+
+    The disabled function is made when the first hook is created (:func:`_disable_compile_in_hooks`):
+    not at import, because ``torch.compiler.disable`` imports dynamo, which costs seconds; and not
+    at the method's first call, which may itself be traced, turning the set-up into more breaks."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if wrapper.disabled is None:
-            wrapper.disabled = torch.compiler.disable(method)
         return wrapper.disabled(*args, **kwargs)
 
     wrapper.disabled = None
+    _UNCOMPILED.append((wrapper, method))
     return wrapper
-_GROUP_OFFLOADING_HOOK = "group_offloading"
+
+
+def _disable_compile_in_hooks() -> None:
+    for wrapper, method in _UNCOMPILED:
+        if wrapper.disabled is None:
+            wrapper.disabled = torch.compiler.disable(method)
 
 
 def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None = None) -> None:
@@ -96,6 +107,7 @@ class StagingHook(ModelHook):
     """
 
     def __init__(self, group: ResidencyGroup, unit: StagedUnit) -> None:
+        _disable_compile_in_hooks()
         self.group = group
         self.unit = unit
 
@@ -165,7 +177,7 @@ class StagingHook(ModelHook):
     def _offloaded_first(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-            self.unit.stager.offload()  # loaded again at its next forward
+            self.unit.stager.offload_for_writing()  # loaded again at its next forward
             return method(*args, **kwargs)
 
         return offloaded_first
@@ -177,7 +189,11 @@ class StagingHook(ModelHook):
         # fullgraph=True would fail. Compiling the forward this hook wraps keeps the hook outside
         # the graph and the model's forward whole. accelerate restores that forward, compiled, when
         # the hook is removed.
-        module._old_forward = torch.compile(module._old_forward, *args, **kwargs)
+        # Compile the plain forward, not one compiled before (a second compile(), or a hook attached
+        # again), and drop a compile of the whole call made before the hook came.
+        forward = getattr(module._old_forward, "_torchdynamo_orig_callable", module._old_forward)
+        module._old_forward = torch.compile(forward, *args, **kwargs)
+        module._compiled_call_impl = None
 
     @_not_compiled
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:

@@ -194,7 +194,7 @@ def enable_pinned_offload(
     pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_pipeline_to(pipe, original_to, *args, **kwargs)
     for name in _IN_PLACE_PIPELINE_METHODS:
         if hasattr(pipe, name):
-            pipe.__dict__[name] = _offloaded_first(state, getattr(pipe, name))
+            pipe.__dict__[name] = _offloaded_first(pipe, state, getattr(pipe, name))
     logger.info(
         "Pinned offload on %s: %s",
         group.device,
@@ -233,12 +233,16 @@ def residency_report(pipe: DiffusionPipeline) -> ResidencyReport:
     return report_for(state.group)
 
 
-def _offloaded_first(state: PipelineResidency, method: Callable[..., Any]) -> Callable[..., Any]:
+def _offloaded_first(
+    pipe: DiffusionPipeline, state: PipelineResidency, method: Callable[..., Any]
+) -> Callable[..., Any]:
     @functools.wraps(method)
     def offloaded_first(*args: Any, **kwargs: Any) -> Any:
         for hook in state.hooks.values():
-            hook.unit.stager.offload()  # each is loaded again at its next forward
-        return method(*args, **kwargs)
+            hook.unit.stager.offload_for_writing()  # each is loaded again at its next forward
+        result = method(*args, **kwargs)
+        _load_excluded(pipe, state)
+        return result
 
     return offloaded_first
 

@@ -111,6 +111,9 @@ def _snapshot(
     tensors still live in are kept as they are, registration and alignment included, so a snapshot
     after a small change (a LoRA layer added) copies and pins only what is new.
     """
+    # A tensor keeps the inference-ness it had when first staged: one replaced under inference mode
+    # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
+    was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in module_tensors(modules):
         local = local_tensor(target)
@@ -118,7 +121,7 @@ def _snapshot(
         key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
         binding = TensorBinding(
             target=local,
-            inference=local.is_inference(),
+            inference=was_inference.get(id(local), local.is_inference()),
             dtype=local.dtype,
             shape=tuple(local.shape),
             stride=tuple(local.stride()),
@@ -360,7 +363,7 @@ class ModuleStager:
         """
         if not self.loaded:
             return
-        replaced = frozenset(id(target) for target, address in self._loaded_addresses if target.data_ptr() != address)
+        replaced = self._replaced_while_loaded()
         if not replaced:
             self.rebind_masters()
             return
@@ -372,6 +375,30 @@ class ModuleStager:
         self._loaded_addresses = ()
         self.loaded = False
         self.retake_masters()
+
+    def _replaced_while_loaded(self) -> frozenset[int]:
+        """Tensors given a new dtype, shape or stride since the last load. A tensor elsewhere with
+        its old layout is not counted: diffusers' layerwise casting casts each weight up and back
+        down at every forward, leaving equal values in new storage, which the masters still hold."""
+        moved = {id(target) for target, address in self._loaded_addresses if target.data_ptr() != address}
+        if not moved:
+            return frozenset()
+        return frozenset(
+            id(binding.target)
+            for group in self._groups
+            for binding in group.bindings
+            if id(binding.target) in moved
+            and (
+                binding.target.dtype != binding.dtype
+                or tuple(binding.target.shape) != binding.shape
+                or tuple(binding.target.stride()) != binding.stride
+            )
+        )
+
+    def offload_for_writing(self) -> None:
+        """Offload, and wait until no copy still reads the masters: they are about to be written."""
+        self.offload()
+        self._copy.wait()
 
     def masters_current(self) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the

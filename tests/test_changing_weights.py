@@ -215,3 +215,26 @@ def test_a_component_fused_directly_while_loaded_keeps_the_fusion(flux: Pipeline
     assert torch.equal(flux.run(), expected)
     flux.pipe.disable_pinned_offload()
     assert "fuse_lora" not in flux.pipe.transformer.__dict__ and "fuse_lora" not in flux.pipe.__dict__
+
+
+def test_layerwise_casting_on_a_staged_component_keeps_its_masters_call_after_call(flux: PipelineCase) -> None:
+    flux.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    masters = {name: t.data_ptr() for name, t in flux.pipe.transformer.named_parameters()}
+    with torch.inference_mode():  # as pipelines run: casts inside make inference tensors
+        for _ in range(2):
+            flux.run()
+    # Cast up and back down at every forward: equal values in new storage, not new masters.
+    assert {name: t.data_ptr() for name, t in flux.pipe.transformer.named_parameters()} == masters
+    assert not any(t.is_inference() for t in flux.pipe.transformer.parameters())
+
+
+def test_a_cast_while_loaded_under_inference_mode_leaves_ordinary_parameters(flux: PipelineCase) -> None:
+    resident_transformer(flux)
+    with torch.inference_mode():
+        flux.pipe.transformer.proj_out.to(torch.float64)  # replaced while loaded, under inference mode
+    flux.pipe.sleep(offload=["transformer"])
+    assert flux.pipe.transformer.proj_out.weight.dtype == torch.float64
+    assert not any(t.is_inference() for t in flux.pipe.transformer.parameters())
+    flux.pipe.wake_up()

@@ -79,3 +79,16 @@ def test_detaching_keeps_the_compiled_forward(flux: PipelineCase) -> None:
     assert "compile" not in flux.pipe.transformer.__dict__
     assert torch.equal(flux.run(), flux.reference)
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_compiling_again_compiles_the_plain_forward_once(flux: PipelineCase) -> None:
+    flux.pipe.transformer.compile(backend="eager")  # before enabling: the whole call
+    flux.pipe.enable_pinned_offload(device="cpu")
+    transformer = flux.pipe.transformer
+    for _ in range(2):
+        transformer.compile(backend="eager", fullgraph=True)
+        assert not hasattr(transformer._old_forward._torchdynamo_orig_callable, "_torchdynamo_orig_callable")
+    assert transformer._compiled_call_impl is None, "the earlier compile of the whole call is dropped"
+    counters.clear()
+    assert torch.equal(flux.run(), flux.reference)
+    assert graph_breaks() == {}
