@@ -23,7 +23,7 @@ from torch import nn
 from .hooks import StagingHook, attach_staging_hook, check_attachable
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
-from .staging import module_tensors, refuse_meta_tensors
+from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +160,11 @@ def enable_pinned_offload(
     group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
     modules = _module_components(pipe)
     policies = _policies(pipe, modules, components)
+    ours = [hook.unit.stager for hook in previous.hooks.values()] if previous else []
     for name, module in modules.items():
         check_attachable(module, name, previous.group if previous else None)
         refuse_meta_tensors((module,), f"Component {name!r}")
+        refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
     _refuse_shared_weights(modules)
 
     if previous is not None and _same_setup(previous, group, modules):

@@ -14,7 +14,8 @@ untie tied weights and let each side go stale on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -98,6 +99,36 @@ def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
                     "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
                     "then enable offloading."
                 )
+
+
+# The stager holding masters of each tensor, process-wide: id(tensor) -> (tensor, stager), both
+# weakly. Keyed by id because tensors compare element-wise; the tensor reference tells a reused id
+# from the same tensor.
+_STAGED_BY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def staged_by(tensor: torch.Tensor) -> ModuleStager | None:
+    """The open stager that holds a master of ``tensor``, if any."""
+    tensor_ref, stager_ref = _STAGED_BY.get(id(tensor), (None, None))
+    stager = stager_ref() if stager_ref is not None else None
+    if tensor_ref is None or tensor_ref() is not tensor or stager is None or stager.closed:
+        return None
+    return stager
+
+
+def refuse_staged_elsewhere(
+    modules: Iterable[nn.Module], what: str, allowed: Collection[ModuleStager] = ()
+) -> None:
+    """Raise, before anything changes, if a weight is staged by another stager (a script's group on
+    a block of a component that a pipeline already stages, say): two stagers rebinding one tensor
+    would each undo the other."""
+    for tensor in module_tensors(modules):
+        owner = staged_by(local_tensor(tensor))
+        if owner is not None and owner not in allowed:
+            raise ValueError(
+                f"{what} has weights that another staging group already stages (a module enclosing it, or "
+                "inside it). Detach that one first (disable_pinned_offload() or detach_staging_hook())."
+            )
 
 
 def _snapshot(
@@ -233,6 +264,8 @@ class ModuleStager:
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError("ModuleStager needs at least one nn.Module")
         refuse_meta_tensors(self.modules, "The module")
+        refuse_staged_elsewhere(self.modules, "The module")
+        self.closed = False
         self.device = device
         self.pin_memory = pin_memory
         # Bytes this process may keep page-locked when this stager pins a master; None: never pin.
@@ -247,6 +280,7 @@ class ModuleStager:
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         self._groups = _snapshot(self.modules, self.pin_budget)
+        self._claim_tensors()
         self.rebind_masters()
         if retention is not None:
             retention.grow(self.staged_bytes)
@@ -428,6 +462,7 @@ class ModuleStager:
         self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
         self._groups = _snapshot(self.modules, self.pin_budget, self._groups)
+        self._claim_tensors()
         self.rebind_masters()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
@@ -486,6 +521,12 @@ class ModuleStager:
         self._groups = tuple(groups)
         self.rebind_masters()
 
+    def _claim_tensors(self) -> None:
+        me = weakref.ref(self)
+        for group in self._groups:
+            for binding in group.bindings:
+                _STAGED_BY[id(binding.target)] = (weakref.ref(binding.target), me)
+
     def _require_offloaded(self, what: str) -> None:
         if self.loaded:
             raise RuntimeError(f"{what} needs the stager offloaded first")
@@ -504,3 +545,8 @@ class ModuleStager:
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None
+        for group in self._groups:
+            for binding in group.bindings:
+                if staged_by(binding.target) is self:
+                    del _STAGED_BY[id(binding.target)]
+        self.closed = True

@@ -54,3 +54,22 @@ def test_overlapping_modules_are_refused(flux: PipelineCase) -> None:
 def test_detach_without_hook_is_a_clear_error(flux: PipelineCase) -> None:
     with pytest.raises(ValueError, match="no staging hook"):
         detach_staging_hook(flux.pipe.vae)
+
+
+def test_a_block_of_a_staged_component_cannot_join_another_group(flux) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    block = flux.pipe.transformer.transformer_blocks[0]
+    before = {name: t.data_ptr() for name, t in block.named_parameters()}
+    with pytest.raises(ValueError, match="another staging group"):
+        attach_staging_hook(block, ResidencyGroup("cpu"), name="block0")
+    assert not hasattr(block, "_hf_hook")
+    assert {name: t.data_ptr() for name, t in block.named_parameters()} == before
+    assert torch.equal(flux.run(), flux.reference)
+
+    flux.pipe.disable_pinned_offload()  # once the pipeline lets go, the block can be staged
+    group = ResidencyGroup("cpu")
+    attach_staging_hook(block, group, name="block0")
+    with pytest.raises(ValueError, match="already staged by another"):
+        flux.pipe.enable_pinned_offload(device="cpu")  # and now the pipeline cannot take it
+    assert not hasattr(flux.pipe.transformer, "_hf_hook")
