@@ -22,7 +22,9 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from . import _device
+from .planner import PREFETCH_BLOCKS
 from .residency import Policy, ResidencyGroup, StagedUnit
+from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,11 @@ class StagingHook(ModelHook):
         return args, kwargs
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
+        if self.unit.name == self.unit.component:
+            # A streamed component's trunk goes last: its blocks first go back where they were.
+            for block in self.group.units_of(self.unit.component):
+                if block is not self.unit and getattr(block.module, "_hf_hook", None) is not None:
+                    remove_hook_from_module(block.module)
         stager = self.unit.stager
         stager.offload()
         stager.unmap_masters(pin=False)  # the masters are about to be let go
@@ -164,7 +171,7 @@ class StagingHook(ModelHook):
             if _device.same_device(device, self.group.device):
                 self.group.activate(self.unit)  # callers of .to(device) expect the weights there
             elif device.type == "cpu":
-                self.unit.stager.offload()
+                self.group.offload_component(self.unit.component)
             else:
                 raise RuntimeError(
                     f"{self.unit.name!r} is staged by diffusers-residency on {self.group.device}; it cannot be "
@@ -177,7 +184,8 @@ class StagingHook(ModelHook):
     def _offloaded_first(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-            self.unit.stager.offload_for_writing()  # loaded again at its next forward
+            # Every unit of the component, its streamed blocks included: loaded again at its next forward.
+            self.group.offload_component(self.unit.component, for_writing=True)
             return method(*args, **kwargs)
 
         return offloaded_first
@@ -225,6 +233,54 @@ def attach_staging_hook(
     unit = group.add(name, module, policy)
     hook = StagingHook(group, unit)
     add_hook_to_module(module, hook)
+    return hook
+
+
+def attach_block_streaming(
+    module: nn.Module,
+    group: ResidencyGroup,
+    *,
+    name: str | None = None,
+    resident_blocks: int = 0,
+    prefetch_blocks: int = PREFETCH_BLOCKS,
+) -> StagingHook:
+    """Stream ``module``'s repeated blocks (see :func:`~diffusers_residency.streaming.repeated_blocks`)
+    through ``group``: its trunk and first ``resident_blocks`` blocks stay on the device once loaded;
+    each other block loads just before it runs, with the next ``prefetch_blocks`` loading behind it.
+    Every block gets a staging hook of its own; :func:`detach_staging_hook` on ``module`` removes them all.
+    """
+    name = name or type(module).__name__
+    blocks = repeated_blocks(module)
+    if len(blocks) <= prefetch_blocks:
+        raise ValueError(
+            f"{name!r} ({type(module).__name__}) has {len(blocks)} repeated blocks, too few to stream with "
+            f"{prefetch_blocks} loading ahead; stage it whole instead"
+        )
+    if not 0 <= resident_blocks <= len(blocks):
+        raise ValueError(f"resident_blocks must be between 0 and {len(blocks)} for {name!r}, not {resident_blocks}")
+    check_attachable(module, name, group)
+    if isinstance(getattr(module, "_hf_hook", None), StagingHook):
+        remove_hook_from_module(module)
+    block_modules = tuple(block for _, block in blocks)
+    trunk = group.add(name, module, Policy.STREAMED, exclude=block_modules)
+    units: list[StagedUnit] = [trunk]
+    try:
+        for index, (path, block) in enumerate(blocks):
+            policy = Policy.RESIDENT if index < resident_blocks else Policy.STREAMED
+            units.append(group.add(f"{name}.{path}", block, policy, component=name))
+        stream = BlockStream(name, units[1:], prefetch_blocks)
+        for unit in units[1:]:
+            unit.stream = stream
+            add_hook_to_module(unit.module, StagingHook(group, unit))
+        hook = StagingHook(group, trunk)
+        add_hook_to_module(module, hook)
+    except BaseException:
+        for unit in reversed(units):
+            if getattr(unit.module, "_hf_hook", None) is not None:
+                remove_hook_from_module(unit.module)
+            elif unit in group.units:
+                group.remove(unit)
+        raise
     return hook
 
 

@@ -20,10 +20,13 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import StagingHook, attach_staging_hook, check_attachable
+from . import _device
+from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
+from .planner import ComponentSizes, ResidencyPlan, default_reserve, parse_bytes, plan_as_given, plan_residency
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
-from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere
+from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere, storage_bytes
+from .streaming import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ _STATE_ATTR = "_pinned_residency"
 # merged by a function, not a component method the hooks could wrap): run with every component
 # offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
 _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
+# The components diffusers' pipelines call at every denoising step, by the names they all use.
+_PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class PipelineResidency:
 
     group: ResidencyGroup
     hooks: dict[str, StagingHook]
+    plan: ResidencyPlan
 
     @property
     def active(self) -> bool:
@@ -97,6 +103,61 @@ def _policies(
     }
 
 
+def _component_sizes(pipe: DiffusionPipeline, modules: Mapping[str, nn.Module]) -> list[ComponentSizes]:
+    return [
+        ComponentSizes(
+            name=name,
+            nbytes=storage_bytes(module_tensors((module,))),
+            block_bytes=tuple(storage_bytes(module_tensors((block,))) for _, block in repeated_blocks(module)),
+            per_step=name in _PER_STEP_COMPONENTS,
+        )
+        for name, module in modules.items()
+    ]
+
+
+def _resolve_budget(
+    vram_budget: int | str | None, reserve: int | str | None, device: torch.device, modules: Mapping[str, nn.Module]
+) -> tuple[int, int] | None:
+    """The budget and activation reserve in bytes, or None where there is nothing to plan for."""
+    if vram_budget is None:
+        return None
+    if isinstance(vram_budget, str) and vram_budget.strip().lower() == "auto":
+        memory = _device.read_memory_telemetry(device)
+        if memory is None:
+            logger.info("%s reports no free memory; vram_budget='auto' plans nothing there", device)
+            return None
+        # What is free now, plus what the components already hold there: they move to host masters.
+        held = sum(
+            storage_bytes(t for t in module_tensors((m,)) if _device.same_device(t.device, device)) for m in modules.values()
+        )
+        budget = memory.free + held
+    else:
+        budget = parse_bytes(vram_budget)
+    reserve_bytes = default_reserve(budget) if reserve is None else parse_bytes(reserve, "activation_reserve")
+    if reserve_bytes >= budget:
+        raise ValueError(
+            f"activation_reserve ({reserve_bytes / 1e9:.2f} GB) leaves nothing of vram_budget ({budget / 1e9:.2f} GB) "
+            "for weights; lower the reserve or raise the budget"
+        )
+    return budget, reserve_bytes
+
+
+def _plan(
+    pipe: DiffusionPipeline,
+    modules: Mapping[str, nn.Module],
+    components: Mapping[str, str] | None,
+    budget: tuple[int, int] | None,
+) -> ResidencyPlan:
+    sizes = _component_sizes(pipe, modules)
+    chosen = _policies(pipe, modules, components)
+    if budget is None:
+        return plan_as_given(sizes, chosen)
+    # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
+    # places the rest.
+    fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
+    return plan_residency(sizes, *budget, fixed=fixed)
+
+
 def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
     """Two components that share weights (but are not one module) cannot each own their storages."""
     owner: dict[int, str] = {}
@@ -111,14 +172,34 @@ def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
                 raise ValueError(f"components {other!r} and {name!r} share weights; pinned offload stages each weight once")
 
 
-def _same_setup(previous: PipelineResidency, group: ResidencyGroup, modules: Mapping[str, nn.Module]) -> bool:
-    """Whether a new enable keeps the device, the pinning (and its budget) and the modules of the previous one."""
+def _same_setup(
+    previous: PipelineResidency, group: ResidencyGroup, modules: Mapping[str, nn.Module], plan: ResidencyPlan
+) -> bool:
+    """Whether a new enable keeps the device, the pinning (and its budget), the modules and the
+    streamed components of the previous one: then only policies change, and the masters stay."""
+    streamed = {p.name for p in plan.components if p.policy is Policy.STREAMED}
     return (
         previous.group.device == group.device
         and previous.group.pin_memory == group.pin_memory
         and previous.group.pin_budget == group.pin_budget
         and {id(hook.unit.module) for hook in previous.hooks.values()} == {id(m) for m in modules.values()}
+        and streamed == {p.name for p in previous.plan.components if p.policy is Policy.STREAMED}
     )
+
+
+def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
+    """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
+    for component in plan.components:
+        if component.name not in state.hooks:
+            continue
+        units = state.group.units_of(component.name)
+        units[0].policy = component.policy
+        for index, block in enumerate(units[1:]):
+            block.policy = Policy.RESIDENT if index < component.resident_blocks else Policy.STREAMED
+        if units[0].policy is Policy.STREAMED:
+            units[1].stream.replan()
+    state.plan = plan
+    state.group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
 
 
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
@@ -133,6 +214,8 @@ def enable_pinned_offload(
     device: str | torch.device | None = None,
     *,
     components: Mapping[str, str] | None = None,
+    vram_budget: int | str | None = "auto",
+    activation_reserve: int | str | None = None,
     pin_memory: bool | None = None,
     pin_budget: int | float | None = None,
 ) -> None:
@@ -141,9 +224,18 @@ def enable_pinned_offload(
     Args:
         device: where to compute; ``None`` takes the current accelerator (a ``RuntimeError`` where
             there is none). ``"cpu"`` runs the same mechanism unpinned, for machines without a GPU.
-        components: component name -> ``"staged"`` (on the device only while in use; the default
-            for components in ``model_cpu_offload_seq``) or ``"resident"`` (loaded once, kept; the
-            default for ``_exclude_from_cpu_offload`` and for components outside the sequence).
+        components: component name -> ``"resident"`` (loaded once, kept), ``"staged"`` (on the
+            device only while in use, loaded whole) or ``"streamed"`` (trunk and leading blocks kept,
+            the other blocks loaded as they run). Named components keep the policy given; the
+            others follow the plan for ``vram_budget``.
+        vram_budget: device memory the pipeline may use, weights and activations together: bytes,
+            a string such as ``"24GB"``, ``"auto"`` (the default: what the device has free now, plus
+            what the components hold there) or ``None`` (no plan: components in
+            ``model_cpu_offload_seq`` are staged, the others resident, as diffusers' model offload
+            does). A device that reports no free memory (the CPU) plans nothing under ``"auto"``.
+            ``pipe.residency_plan()`` shows the plan.
+        activation_reserve: the part of ``vram_budget`` kept free for activations and the
+            allocator's slack (default: a tenth of the budget, at least 1 GiB).
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
             weights on the device are copied down once into blocks sized to them.
@@ -159,18 +251,17 @@ def enable_pinned_offload(
     previous = pipeline_state(pipe)
     group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
     modules = _module_components(pipe)
-    policies = _policies(pipe, modules, components)
-    ours = [hook.unit.stager for hook in previous.hooks.values()] if previous else []
+    ours = [unit.stager for unit in previous.group.units] if previous else []
     for name, module in modules.items():
         check_attachable(module, name, previous.group if previous else None)
         refuse_meta_tensors((module,), f"Component {name!r}")
         refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
     _refuse_shared_weights(modules)
+    plan = _plan(pipe, modules, components, _resolve_budget(vram_budget, activation_reserve, group.device, modules))
 
-    if previous is not None and _same_setup(previous, group, modules):
+    if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
-        for name, hook in previous.hooks.items():
-            hook.unit.policy = policies[name]
+        _apply_policies(previous, plan)
         _load_excluded(pipe, previous)
         return
     if previous is not None:
@@ -178,13 +269,25 @@ def enable_pinned_offload(
     hooks: dict[str, StagingHook] = {}
     attached: dict[int, str] = {}
     try:
-        for name, module in modules.items():
+        for component in plan.components:
+            name, module = component.name, modules[component.name]
             if id(module) in attached:
                 logger.info("%r is the same module as %r; staging it once", name, attached[id(module)])
                 continue
-            hooks[name] = attach_staging_hook(module, group, name=name, policy=policies[name])
+            if component.policy is Policy.STREAMED:
+                hooks[name] = attach_block_streaming(
+                    module,
+                    group,
+                    name=name,
+                    resident_blocks=component.resident_blocks,
+                    prefetch_blocks=component.prefetch_blocks,
+                )
+            else:
+                hooks[name] = attach_staging_hook(module, group, name=name, policy=component.policy)
             attached[id(module)] = name
-        state = PipelineResidency(group=group, hooks=hooks)
+        group.call_order = tuple(modules)
+        group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
+        state = PipelineResidency(group=group, hooks=hooks, plan=plan)
         _load_excluded(pipe, state)
     except BaseException:
         for name in hooks:
@@ -197,11 +300,7 @@ def enable_pinned_offload(
     for name in _IN_PLACE_PIPELINE_METHODS:
         if hasattr(pipe, name):
             pipe.__dict__[name] = _offloaded_first(pipe, state, getattr(pipe, name))
-    logger.info(
-        "Pinned offload on %s: %s",
-        group.device,
-        ", ".join(f"{name} ({hook.unit.policy.value}, {hook.unit.stager.staged_bytes / 1e9:.2f} GB)" for name, hook in hooks.items()),
-    )
+    logger.info("Pinned offload on %s:\n%s", group.device, plan)
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
@@ -235,13 +334,22 @@ def residency_report(pipe: DiffusionPipeline) -> ResidencyReport:
     return report_for(state.group)
 
 
+def residency_plan(pipe: DiffusionPipeline) -> ResidencyPlan:
+    """The plan ``enable_pinned_offload`` made: each component's policy and, for streamed ones, how
+    many blocks stay resident and how many load ahead; printing it gives a table."""
+    state = pipeline_state(pipe)
+    if state is None:
+        raise RuntimeError("Pinned offload is not enabled on this pipeline; call pipe.enable_pinned_offload() first.")
+    return state.plan
+
+
 def _offloaded_first(
     pipe: DiffusionPipeline, state: PipelineResidency, method: Callable[..., Any]
 ) -> Callable[..., Any]:
     @functools.wraps(method)
     def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-        for hook in state.hooks.values():
-            hook.unit.stager.offload_for_writing()  # each is loaded again at its next forward
+        for name in state.hooks:
+            state.group.offload_component(name, for_writing=True)  # each loads again at its next forward
         result = method(*args, **kwargs)
         _load_excluded(pipe, state)
         return result

@@ -5,25 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _device
-from .residency import ResidencyGroup
+from .residency import ResidencyGroup, StagedUnit
 
 _GB = 1e9
 
 
 @dataclass(frozen=True)
 class ComponentReport:
-    """One staged unit: its policy, its weight bytes, where they are, and what loading them cost."""
+    """One component (a staged unit, or a streamed component's trunk and blocks together): its
+    policy, its weight bytes, where they are, and what loading them cost."""
 
     name: str
     policy: str
     staged_bytes: int
-    loaded: bool
+    device_bytes: int
     pinned: bool
     sleep_level: int
     pinned_bytes: int
     pageable_bytes: int
     mapped_bytes: int
     loads: int
+    loaded_bytes: int
     load_seconds: float
     releases: int
     retains: int
@@ -33,15 +35,16 @@ class ComponentReport:
         return f"asleep ({self.sleep_level})" if self.sleep_level else "awake"
 
     @property
-    def device_bytes(self) -> int:
-        return self.staged_bytes if self.loaded else 0
+    def loaded(self) -> bool:
+        """Whether all of its weights are on the device."""
+        return self.device_bytes == self.staged_bytes
 
     @property
     def load_gbps(self) -> float | None:
         """Effective host-to-device rate over all loads, in GB/s (None before the first load)."""
         if not self.loads or self.load_seconds <= 0:
             return None
-        return self.loads * self.staged_bytes / self.load_seconds / _GB
+        return self.loaded_bytes / self.load_seconds / _GB
 
 
 @dataclass(frozen=True)
@@ -86,26 +89,36 @@ class ResidencyReport:
         return "\n".join([f"device {self.device}, retention budget {budget}", *lines])
 
 
+def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
+    held = {"pinned": 0, "pageable": 0, "mapped": 0}
+    for unit in units:
+        for kind, nbytes in unit.stager.host_bytes().items():
+            held[kind] += nbytes
+    main = units[0]  # the component itself, or a streamed component's trunk
+    return ComponentReport(
+        name=name,
+        policy=main.policy.value,
+        staged_bytes=sum(u.stager.staged_bytes for u in units),
+        device_bytes=sum(u.stager.staged_bytes for u in units if u.stager.loaded),
+        pinned=all(u.stager.pinned for u in units),
+        sleep_level=max(u.sleep_level for u in units),
+        **{f"{kind}_bytes": nbytes for kind, nbytes in held.items()},
+        loads=sum(u.stager.loads for u in units),
+        loaded_bytes=sum(u.stager.loaded_bytes for u in units),
+        load_seconds=sum(u.stager.load_seconds for u in units),
+        releases=sum(u.releases for u in units),
+        retains=sum(u.retains for u in units),
+    )
+
+
 def report_for(group: ResidencyGroup) -> ResidencyReport:
     memory = _device.read_memory_telemetry(group.device)
     budget = None if memory is None else group.retention.budget_for(memory.total)
+    components: dict[str, list[StagedUnit]] = {}
+    for unit in group.units:
+        components.setdefault(unit.component, []).append(unit)
     return ResidencyReport(
         device=str(group.device),
         retention_budget_bytes=budget,
-        components=tuple(
-            ComponentReport(
-                name=unit.name,
-                policy=unit.policy.value,
-                staged_bytes=unit.stager.staged_bytes,
-                loaded=unit.stager.loaded,
-                pinned=unit.stager.pinned,
-                sleep_level=unit.sleep_level,
-                **{f"{kind}_bytes": held for kind, held in unit.stager.host_bytes().items()},
-                loads=unit.stager.loads,
-                load_seconds=unit.stager.load_seconds,
-                releases=unit.releases,
-                retains=unit.retains,
-            )
-            for unit in group.units
-        ),
+        components=tuple(_component_report(name, units) for name, units in components.items()),
     )

@@ -1,10 +1,13 @@
-"""Which staged units are on the device, and who gets evicted when another one is needed.
+"""Which staged units are on the device, and who gets evicted when another component runs.
 
 A :class:`ResidencyGroup` is the controller behind a set of hooks that share one device, one copy
 stream and one retention budget: a pipeline's components under ``enable_pinned_offload()``, or any
-modules a script attaches hooks to. Its rule follows diffusers' ``model_cpu_offload_seq``: a
-*staged* unit is on the device only while it is the one in use, so loading one evicts the other
-staged ones; a *resident* unit is loaded on first use and stays.
+modules a script attaches hooks to. Units belong to *components* (a component is one unit, or a
+streamed component's trunk and blocks). When a non-resident component starts running, the group
+evicts the other components' evictable units (staged ones, streamed blocks), as diffusers'
+``model_cpu_offload_seq`` would; resident units are loaded on first use and stay; a streamed
+component's blocks come and go through its :class:`~diffusers_residency.streaming.BlockStream`.
+With a weight capacity from the plan, the next component in call order loads ahead when it fits.
 """
 
 from __future__ import annotations
@@ -12,39 +15,34 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from torch import nn
 
 from . import _device, host_memory
+from .planner import Policy
 from .retention import RetentionBudget
-from .staging import ModuleStager, module_tensors
+from .staging import ModuleStager, local_tensor, module_tensors, staged_by
+from .streaming import BlockStream
 
 logger = logging.getLogger(__name__)
 
 
-class Policy(str, Enum):
-    STAGED = "staged"
-    RESIDENT = "resident"
-
-    @classmethod
-    def parse(cls, value: str | Policy, what: str) -> Policy:
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(repr(p.value) for p in cls)
-            raise ValueError(f"{what}: unknown residency policy {value!r}; use one of {choices}") from None
-
-
 @dataclass(eq=False)
 class StagedUnit:
-    """One module (a pipeline component, or any submodule) under a group's control."""
+    """One module (a pipeline component, one of its blocks, or any submodule) under a group's control.
+
+    ``component`` names what the unit belongs to (itself, unless it is a streamed block or trunk):
+    a group evicts by component, so a component's own units never evict each other.
+    """
 
     name: str
     module: nn.Module
     policy: Policy
     stager: ModuleStager
+    component: str = ""
+    # The block stream this unit is a block of, if any.
+    stream: BlockStream | None = None
     releases: int = 0
     retains: int = 0
     original_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -52,9 +50,32 @@ class StagedUnit:
     sleep_level: int = 0
     load_on_wake: bool = False
 
+    def __post_init__(self) -> None:
+        self.component = self.component or self.name
+
+    @property
+    def evictable(self) -> bool:
+        """Whether another component's need for room takes this unit off the device: staged units
+        and streamed blocks are; resident units and a streamed component's trunk are kept."""
+        return self.policy is Policy.STAGED or (self.policy is Policy.STREAMED and self.stream is not None)
+
+    def load(self) -> None:
+        """Load, first waking the masters of a sleeping unit and taking masters for weights replaced
+        or added while offloaded (a LoRA adapter injected, projections fused, a submodule cast);
+        masters of unchanged storages are reused as they are, so that copies only what is new."""
+        if self.sleep_level:
+            logger.info("Waking %r for a call", self.name)
+            self.wake_masters()
+        self.stager.retake_masters()
+        self.stager.load()
+
+    def wake_masters(self) -> None:
+        self.stager.unmap_masters()
+        self.sleep_level = 0
+
 
 class ResidencyGroup:
-    """Loads units on demand and evicts staged ones, sharing one copy stream and retention budget.
+    """Loads units on demand and evicts other components' units, sharing one copy stream and retention budget.
 
     Args:
         device: where the units compute; ``None`` takes the current accelerator.
@@ -82,21 +103,38 @@ class ResidencyGroup:
         self.retention = RetentionBudget(self.device)
         self.copy_stream = _device.new_copy_stream(self.device)
         self.units: list[StagedUnit] = []
+        # The component whose units ran last (resident ones aside): switching away from it is
+        # what evicts.
+        self.active_component: str | None = None
+        # Components in call order, and the most weight bytes the group may hold at once: together
+        # they let the next component load ahead while the current one computes. No capacity, no
+        # loading ahead.
+        self.call_order: tuple[str, ...] = ()
+        self.weight_capacity: int | None = None
 
-    def check_can_add(self, module: nn.Module, name: str) -> None:
+    def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
         each take a master of the same storage and rebind it behind the other's back."""
-        owned = {id(t) for unit in self.units for t in module_tensors((unit.module,))}
-        if any(id(t) in owned for t in module_tensors((module,))):
+        ours = {id(unit.stager) for unit in self.units}
+        if any(id(staged_by(local_tensor(t))) in ours for t in module_tensors((module,), exclude)):
             raise ValueError(
                 f"{name!r} shares weights with a module this group already stages; stage the enclosing "
                 "module or its parts, not both"
             )
 
-    def add(self, name: str, module: nn.Module, policy: str | Policy = Policy.STAGED) -> StagedUnit:
+    def add(
+        self,
+        name: str,
+        module: nn.Module,
+        policy: str | Policy = Policy.STAGED,
+        *,
+        component: str | None = None,
+        exclude: tuple[nn.Module, ...] = (),
+    ) -> StagedUnit:
+        """Stage ``module`` (less the submodules in ``exclude``) as one unit of ``component``."""
         policy = Policy.parse(policy, name)
-        self.check_can_add(module, name)
-        original_device = next((t.device for t in module_tensors((module,))), torch.device("cpu"))
+        self.check_can_add(module, name, exclude)
+        original_device = next((t.device for t in module_tensors((module,), exclude)), torch.device("cpu"))
         stager = ModuleStager(
             module,
             self.device,
@@ -104,8 +142,16 @@ class ResidencyGroup:
             pin_budget=self.pin_budget,
             copy_stream=self.copy_stream,
             retention=self.retention,
+            exclude=exclude,
         )
-        unit = StagedUnit(name=name, module=module, policy=policy, stager=stager, original_device=original_device)
+        unit = StagedUnit(
+            name=name,
+            module=module,
+            policy=policy,
+            stager=stager,
+            component=component or name,
+            original_device=original_device,
+        )
         self.units.append(unit)
         return unit
 
@@ -114,26 +160,30 @@ class ResidencyGroup:
         unit.stager.close()
         self.units.remove(unit)
 
-    def activate(self, unit: StagedUnit) -> None:
-        """Make sure ``unit`` is on the device, evicting other staged units first. Runs in every
-        ``pre_forward``, so the common case (already loaded) returns at once."""
-        if unit.stager.loaded:
-            return
-        if unit.sleep_level:
-            logger.info("Waking %r for a call", unit.name)
-            self._wake_masters(unit)
-        # Weights replaced or added while offloaded (a LoRA adapter injected, projections fused, a
-        # submodule cast) are bound to no master yet: take theirs before loading. Masters of the
-        # unchanged storages are reused as they are, so this copies only what is new.
-        unit.stager.retake_masters()
-        if unit.policy is Policy.STAGED:
-            self.evict_staged(keep=unit)
-        unit.stager.load()
+    def units_of(self, component: str) -> list[StagedUnit]:
+        return [unit for unit in self.units if unit.component == component]
 
-    def evict_staged(self, keep: StagedUnit | None = None) -> None:
-        """Offload every loaded staged unit but ``keep``; then let the retention budget decide whether
-        this boundary gives the allocator's cache back."""
-        evicted = [u for u in self.units if u.policy is Policy.STAGED and u.stager.loaded and u is not keep]
+    def activate(self, unit: StagedUnit) -> None:
+        """Make sure ``unit`` is on the device, evicting other components' units when its component
+        takes over. Runs in every ``pre_forward``, so the common case returns at once."""
+        switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
+        if switched:
+            # A resident unit never switches: it may run interleaved with the others (a ControlNet
+            # inside the denoising loop) and needs no room made for it.
+            self.evict_others(unit.component)
+        if unit.stream is not None:
+            unit.stream.enter(unit)
+        elif not unit.stager.loaded:
+            unit.load()
+        if switched:
+            self._load_ahead(unit.component)
+
+    def evict_others(self, component: str | None) -> None:
+        """Offload the evictable units of every component but ``component``, which becomes the active
+        one; then let the retention budget decide whether this boundary gives the allocator's cache
+        back."""
+        self.active_component = component
+        evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return
         for unit in evicted:
@@ -144,6 +194,34 @@ class ResidencyGroup:
             last.releases += 1
         else:
             last.retains += 1
+
+    def loaded_bytes(self) -> int:
+        return sum(unit.stager.staged_bytes for unit in self.units if unit.stager.loaded)
+
+    def _load_ahead(self, component: str) -> None:
+        """Start loading the component after ``component`` in call order, whole, if the capacity
+        holds it beside what is loaded: its copy then runs behind this component's compute."""
+        if self.weight_capacity is None or component not in self.call_order:
+            return
+        order = self.call_order
+        following = order[(order.index(component) + 1) % len(order)]
+        ahead = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
+        needed = sum(u.stager.staged_bytes for u in ahead)
+        if ahead and self.loaded_bytes() + needed <= self.weight_capacity:
+            logger.debug("Loading %r ahead (%d bytes)", following, needed)
+            for unit in ahead:
+                unit.load()
+
+    def offload_component(self, component: str, *, for_writing: bool = False) -> None:
+        """Offload every unit of ``component``; with ``for_writing``, also wait until no copy still
+        reads their masters, which are about to be written."""
+        for unit in self.units_of(component):
+            if for_writing:
+                unit.stager.offload_for_writing()
+            else:
+                unit.stager.offload()
+        if self.active_component == component:
+            self.active_component = None
 
     def sleep(self, unit: StagedUnit, level: int, sources: Mapping[int, torch.Tensor] | None = None) -> None:
         """Put ``unit`` to sleep: level 1 keeps its host masters, level 2 also swaps every master that
@@ -161,22 +239,26 @@ class ResidencyGroup:
                     level,
                 )
             return
-        load_on_wake = unit.stager.loaded or unit.policy is Policy.RESIDENT
+        # Streamed blocks come back when they run; everything else that was on the device comes
+        # back at wake.
+        streamed_block = unit.stream is not None and unit.policy is Policy.STREAMED
+        load_on_wake = unit.policy is Policy.RESIDENT or (unit.stager.loaded and not streamed_block)
         unit.stager.offload()
         if level == 2:
             unit.stager.map_masters(sources or {})
         unit.load_on_wake = load_on_wake
         unit.sleep_level = level
+        if self.active_component == unit.component:
+            self.active_component = None
 
     def wake(self, unit: StagedUnit) -> None:
         """Wake ``unit``: masters back in memory of their own, and on the device again if it was there
         (or is resident). A no-op for a unit that is awake."""
         if not unit.sleep_level:
             return
-        self._wake_masters(unit)
+        unit.wake_masters()
         if unit.load_on_wake:
-            self.activate(unit)
-
-    def _wake_masters(self, unit: StagedUnit) -> None:
-        unit.stager.unmap_masters()
-        unit.sleep_level = 0
+            if unit.stream is None:
+                self.activate(unit)
+            else:
+                unit.load()

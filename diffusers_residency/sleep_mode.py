@@ -81,10 +81,11 @@ def _names(value: str | Iterable[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or ())
 
 
-def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, StagedUnit]:
-    """The group's units of the named components (a hook removed on its own is no longer one)."""
-    by_name = {unit.name: unit for unit in state.group.units}
-    return {name: by_name[name] for name in names if name in by_name}
+def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, list[StagedUnit]]:
+    """The group's units of each named component: one, or a streamed component's trunk and blocks
+    (a hook removed on its own is no longer one)."""
+    units = {name: state.group.units_of(name) for name in names}
+    return {name: found for name, found in units.items() if found}
 
 
 def _sleep_plan(
@@ -147,12 +148,13 @@ def sleep(
     state = pipeline_state(pipe)
     if state is None:
         modules = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
-        enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"))
+        enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"), vram_budget=None)
         state = pipeline_state(pipe)
     group = state.group
-    for name, unit in _units(state, plan).items():
-        sources = checkpoint_views(folders[name], unit.module) if name in folders else None
-        group.sleep(unit, plan[name], sources)
+    for name, units in _units(state, plan).items():
+        sources = checkpoint_views(folders[name], units[0].module) if name in folders else None
+        for unit in units:
+            group.sleep(unit, plan[name], sources)
     group.retention.release(reason="sleep")
 
 
@@ -163,13 +165,14 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     state = pipeline_state(pipe)
     if state is None:
         return
-    staged = [unit.name for unit in state.group.units]
+    staged = list(dict.fromkeys(unit.component for unit in state.group.units))
     names = staged if components is None else _names(components)
     unknown = sorted(set(names) - set(staged))
     if unknown:
         raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
-    for unit in _units(state, names).values():
-        state.group.wake(unit)
+    for units in _units(state, names).values():
+        for unit in units:
+            state.group.wake(unit)
 
 
 def is_sleeping(pipe: DiffusionPipeline) -> bool:

@@ -79,13 +79,23 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else tensor
 
 
-def module_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of the modules, each object once."""
-    seen: set[int] = set()
+def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of the modules, each object once, but those of ``exclude`` (blocks
+    that a stager of their own streams, when ``modules`` is their component's trunk)."""
+    seen: set[int] = {id(t) for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in exclude)}
     for tensor in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in modules):
         if id(tensor) not in seen:
             seen.add(id(tensor))
             yield tensor
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind the tensors: what staging them moves."""
+    sizes = {}
+    for tensor in tensors:
+        storage = local_tensor(tensor).untyped_storage()
+        sizes[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
 
 
 def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
@@ -117,12 +127,12 @@ def staged_by(tensor: torch.Tensor) -> ModuleStager | None:
 
 
 def refuse_staged_elsewhere(
-    modules: Iterable[nn.Module], what: str, allowed: Collection[ModuleStager] = ()
+    modules: Iterable[nn.Module], what: str, allowed: Collection[ModuleStager] = (), exclude: Iterable[nn.Module] = ()
 ) -> None:
     """Raise, before anything changes, if a weight is staged by another stager (a script's group on
     a block of a component that a pipeline already stages, say): two stagers rebinding one tensor
     would each undo the other."""
-    for tensor in module_tensors(modules):
+    for tensor in module_tensors(modules, exclude):
         owner = staged_by(local_tensor(tensor))
         if owner is not None and owner not in allowed:
             raise ValueError(
@@ -132,7 +142,7 @@ def refuse_staged_elsewhere(
 
 
 def _snapshot(
-    modules: tuple[nn.Module, ...], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
+    tensors: Iterable[torch.Tensor], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
 ) -> tuple[StorageGroup, ...]:
     """Group every tensor by storage and take one host master per storage.
 
@@ -146,7 +156,7 @@ def _snapshot(
     # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
     was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
-    for target in module_tensors(modules):
+    for target in tensors:
         local = local_tensor(target)
         storage = local.untyped_storage()
         key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
@@ -259,12 +269,15 @@ class ModuleStager:
         pin_budget: int | float | None = None,
         copy_stream: torch.Stream | None = None,
         retention: RetentionBudget | None = None,
+        exclude: Iterable[nn.Module] = (),
     ) -> None:
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError("ModuleStager needs at least one nn.Module")
+        # Submodules whose tensors are not this stager's (blocks streamed by stagers of their own).
+        self.exclude = tuple(exclude)
         refuse_meta_tensors(self.modules, "The module")
-        refuse_staged_elsewhere(self.modules, "The module")
+        refuse_staged_elsewhere(self.modules, "The module", exclude=self.exclude)
         self.closed = False
         self.device = device
         self.pin_memory = pin_memory
@@ -273,17 +286,22 @@ class ModuleStager:
         self.retention = retention
         self.loaded = False
         self.loads = 0
+        self.loaded_bytes = 0  # moved by all loads, a figure that survives retakes
         # Device storage of a load under way, held until a failure path has synchronised.
         self._in_flight: list[torch.Tensor] = []
         # Each tensor and the address the last load bound it to: a tensor found elsewhere at
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
-        self._groups = _snapshot(self.modules, self.pin_budget)
+        self._groups = _snapshot(self.tensors(), self.pin_budget)
         self._claim_tensors()
         self.rebind_masters()
         if retention is not None:
             retention.grow(self.staged_bytes)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The modules' parameters and buffers that this stager holds masters of."""
+        return module_tensors(self.modules, self.exclude)
 
     @property
     def staged_bytes(self) -> int:
@@ -350,6 +368,7 @@ class ModuleStager:
         self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
         self.loaded = True
         self.loads += 1
+        self.loaded_bytes += self.staged_bytes
 
     def _fall_back_to_masters(self) -> None:
         """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
@@ -449,7 +468,7 @@ class ModuleStager:
                     or tensor.data_ptr() != group.master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
                 ):
                     return False
-        return bound == {id(local_tensor(t)) for t in module_tensors(self.modules)}
+        return bound == {id(local_tensor(t)) for t in self.tensors()}
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
@@ -461,7 +480,7 @@ class ModuleStager:
         refuse_meta_tensors(self.modules, "The module")
         self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
-        self._groups = _snapshot(self.modules, self.pin_budget, self._groups)
+        self._groups = _snapshot(self.tensors(), self.pin_budget, self._groups)
         self._claim_tensors()
         self.rebind_masters()
         if self.retention is not None:

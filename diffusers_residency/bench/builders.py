@@ -258,7 +258,7 @@ _TINY_CLIP = {
 _TINY_T5 = {
     "d_model": _TINY_T5_WIDTH,
     "d_ff": 128,
-    "num_layers": 2,
+    "num_layers": 4,  # enough blocks to stream
     "num_heads": 2,
     "d_kv": 32,
     "vocab_size": _TINY_VOCAB,
@@ -277,8 +277,9 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "t5": _TINY_T5,
     "umt5": _TINY_T5,
     "flux_transformer": {
-        "num_layers": 1,
-        "num_single_layers": 1,
+        # enough blocks of each kind to stream, with a resident prefix and a window of two
+        "num_layers": 2,
+        "num_single_layers": 4,
         "attention_head_dim": 16,
         "num_attention_heads": 2,
         "joint_attention_dim": _TINY_T5_WIDTH,

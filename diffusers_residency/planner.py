@@ -1,0 +1,297 @@
+"""Decide, from sizes and a VRAM budget alone, which components stay on the device, which are staged
+whole, and which stream their blocks. Pure functions over plain numbers: no tensor, no device.
+
+The cost the plan minimises is bytes over the bus per call. A component the pipeline calls once per
+denoising step (the transformer or UNet) costs its non-resident bytes at *every* step; the others
+(text encoders, VAE) cost theirs once per call. So the per-step component gets the device first:
+
+1. Everything fits (weights plus the activation reserve): everything stays resident, and nothing
+   moves after the first call.
+2. Otherwise the once-per-call components give up their room: those with repeated blocks stream
+   them through a small window, the others are staged whole. The per-step component stays
+   resident if it fits beside the largest of those transient needs; then once-per-call components
+   are made resident again, smallest first, while the room lasts.
+3. If the per-step component does not fit, it streams too: its trunk (embeddings, norms,
+   projections) and its leading blocks stay resident, as many as the room allows, and the rest
+   stream, one block computing while the next :data:`PREFETCH_BLOCKS` load. Leading blocks, because
+   the window wraps from the last block to the first streamed one while the resident prefix
+   computes, and because cache hooks (FirstBlockCache and friends) always run the first block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+# One block computing and two in flight keep the copy stream busy behind the compute; a deeper
+# window buys no bandwidth once the bus is saturated, and the room it would take serves better as
+# resident blocks, which are never moved at all.
+PREFETCH_BLOCKS = 2
+# Activation reserve when the caller gives none: a tenth of the budget, at least 1 GiB.
+DEFAULT_RESERVE_FRACTION = 0.1
+MIN_RESERVE_BYTES = 1 << 30
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class Policy(str, Enum):
+    """Where a component's weights live between its uses."""
+
+    STAGED = "staged"  # on the device only while in use, loaded whole
+    RESIDENT = "resident"  # loaded on first use, kept
+    STREAMED = "streamed"  # trunk and leading blocks kept, the other blocks loaded around their use
+
+    @classmethod
+    def parse(cls, value: str | Policy, what: str) -> Policy:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(f"{what}: unknown residency policy {value!r}; use one of {choices}") from None
+
+
+def parse_bytes(value: int | str, what: str = "vram_budget") -> int:
+    """Bytes from an int or a string such as ``"24GB"``, ``"24 GiB"`` or ``"512MB"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{what} must be bytes (an int), a string such as '24GB', or 'auto'; got {value!r}")
+    if isinstance(value, int):
+        number, unit = value, ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; write e.g. '24GB', '16GiB', '8000MB' or bytes as an int")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return nbytes
+
+
+def default_reserve(budget: int) -> int:
+    return max(MIN_RESERVE_BYTES, int(budget * DEFAULT_RESERVE_FRACTION))
+
+
+@dataclass(frozen=True)
+class ComponentSizes:
+    """What the planner knows of one component.
+
+    ``block_bytes`` are its repeated blocks in forward order (empty when it has none it can stream);
+    ``per_step`` marks the component the pipeline calls at every denoising step.
+    """
+
+    name: str
+    nbytes: int
+    block_bytes: tuple[int, ...] = ()
+    per_step: bool = False
+
+    @property
+    def trunk_bytes(self) -> int:
+        return self.nbytes - sum(self.block_bytes)
+
+    @property
+    def streamable(self) -> bool:
+        return len(self.block_bytes) > PREFETCH_BLOCKS
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """Where one component's weights live. ``resident_blocks``: for a streamed component, how many
+    leading blocks stay on the device; ``prefetch_blocks``: how many load ahead of the one running."""
+
+    name: str
+    policy: Policy
+    resident_blocks: int = 0
+    prefetch_blocks: int = 0
+
+    def resident_bytes(self, sizes: ComponentSizes) -> int:
+        """Bytes this component keeps on the device across calls."""
+        if self.policy is Policy.RESIDENT:
+            return sizes.nbytes
+        if self.policy is Policy.STREAMED:
+            return sizes.trunk_bytes + sum(sizes.block_bytes[: self.resident_blocks])
+        return 0
+
+    def transient_bytes(self, sizes: ComponentSizes) -> int:
+        """Bytes it adds on the device only while it runs."""
+        if self.policy is Policy.STAGED:
+            return sizes.nbytes
+        if self.policy is Policy.STREAMED:
+            streamed = sizes.block_bytes[self.resident_blocks :]
+            return (1 + self.prefetch_blocks) * max(streamed, default=0)
+        return 0
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """A plan for every component, and the figures it was made from."""
+
+    budget: int | None
+    reserve: int
+    components: tuple[ComponentPlan, ...]
+    sizes: tuple[ComponentSizes, ...] = field(repr=False, default=())
+
+    def __getitem__(self, name: str) -> ComponentPlan:
+        for plan in self.components:
+            if plan.name == name:
+                return plan
+        raise KeyError(name)
+
+    @property
+    def peak_weight_bytes(self) -> int:
+        """The most weight bytes the plan puts on the device at once."""
+        return _peak(self.components, self.sizes)
+
+    @property
+    def streamed_bytes_per_step(self) -> int:
+        """Bytes the per-step components stream at every step."""
+        by_name = {s.name: s for s in self.sizes}
+        return sum(
+            sum(by_name[p.name].block_bytes[p.resident_blocks :])
+            for p in self.components
+            if p.policy is Policy.STREAMED and by_name[p.name].per_step
+        )
+
+    def __str__(self) -> str:
+        by_name = {s.name: s for s in self.sizes}
+        rows = [("component", "policy", "GB", "resident GB", "blocks resident/streamed", "prefetch")]
+        for plan in self.components:
+            sizes = by_name[plan.name]
+            blocks = "-"
+            if plan.policy is Policy.STREAMED:
+                blocks = f"{plan.resident_blocks}/{len(sizes.block_bytes) - plan.resident_blocks}"
+            rows.append(
+                (
+                    plan.name,
+                    plan.policy.value,
+                    f"{sizes.nbytes / 1e9:.3f}",
+                    f"{plan.resident_bytes(sizes) / 1e9:.3f}",
+                    blocks,
+                    str(plan.prefetch_blocks) if plan.policy is Policy.STREAMED else "-",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        budget = "none" if self.budget is None else f"{self.budget / 1e9:.2f} GB"
+        head = (
+            f"vram budget {budget}, activation reserve {self.reserve / 1e9:.2f} GB, "
+            f"peak weights {self.peak_weight_bytes / 1e9:.2f} GB"
+        )
+        return "\n".join([head, *table])
+
+
+class BudgetTooSmallError(ValueError):
+    pass
+
+
+def _peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) -> int:
+    by_name = {s.name: s for s in sizes}
+    resident = sum(p.resident_bytes(by_name[p.name]) for p in plans)
+    return resident + max((p.transient_bytes(by_name[p.name]) for p in plans), default=0)
+
+
+def _streamed(sizes: ComponentSizes, resident_blocks: int = 0) -> ComponentPlan:
+    return ComponentPlan(sizes.name, Policy.STREAMED, resident_blocks, PREFETCH_BLOCKS)
+
+
+def _away(sizes: ComponentSizes) -> ComponentPlan:
+    """The cheapest way to keep a component off the device between its uses."""
+    return _streamed(sizes) if sizes.streamable else ComponentPlan(sizes.name, Policy.STAGED)
+
+
+def _most_resident_blocks(sizes: ComponentSizes, room: int) -> int:
+    """How many leading blocks fit in ``room`` bytes (besides the trunk, already counted)."""
+    used, count = 0, 0
+    for nbytes in sizes.block_bytes:
+        if used + nbytes > room:
+            break
+        used += nbytes
+        count += 1
+    return count
+
+
+def _checked(sizes: Sequence[ComponentSizes], fixed: Mapping[str, Policy]) -> dict[str, Policy]:
+    unknown = sorted(set(fixed) - {s.name for s in sizes})
+    if unknown:
+        raise ValueError(f"fixed policies for unknown components {unknown}")
+    for s in sizes:
+        if fixed.get(s.name) is Policy.STREAMED and not s.streamable:
+            raise ValueError(
+                f"{s.name!r} cannot stream: it has no repeated blocks (more than {PREFETCH_BLOCKS}) to stream; "
+                "make it 'staged' or 'resident'"
+            )
+    return dict(fixed)
+
+
+def _as_given(sizes: ComponentSizes, policy: Policy) -> ComponentPlan:
+    return _streamed(sizes) if policy is Policy.STREAMED else ComponentPlan(sizes.name, policy)
+
+
+def plan_as_given(sizes: Sequence[ComponentSizes], policies: Mapping[str, Policy]) -> ResidencyPlan:
+    """The plan with no budget: each component as ``policies`` says, streamed ones with no resident block."""
+    policies = _checked(sizes, policies)
+    return ResidencyPlan(None, 0, tuple(_as_given(s, policies[s.name]) for s in sizes), tuple(sizes))
+
+
+def plan_residency(
+    sizes: Sequence[ComponentSizes],
+    budget: int,
+    reserve: int,
+    fixed: Mapping[str, Policy] | None = None,
+) -> ResidencyPlan:
+    """Plan every component for ``budget`` bytes of device memory, ``reserve`` of them kept for
+    activations. ``fixed`` pins a component's policy (a user's choice, or a component that must stay
+    resident); a fixed ``streamed`` component still gets its resident prefix chosen here.
+
+    Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
+    """
+    fixed = _checked(sizes, fixed or {})
+    capacity = budget - reserve
+    by_name = {s.name: s for s in sizes}
+
+    def fixed_plan(s: ComponentSizes) -> ComponentPlan:
+        return _as_given(s, fixed[s.name])
+
+    def finish(plans: dict[str, ComponentPlan]) -> ResidencyPlan:
+        return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes))
+
+    resident = {s.name: fixed_plan(s) if s.name in fixed else ComponentPlan(s.name, Policy.RESIDENT) for s in sizes}
+    if _peak(list(resident.values()), sizes) <= capacity:
+        return finish(_grow_streamed(resident, by_name, capacity))
+
+    free = [s for s in sizes if s.name not in fixed]
+    plans = {s.name: fixed_plan(s) if s.name in fixed else _away(s) for s in sizes}
+    if _peak(list(plans.values()), sizes) > capacity:
+        raise BudgetTooSmallError(
+            f"vram_budget {budget / 1e9:.2f} GB is too small: with every component streamed or staged, the "
+            f"weights need {_peak(list(plans.values()), sizes) / 1e9:.2f} GB at once, and "
+            f"{reserve / 1e9:.2f} GB is reserved for activations. Raise the budget, or make resident "
+            "components staged."
+        )
+    # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
+    # then the once-per-call ones, smallest first, with what is left: a byte they take from a
+    # per-step component would be streamed at every step to save one load per call.
+    for group in ([s for s in free if s.per_step], sorted((s for s in free if not s.per_step), key=lambda s: s.nbytes)):
+        for s in group:
+            trial = {**plans, s.name: ComponentPlan(s.name, Policy.RESIDENT)}
+            if _peak(list(trial.values()), sizes) <= capacity:
+                plans = trial
+        plans = _grow_streamed(plans, by_name, capacity)
+    return finish(plans)
+
+
+def _grow_streamed(
+    plans: dict[str, ComponentPlan], by_name: Mapping[str, ComponentSizes], capacity: int
+) -> dict[str, ComponentPlan]:
+    """Give each streamed component, per-step ones first, as many resident leading blocks as fit."""
+    streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
+    streamed.sort(key=lambda name: not by_name[name].per_step)
+    for name in streamed:
+        sizes = by_name[name]
+        for count in range(_most_resident_blocks(sizes, capacity), -1, -1):
+            trial = {**plans, name: replace(plans[name], resident_blocks=count)}
+            if _peak(list(trial.values()), list(by_name.values())) <= capacity:
+                plans = trial
+                break
+    return plans

@@ -1,0 +1,139 @@
+"""Stream a component's repeated blocks through the device, a few at a time.
+
+A component too large for the device (or for its share of a VRAM budget) is split into its *trunk*
+(embeddings, norms, projections: everything outside the blocks) and its repeated blocks, the ones
+diffusers lists in ``_repeated_blocks`` and transformers in ``_no_split_modules``. Each block gets a
+stager of its own. The trunk and a prefix of the blocks stay on the device; every other block is
+loaded just before it runs and dropped after, while the next few load on the copy stream behind the
+compute.
+
+Device memory for streamed blocks is not allocated anew at each step in any way that costs: a
+dropped block's storage returns to the caching allocator on the compute stream, and the next block
+of the same shape takes those very blocks back (the copy stream first waits for the compute that
+last read them; see ``_device.TimedCopy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .planner import Policy
+
+if TYPE_CHECKING:
+    from .residency import StagedUnit
+
+logger = logging.getLogger(__name__)
+
+
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules of a repeated-block class, in definition order.
+
+    The classes come from the model itself: diffusers' ``_repeated_blocks`` (what regional
+    compilation compiles), else the ``_no_split_modules`` that diffusers and transformers keep for
+    device maps, which name the same units: blocks that hold together and never share weights
+    with the rest."""
+    names = set(getattr(module, "_repeated_blocks", None) or getattr(module, "_no_split_modules", None) or ())
+    if not names:
+        return []
+    blocks: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
+    for path, sub in module.named_modules():
+        if not path or any(path.startswith(prefix + ".") for prefix in inside):
+            continue
+        if type(sub).__name__ in names:
+            blocks.append((path, sub))
+            inside.append(path)
+    return blocks
+
+
+class BlockStream:
+    """The loading order of one component's blocks, and the window of blocks loaded ahead.
+
+    The order is the one the forward really takes: definition order at first, then, from the
+    second pass on, the order the blocks were entered during the first complete pass (a pass ends
+    when a block is entered again). A block entered out of that order (a cache hook skipping
+    blocks, a branch not taken) is loaded on the spot if it is not already there; nothing is ever
+    read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a wait.
+    """
+
+    def __init__(self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int) -> None:
+        self.component = component
+        self.blocks = tuple(blocks)
+        self.prefetch_blocks = prefetch_blocks
+        self._order: tuple[StagedUnit, ...] = self.blocks
+        self._recording: list[StagedUnit] | None = []
+        self._windows: dict[int, tuple[StagedUnit, ...]] = {}
+        # Streamed blocks this stream loaded and has not dropped yet.
+        self._held: list[StagedUnit] = []
+        self._compute_windows()
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(unit.name for unit in self._order)
+
+    def _compute_windows(self) -> None:
+        """For each block, the streamed blocks that follow it in order, wrapping around: the next
+        pass (the next denoising step) starts again at the top."""
+        order = self._order
+        count = len(order)
+        windows = {}
+        for position, unit in enumerate(order):
+            ahead = []
+            for step in range(1, count):
+                candidate = order[(position + step) % count]
+                if candidate.policy is Policy.STREAMED:
+                    ahead.append(candidate)
+                    if len(ahead) == self.prefetch_blocks:
+                        break
+            windows[id(unit)] = tuple(ahead)
+        self._windows = windows
+
+    def replan(self) -> None:
+        """Recompute the windows after block policies changed (a new resident prefix)."""
+        self._compute_windows()
+
+    def _learn(self, unit: StagedUnit) -> None:
+        recording = self._recording
+        if unit in recording:
+            self._recording = None
+            if tuple(recording) != self._order and len(recording) == len(self.blocks):
+                logger.info("%r runs its blocks in an order of its own; prefetching in that order", self.component)
+                self._order = tuple(recording)
+                self._compute_windows()
+            return
+        recording.append(unit)
+
+    def enter(self, unit: StagedUnit) -> None:
+        """``unit`` is about to run: have it loaded, drop streamed blocks outside its window, and
+        start loading the window. Runs before every block's forward, so it allocates nothing but
+        the loads themselves."""
+        if self._recording is not None:
+            self._learn(unit)
+        window = self._windows.get(id(unit), ())
+        if not unit.stager.loaded:
+            unit.load()
+        keep = (unit, *window)
+        held = []
+        for other in self._held:
+            if other in keep:
+                held.append(other)
+            else:
+                other.stager.offload()
+        for ahead in window:
+            if not ahead.stager.loaded:
+                ahead.load()
+            if ahead not in held:
+                held.append(ahead)
+        if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
+            held.append(unit)
+        self._held = held
+
+    def drop(self) -> None:
+        """Offload every streamed block (the component is done for now)."""
+        for unit in self._held:
+            unit.stager.offload()
+        self._held = []

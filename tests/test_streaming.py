@@ -1,0 +1,165 @@
+"""Block streaming and VRAM budgets on a real tiny Flux pipeline, on the CPU: outputs equal resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
+from diffusers_residency.bench.builders import call_kwargs
+from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
+from diffusers_residency.planner import Policy, plan_residency
+
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
+
+RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
+
+
+def _streaming_budget(flux: PipelineCase) -> int:
+    """The largest budget under which the transformer streams with a resident prefix."""
+    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    total = sum(s.nbytes for s in sizes)
+    for budget in range(total, 0, -1024):
+        try:
+            plan = plan_residency(sizes, budget, RESERVE)
+        except BudgetTooSmallError:
+            break
+        transformer = plan["transformer"]
+        if transformer.policy is Policy.STREAMED and 0 < transformer.resident_blocks:
+            return budget
+    pytest.fail("no budget streams the transformer behind a resident prefix")
+
+
+def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
+    """After every block of every component runs, what the group holds on the device."""
+    group = pipeline_state(flux.pipe).group
+    seen: list[int] = []
+    for unit in group.units:
+        if unit.stream is not None:
+            unit.module.register_forward_hook(lambda *_: seen.append(group.loaded_bytes()))
+    return seen
+
+
+def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) -> None:
+    before = flux.state()
+    budget = _streaming_budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
+    plan = flux.pipe.residency_plan()
+    assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks > 0, str(plan)
+    seen = _record_loaded_bytes(flux)
+
+    assert torch.equal(flux.run(), flux.reference)
+    assert torch.equal(flux.run(), flux.reference)
+    assert seen and max(seen) <= budget - RESERVE, (max(seen), budget - RESERVE, str(plan))
+    report = flux.pipe.residency_report()
+    assert report["transformer"].policy == "streamed"
+    steps = call_kwargs("flux")["num_inference_steps"]
+    streamed = [u for u in pipeline_state(flux.pipe).group.units_of("transformer") if u.policy is Policy.STREAMED and u.stream]
+    resident = [u for u in pipeline_state(flux.pipe).group.units_of("transformer") if u.policy is Policy.RESIDENT]
+    assert all(u.stager.loads >= steps for u in streamed), "streamed blocks load at every step"
+    assert all(u.stager.loads == 1 for u in resident), "the trunk and the resident prefix load once"
+
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(before, flux.state())
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_new_budget_moves_the_resident_prefix_and_keeps_the_masters(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_streaming_budget(flux), activation_reserve=RESERVE)
+    plan = flux.pipe.residency_plan()
+    first = plan["transformer"].resident_blocks
+    group = pipeline_state(flux.pipe).group
+    stagers = [u.stager for u in group.units]
+    assert torch.equal(flux.run(), flux.reference)
+
+    # An ample budget, the same components streamed (they would be resident otherwise).
+    streamed = {p.name: "streamed" for p in plan.components if p.policy is Policy.STREAMED}
+    flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=10**9, activation_reserve=RESERVE)
+    assert flux.pipe.residency_plan()["transformer"].resident_blocks == 6 > first
+    assert [u.stager for u in pipeline_state(flux.pipe).group.units] == stagers, "masters kept"
+    assert torch.equal(flux.run(), flux.reference)
+    assert all(u.stager.loaded for u in group.units_of("transformer")), "all blocks resident now"
+
+
+def test_too_small_budget_is_refused_before_anything_changes(flux: PipelineCase) -> None:
+    with pytest.raises(BudgetTooSmallError, match="too small"):
+        flux.pipe.enable_pinned_offload("cpu", vram_budget=2000, activation_reserve=RESERVE)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        flux.pipe.enable_pinned_offload("cpu", vram_budget="1MB", activation_reserve="2MB")
+    with pytest.raises(ValueError, match="unknown residency policy"):
+        flux.pipe.enable_pinned_offload("cpu", components={"text_encoder": "sometimes"}, vram_budget="auto")
+    with pytest.raises(ValueError, match="is not a size"):
+        flux.pipe.enable_pinned_offload("cpu", vram_budget="plenty")
+    assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize("cache_first", [True, False], ids=["cache-then-streaming", "streaming-then-cache"])
+def test_first_block_cache_skipping_blocks_neither_stalls_nor_corrupts(cache_first: bool) -> None:
+    flux = PipelineCase("flux")
+    transformer = flux.pipe.transformer
+    # A threshold no residual change reaches: every step after the first skips all blocks but the first.
+    config = FirstBlockCacheConfig(threshold=1e9)
+    transformer.enable_cache(config)
+    reference = flux.run()
+    transformer.disable_cache()
+    if cache_first:
+        transformer.enable_cache(config)
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    if not cache_first:
+        transformer.enable_cache(config)
+    assert torch.equal(flux.run(), reference)
+    assert torch.equal(flux.run(), reference)
+    last = pipeline_state(flux.pipe).group.units_of("transformer")[-1]
+    steps = call_kwargs("flux")["num_inference_steps"]
+    if not cache_first:
+        # The cache's hook runs first and skips the block before staging sees it.
+        assert last.stager.loads < 2 * steps, "blocks were skipped, so they were not loaded at every step"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_streamed_component_sleeps_and_wakes(flux: PipelineCase, level: int) -> None:
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed", "text_encoder_2": "streamed"}, vram_budget=None)
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep(level=level)
+    report = flux.pipe.residency_report()
+    assert report.device_bytes == 0 and report["transformer"].sleep_level == level, str(report)
+    if level == 2:
+        assert report["transformer"].mapped_bytes >= 0.95 * report["transformer"].staged_bytes, str(report)
+    assert torch.equal(flux.run(), flux.reference), "a call wakes what it needs"
+    flux.pipe.sleep(level=level)
+    flux.pipe.wake_up()
+    assert not flux.pipe.is_sleeping
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
+    before = flux.state()
+    group = ResidencyGroup("cpu")
+    transformer = flux.pipe.transformer
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=1)
+    stream = group.units_of("transformer")[1].stream
+    assert stream.order[0] == "transformer.transformer_blocks.0"
+    assert torch.equal(flux.run(), flux.reference)
+    assert torch.equal(flux.run(), flux.reference)
+    with pytest.raises(ValueError, match="too few to stream"):
+        attach_block_streaming(flux.pipe.vae.decoder.mid_block, group, name="mid_block")  # two resnets
+    detach_staging_hook(transformer)
+    assert group.units == [] and not any(hasattr(m, "_hf_hook") for m in transformer.modules())
+    assert_weights_equal(before, flux.state())
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_next_component_loads_ahead_when_the_budget_holds_it(flux: PipelineCase) -> None:
+    staged = {name: "staged" for name in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    flux.pipe.enable_pinned_offload("cpu", components=staged, vram_budget=10**9, activation_reserve=RESERVE)
+    loaded_when_called = []
+    encoder = flux.pipe.text_encoder_2
+    hook = encoder._hf_hook
+    encoder.register_forward_pre_hook(lambda *_: loaded_when_called.append(hook.unit.stager.loaded))
+    assert torch.equal(flux.run(), flux.reference)
+    assert loaded_when_called == [True], "text_encoder_2 loaded while text_encoder ran"
+    report = flux.pipe.residency_report()
+    assert sum(c.loaded for c in report.components) <= 2, "loading ahead does not keep everything"
