@@ -113,6 +113,22 @@ def read_memory_telemetry(device: torch.device) -> MemoryTelemetry | None:
     )
 
 
+def peak_allocated(device: torch.device) -> int | None:
+    """The most memory tensors held on ``device`` at once since the process started or the peak was
+    last reset; None where the platform does not count (the CPU)."""
+    return int(torch.accelerator.max_memory_allocated(device)) if is_accelerator(device) else None
+
+
+def cap_device_memory(device: torch.device, nbytes: int | None) -> bool:
+    """Make the caching allocator refuse to hold more than ``nbytes`` on ``device`` (None lifts the
+    cap), as a smaller GPU would. Only CUDA has such a cap; returns whether one is in force."""
+    if device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if nbytes is None else min(1.0, nbytes / total), device)
+    return nbytes is not None
+
+
 def empty_cache(device: torch.device) -> None:
     """Give the caching allocator's unused blocks back to the driver; nothing to give back on the CPU."""
     if is_accelerator(device):

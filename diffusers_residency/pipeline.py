@@ -22,7 +22,15 @@ from torch import nn
 
 from . import _device
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
-from .planner import ComponentSizes, ResidencyPlan, default_reserve, parse_bytes, plan_as_given, plan_residency
+from .planner import (
+    BudgetTooSmallError,
+    ComponentSizes,
+    ResidencyPlan,
+    default_reserve,
+    parse_bytes,
+    plan_as_given,
+    plan_residency,
+)
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
 from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere, storage_bytes
@@ -35,6 +43,9 @@ _STATE_ATTR = "_pinned_residency"
 # merged by a function, not a component method the hooks could wrap): run with every component
 # offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
 _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
+# Grown on top of an observed overshoot when the activation reserve is learned, as a fraction of
+# the budget: the next call's activations may differ a little (another prompt length, say).
+OVERSHOOT_MARGIN = 0.02
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
@@ -46,6 +57,8 @@ class PipelineResidency:
     group: ResidencyGroup
     hooks: dict[str, StagingHook]
     plan: ResidencyPlan
+    # The plan for a given activation reserve, with everything else as enabled.
+    replan: Callable[[int], ResidencyPlan]
 
     @property
     def active(self) -> bool:
@@ -126,11 +139,12 @@ def _resolve_budget(
         if memory is None:
             logger.info("%s reports no free memory; vram_budget='auto' plans nothing there", device)
             return None
-        # What is free now, plus what the components already hold there: they move to host masters.
+        # What is free now, plus what this process's allocator holds unused, plus what the
+        # components hold there: they move to host masters.
         held = sum(
             storage_bytes(t for t in module_tensors((m,)) if _device.same_device(t.device, device)) for m in modules.values()
         )
-        budget = memory.free + held
+        budget = memory.free + memory.cached + held
     else:
         budget = parse_bytes(vram_budget)
     reserve_bytes = default_reserve(budget) if reserve is None else parse_bytes(reserve, "activation_reserve")
@@ -142,20 +156,54 @@ def _resolve_budget(
     return budget, reserve_bytes
 
 
-def _plan(
+def _planner(
     pipe: DiffusionPipeline,
     modules: Mapping[str, nn.Module],
     components: Mapping[str, str] | None,
     budget: tuple[int, int] | None,
-) -> ResidencyPlan:
+) -> Callable[[int], ResidencyPlan]:
+    """The plan for these components as a function of the activation reserve (planned again with a
+    larger one when a call's peak goes over the budget)."""
     sizes = _component_sizes(pipe, modules)
     chosen = _policies(pipe, modules, components)
     if budget is None:
-        return plan_as_given(sizes, chosen)
+        return lambda reserve: plan_as_given(sizes, chosen)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
-    return plan_residency(sizes, *budget, fixed=fixed)
+    return lambda reserve: plan_residency(sizes, budget[0], reserve, fixed=fixed)
+
+
+def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
+    """A call's peak went ``overshoot`` bytes over the budget: activations need more room than the
+    reserve kept. Plan again with the reserve grown by the overshoot and a margin, and apply it when
+    only resident prefixes change; otherwise say what to pass."""
+    plan = state.plan
+    reserve = plan.reserve + overshoot + int(plan.budget * OVERSHOOT_MARGIN)
+    advice = f"pass activation_reserve={reserve} (bytes) to enable_pinned_offload()"
+    try:
+        new_plan = state.replan(reserve)
+    except BudgetTooSmallError:
+        logger.warning(
+            "Peak device memory went %.2f GB over vram_budget (%.2f GB) and no plan with a larger activation "
+            "reserve fits; raise vram_budget.",
+            overshoot / 1e9,
+            plan.budget / 1e9,
+        )
+        return
+    streamed = {p.name for p in new_plan.components if p.policy is Policy.STREAMED}
+    if any(p.policy is not new_plan[p.name].policy for p in plan.components if p.name not in streamed):
+        logger.warning("Peak device memory went %.2f GB over vram_budget; %s", overshoot / 1e9, advice)
+        return
+    _apply_policies(state, new_plan)
+    logger.warning(
+        "Peak device memory went %.2f GB over vram_budget; activation reserve raised to %.2f GB, resident "
+        "blocks now: %s (to start there next time, %s)",
+        overshoot / 1e9,
+        reserve / 1e9,
+        ", ".join(f"{p.name} {p.resident_blocks}" for p in new_plan.components if p.policy is Policy.STREAMED),
+        advice,
+    )
 
 
 def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
@@ -199,7 +247,10 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
         if units[0].policy is Policy.STREAMED:
             units[1].stream.replan()
     state.plan = plan
-    state.group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
+    group = state.group
+    group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
+    if plan.budget is not None and group.vram_budget != plan.budget:
+        group.watch_budget(plan.budget, lambda overshoot: _learn_reserve(state, overshoot))
 
 
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
@@ -257,10 +308,13 @@ def enable_pinned_offload(
         refuse_meta_tensors((module,), f"Component {name!r}")
         refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
     _refuse_shared_weights(modules)
-    plan = _plan(pipe, modules, components, _resolve_budget(vram_budget, activation_reserve, group.device, modules))
+    budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
+    replan = _planner(pipe, modules, components, budget)
+    plan = replan(budget[1] if budget else 0)
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
+        previous.replan = replan
         _apply_policies(previous, plan)
         _load_excluded(pipe, previous)
         return
@@ -285,9 +339,9 @@ def enable_pinned_offload(
             else:
                 hooks[name] = attach_staging_hook(module, group, name=name, policy=component.policy)
             attached[id(module)] = name
+        state = PipelineResidency(group=group, hooks=hooks, plan=plan, replan=replan)
         group.call_order = tuple(modules)
-        group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
-        state = PipelineResidency(group=group, hooks=hooks, plan=plan)
+        _apply_policies(state, plan)
         _load_excluded(pipe, state)
     except BaseException:
         for name in hooks:

@@ -13,7 +13,7 @@ With a weight capacity from the plan, the next component in call order loads ahe
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +111,27 @@ class ResidencyGroup:
         # loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_capacity: int | None = None
+        # The VRAM budget watched at each switch, what to tell when the device's peak goes over
+        # it, and the highest peak already told of (peaks only grow until someone resets them).
+        self.vram_budget: int | None = None
+        self.on_over_budget: Callable[[int], None] | None = None
+        self._peak_told = 0
+
+    def watch_budget(self, vram_budget: int, on_over_budget: Callable[[int], None]) -> None:
+        """Call ``on_over_budget(overshoot)`` at a component switch when the device's peak allocated
+        memory has gone past ``vram_budget`` (further than it had been told of before). Peaks from
+        before this call are not counted against it."""
+        self.vram_budget = vram_budget
+        self.on_over_budget = on_over_budget
+        self._peak_told = max(vram_budget, _device.peak_allocated(self.device) or 0)
+
+    def _watch_peak(self) -> None:
+        if self.on_over_budget is None:
+            return
+        peak = _device.peak_allocated(self.device)
+        if peak is not None and peak > self._peak_told:
+            self._peak_told = peak
+            self.on_over_budget(peak - self.vram_budget)
 
     def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
@@ -183,6 +204,7 @@ class ResidencyGroup:
         one; then let the retention budget decide whether this boundary gives the allocator's cache
         back."""
         self.active_component = component
+        self._watch_peak()
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return

@@ -35,7 +35,7 @@ def staged_from_host(kind: str = "flux", dtype: torch.dtype = torch.bfloat16) ->
     put under pinned offload."""
     case = PipelineCase(kind, device="cuda", dtype=dtype)
     case.pipe.to("cpu")
-    case.pipe.enable_pinned_offload()
+    case.pipe.enable_pinned_offload(vram_budget=None)  # staged per model_cpu_offload_seq, not planned
     return case
 
 
@@ -61,7 +61,7 @@ def test_cuda_output_equals_resident(kind: str, dtype: torch.dtype, start: str) 
     devices_before = param_devices(case.pipe)
     before = case.state()
 
-    case.pipe.enable_pinned_offload()
+    case.pipe.enable_pinned_offload(vram_budget=None)
     assert case.pipe._execution_device == CUDA
     report = case.pipe.residency_report()
     assert all(c.pinned for c in report.components), str(report)
@@ -209,9 +209,9 @@ def test_layerwise_fp8_casting_on_cuda_matches_resident_casting(order: str) -> N
     case.pipe.to("cpu")
     if order == "casting-then-offload":
         case.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
-        case.pipe.enable_pinned_offload()
+        case.pipe.enable_pinned_offload(vram_budget=None)
     else:
-        case.pipe.enable_pinned_offload()
+        case.pipe.enable_pinned_offload(vram_budget=None)
         case.run()
         case.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
     for _ in range(2):
@@ -244,7 +244,7 @@ def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> N
 def test_pin_budget_leaves_masters_pageable_and_loads_still_exact() -> None:
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
-    case.pipe.enable_pinned_offload(pin_budget=0)
+    case.pipe.enable_pinned_offload(pin_budget=0, vram_budget=None)
     report = case.pipe.residency_report()
     assert all(c.pinned_bytes == 0 and c.pageable_bytes == c.staged_bytes for c in report.components), str(report)
     for _ in range(2):
@@ -274,3 +274,48 @@ def test_inductor_compiled_staged_transformer_never_recompiles(how: str) -> None
     for output in (first, *later):
         torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=1e-2)
     torch._dynamo.reset()
+
+
+def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first_call() -> None:
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload()  # vram_budget="auto": the whole pipeline fits
+    assert {p.policy.value for p in case.pipe.residency_plan().components} == {"resident"}
+    assert torch.equal(case.run(), case.reference)
+    loads = sum(c.loads for c in case.pipe.residency_report().components)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    assert sum(c.loads for c in case.pipe.residency_report().components) == loads
+
+
+def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory() -> None:
+    from diffusers_residency.pipeline import pipeline_state
+
+    from .test_streaming import _record_loaded_bytes, _streaming_budget
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    reserve = 256 * 2**20  # the tiny pipeline's activations, cuBLAS workspaces and rounding
+    weights_budget = _streaming_budget(case)  # planned with the tests' small reserve
+    budget = weights_budget + reserve
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    case.pipe.enable_pinned_offload(vram_budget=budget, activation_reserve=reserve)
+    plan = case.pipe.residency_plan()
+    assert plan["transformer"].policy.value == "streamed" and plan["transformer"].resident_blocks > 0, str(plan)
+    seen = _record_loaded_bytes(case)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    mallocs = torch.cuda.memory_stats()["segment.all.allocated"]
+    assert torch.equal(case.run(), case.reference)
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs, "a warm call allocated new device memory"
+    assert max(seen) <= budget - reserve, str(plan)
+    assert torch.cuda.max_memory_allocated() - baseline <= budget
+    group = pipeline_state(case.pipe).group
+    streamed = [u for u in group.units_of("transformer") if u.policy.value == "streamed" and u.stream is not None]
+    assert all(u.stager.loads >= 3 for u in streamed)
+    assert all(u.stager.pinned for u in group.units)
+    case.pipe.disable_pinned_offload()
+    assert all(t.device.type == "cpu" for t in case.pipe.transformer.parameters())

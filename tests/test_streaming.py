@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
+from diffusers_residency import _device
 from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
@@ -163,3 +164,25 @@ def test_next_component_loads_ahead_when_the_budget_holds_it(flux: PipelineCase)
     assert loaded_when_called == [True], "text_encoder_2 loaded while text_encoder ran"
     report = flux.pipe.residency_report()
     assert sum(c.loaded for c in report.components) <= 2, "loading ahead does not keep everything"
+
+
+def test_a_peak_over_the_budget_grows_the_reserve_and_shrinks_the_resident_prefix(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = 2 * 10**6 + RESERVE  # holds all the weights
+    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    before = flux.pipe.residency_plan()
+    assert before["transformer"].resident_blocks == 6
+    # The CPU counts no peak; the one a CUDA allocator would report after activations took 300 kB
+    # more than the reserve kept.
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 300_000)
+    assert torch.equal(flux.run(), flux.reference)
+    after = flux.pipe.residency_plan()
+    assert after.reserve >= before.reserve + 300_000
+    assert after["transformer"].resident_blocks < 6, str(after)
+    assert after.peak_weight_bytes <= budget - after.reserve
+    assert "over vram_budget" in caplog.text and "activation_reserve=" in caplog.text
+    assert torch.equal(flux.run(), flux.reference)
+    monkeypatch.undo()
+    assert torch.equal(flux.run(), flux.reference)

@@ -2,7 +2,14 @@
 
 With no arguments it builds a tiny FLUX pipeline (real classes, random weights, no download) and runs
 it on the current accelerator, or on the CPU where there is none. ``--scale full`` builds the
-published FLUX.1-dev architecture (about 34 GB of bf16 weights) on the GPU instead.
+published FLUX.1-dev architecture (about 34 GB of bf16 weights) on the GPU instead; ``--pipeline``
+picks SDXL, SD3 or Wan 2.1 instead; ``--checkpoint DIR`` loads a saved pipeline.
+
+``--budgets 30GB,16GB`` runs every mode once per budget, each under a device-memory cap of that size
+(as a smaller GPU would be); ``--modes pinned,group_offload_leaf@16GB`` runs a mode named with
+``@`` at that budget only. A mode that runs out of memory is reported as such. The table is printed;
+``--out`` gets ``results.json`` and, with matplotlib installed, ``results.png`` (s/call against peak
+memory, one point per mode and budget).
 """
 
 from __future__ import annotations
@@ -16,10 +23,17 @@ from pathlib import Path
 
 import diffusers
 import torch
+from tqdm.auto import tqdm
 
 from .. import _device
+from ..planner import parse_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
-from .modes import MODES, ModeResult, run_mode
+from .modes import MODES, Mode, ModeResult, pinned_mode, run_mode
+from .plot import draw
+
+# What a plain run compares; sequential offload and block-level group offload are slow enough
+# (seconds per denoising step at full scale) to be asked for by name.
+DEFAULT_MODES = ("resident", "pinned", "model_cpu_offload", "group_offload_leaf")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,12 +47,38 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a pipeline folder saved with save_pretrained")
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, from {', '.join(MODES)}; 'mode@16GB' runs it at that budget only",
+    )
+    parser.add_argument("--budgets", default="unlimited", help="comma-separated VRAM caps, e.g. unlimited,30GB,16GB")
+    parser.add_argument("--activation-reserve", default=None, help="for the pinned mode, e.g. 3GB (default: its own)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per mode")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the package's decisions")
     return parser.parse_args(argv)
+
+
+def _budget(text: str) -> int | None:
+    return None if text.strip().lower() in ("unlimited", "none", "") else parse_bytes(text, "budget")
+
+
+def _runs(modes: str, budgets: str, activation_reserve: str | None) -> list[tuple[Mode, int | None]]:
+    """(mode, budget) pairs in the order they run: budget by budget, modes in the order given; a
+    mode named ``mode@budget`` runs at that budget only."""
+    every = [_budget(b) for b in budgets.split(",")]
+    specs: list[tuple[Mode, list[int | None]]] = []
+    for spec in modes.split(","):
+        name, at, only = spec.partition("@")
+        if name not in MODES:
+            raise SystemExit(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+        mode = pinned_mode(activation_reserve) if name == "pinned" else MODES[name]
+        specs.append((mode, [_budget(only)] if at else every))
+    caps = dict.fromkeys(cap for _, mode_caps in specs for cap in mode_caps)
+    return [(mode, cap) for cap in caps for mode, mode_caps in specs if cap in mode_caps]
 
 
 def _gb(value: int | None) -> str:
@@ -46,22 +86,26 @@ def _gb(value: int | None) -> str:
 
 
 def format_table(results: list[ModeResult], weight_bytes: int) -> str:
-    resident = next((r.seconds_per_call for r in results if r.mode == "resident"), None)
+    resident = next((r.seconds_per_call for r in results if r.mode == "resident" and not r.error), None)
     header = (
-        "mode", "s/call", "x resident", "peak alloc GB", "setup s", "host RSS GB", "RSS x weights",
-        "loaded GB/call", "load GB/s", "exact",
+        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "within budget", "setup s", "host RSS GB",
+        "RSS x weights", "loaded GB/call", "load GB/s", "exact",
     )  # fmt: skip
     rows = []
     for r in results:
+        budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
+        within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
-            rows.append((r.mode, r.error, "-", _gb(r.peak_allocated_bytes), *("-",) * (len(header) - 4)))
+            rows.append((r.mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), *("-",) * (len(header) - 5)))
             continue
         rows.append(
             (
                 r.mode,
+                budget,
                 f"{r.seconds_per_call:.3f}",
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
+                within,
                 f"{r.setup_seconds:.2f}",
                 _gb(r.host_rss_bytes),
                 "-" if r.host_rss_bytes is None else f"{r.host_rss_bytes / weight_bytes:.2f}",
@@ -87,19 +131,27 @@ def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `diffusers-residency bench ...`
+        argv = argv[1:]
     args = _parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
-    modes = [MODES[name] for name in args.modes.split(",")]
-    if modes[0].name != "resident":
+    runs = _runs(args.modes, args.budgets, args.activation_reserve)
+    if runs[0][0].name != "resident":
         print("note: without 'resident' first, outputs are not checked against a reference", file=sys.stderr)
 
-    print(f"building {args.scale} {args.pipeline} ({dtype}) ...", file=sys.stderr, flush=True)
+    source = args.checkpoint or f"{args.scale} {args.pipeline}"
+    print(f"building {source} ({dtype}) ...", file=sys.stderr, flush=True)
     # Build where the resident mode runs (random init on a GPU takes seconds), then start every
     # mode from the host, as a pipeline loaded from disk would.
-    pipe = build_pipeline(args.pipeline, args.scale, dtype=dtype, device=device)
+    if args.checkpoint:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(args.checkpoint, torch_dtype=dtype)
+    else:
+        pipe = build_pipeline(args.pipeline, args.scale, dtype=dtype, device=device)
     pipe.set_progress_bar_config(disable=True)
+    pipe.to("cpu")
     weight_bytes = _weight_bytes(pipe)
     kwargs = dict(steps=args.steps, height=args.height, width=args.width)
 
@@ -108,16 +160,20 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[ModeResult] = []
     reference = None
-    for index, mode in enumerate(modes, 1):
-        print(f"[{index}/{len(modes)}] {mode.name}: {args.warmup} warm-up + {args.calls} timed calls ...", file=sys.stderr, flush=True)
-        result, output = run_mode(pipe, mode, device, call, warmup=args.warmup, calls=args.calls, reference=reference)
-        if mode.name == "resident":
+    progress = tqdm(runs, desc="bench", unit="mode", file=sys.stderr)
+    for mode, budget in progress:
+        label = f"{mode.name} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
+        progress.set_postfix_str(label)
+        result, output = run_mode(
+            pipe, mode, device, call, warmup=args.warmup, calls=args.calls, reference=reference, budget=budget
+        )
+        if mode.name == "resident" and reference is None and output is not None:
             reference = output
         results.append(result)
-        print(f"    {result.seconds_per_call:.3f} s/call", file=sys.stderr, flush=True)
+        progress.write(f"{label}: {result.error or f'{result.seconds_per_call:.3f} s/call'}")
 
     setting = (
-        f"{args.scale} {args.pipeline}, {weight_bytes / 1e9:.2f} GB of weights, {dtype}, {args.steps or 'default'} steps, "
+        f"{source}, {weight_bytes / 1e9:.2f} GB of weights, {dtype}, {args.steps or 'default'} steps, "
         f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} warm-up + {args.calls} timed calls per mode"
     )
     environment = (
@@ -127,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{setting}\n{environment}\n")
     print(format_table(results, weight_bytes))
     for result in results:
+        if result.plan:
+            budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"
+            print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")
         if result.report:
-            print(f"\nresidency_report() after the {result.mode} mode's calls:\n\n```\n{result.report}\n```")
-    if args.json:
-        args.json.write_text(
-            json.dumps({"setting": setting, "environment": environment, "results": [r.as_dict() for r in results]}, indent=2)
-        )
-    inexact = [r.mode for r in results if r.exact is False]
+            print(f"\nresidency_report() after its calls:\n\n```\n{result.report}\n```")
+    _write(args.out, setting, environment, results)
+    inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":
         print(
             f"\nnote: {', '.join(inexact)} differ from resident in the last bits. On the CPU, matrix kernels' "
@@ -141,7 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             "addresses changes them. Pinned offload keeps each weight's alignment, so it is exact there too."
         )
     # The exit status answers for this package's mode; diffusers' modes are measured, not vouched for.
-    return 1 if "pinned" in inexact else 0
+    failed = any(r.mode == "pinned" and (r.error or r.exact is False or r.within_budget is False) for r in results)
+    return 1 if failed else 0
+
+
+def _write(out: Path, setting: str, environment: str, results: list[ModeResult]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"setting": setting, "environment": environment, "results": [r.as_dict() for r in results]}
+    (out / "results.json").write_text(json.dumps(data, indent=2))
+    written = [out / "results.json"]
+    try:
+        written.append(draw(data, out / "results.png"))
+    except ImportError:
+        print("\nnote: matplotlib is not installed, so no results.png; draw it later with "
+              f"python -m diffusers_residency.bench.plot {out / 'results.json'}", file=sys.stderr)
+    print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,21 +19,27 @@ import torch
 from diffusers import DiffusionPipeline
 
 from .. import _device
-from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_report
+from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Mode:
-    """How to put a host-resident pipeline under one offloading scheme, and how to undo it."""
+    """How to put a host-resident pipeline under one offloading scheme, and how to undo it.
+
+    ``setup`` gets the VRAM budget the run is capped at (None: the whole device); only a mode that
+    plans for a budget uses it, the others simply run under the cap or run out of memory."""
 
     name: str
-    setup: Callable[[DiffusionPipeline, torch.device], None]
+    setup: Callable[[DiffusionPipeline, torch.device, int | None], None]
     teardown: Callable[[DiffusionPipeline], None]
+    # accelerate's sequential offload moves weights through the meta device and cannot run on the
+    # CPU (nor be undone there).
+    needs_accelerator: bool = False
 
 
-def _resident(pipe: DiffusionPipeline, device: torch.device) -> None:
+def _resident(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
     pipe.to(device)
 
 
@@ -41,8 +47,22 @@ def _to_host(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
-def _model_cpu_offload(pipe: DiffusionPipeline, device: torch.device) -> None:
+def pinned_mode(activation_reserve: int | str | None = None) -> Mode:
+    """``enable_pinned_offload`` planned for the run's budget (``"auto"`` when there is none)."""
+
+    def setup(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
+        vram_budget = "auto" if budget is None else budget
+        enable_pinned_offload(pipe, device, vram_budget=vram_budget, activation_reserve=activation_reserve)
+
+    return Mode("pinned", setup, disable_pinned_offload)
+
+
+def _model_cpu_offload(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
     pipe.enable_model_cpu_offload(device=device)
+
+
+def _sequential_cpu_offload(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
+    pipe.enable_sequential_cpu_offload(device=device)
 
 
 def _remove_model_cpu_offload(pipe: DiffusionPipeline) -> None:
@@ -50,10 +70,14 @@ def _remove_model_cpu_offload(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
-def _group_offload_leaf(pipe: DiffusionPipeline, device: torch.device) -> None:
-    # Streams are what make it fast; the CPU has none, and diffusers refuses them there.
-    stream = _device.is_accelerator(device)
-    pipe.enable_group_offload(onload_device=device, offload_type="leaf_level", use_stream=stream)
+def _group_offload(offload_type: str) -> Callable[[DiffusionPipeline, torch.device, int | None], None]:
+    def setup(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
+        # Streams are what make it fast; the CPU has none, and diffusers refuses them there.
+        stream = _device.is_accelerator(device)
+        extra = {} if offload_type == "leaf_level" else {"num_blocks_per_group": 1}
+        pipe.enable_group_offload(onload_device=device, offload_type=offload_type, use_stream=stream, **extra)
+
+    return setup
 
 
 def _remove_group_offload(pipe: DiffusionPipeline) -> None:
@@ -76,9 +100,13 @@ def _remove_group_offload(pipe: DiffusionPipeline) -> None:
 
 MODES: dict[str, Mode] = {
     "resident": Mode("resident", _resident, _to_host),
-    "pinned": Mode("pinned", lambda pipe, device: enable_pinned_offload(pipe, device), disable_pinned_offload),
+    "pinned": pinned_mode(),
     "model_cpu_offload": Mode("model_cpu_offload", _model_cpu_offload, _remove_model_cpu_offload),
-    "group_offload_leaf": Mode("group_offload_leaf", _group_offload_leaf, _remove_group_offload),
+    "sequential_cpu_offload": Mode(
+        "sequential_cpu_offload", _sequential_cpu_offload, _remove_model_cpu_offload, needs_accelerator=True
+    ),
+    "group_offload_block": Mode("group_offload_block", _group_offload("block_level"), _remove_group_offload),
+    "group_offload_leaf": Mode("group_offload_leaf", _group_offload("leaf_level"), _remove_group_offload),
 }
 
 
@@ -89,15 +117,24 @@ class ModeResult:
     peak_allocated_bytes: int | None
     setup_seconds: float
     exact: bool | None
+    # The cap the mode ran under (None: the whole device).
+    budget_bytes: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
     report: str | None = None
+    plan: str | None = None
     error: str | None = None
 
+    @property
+    def within_budget(self) -> bool | None:
+        if self.budget_bytes is None or self.peak_allocated_bytes is None:
+            return None
+        return self.peak_allocated_bytes <= self.budget_bytes
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "within_budget": self.within_budget}
 
 
 def _settle(device: torch.device) -> None:
@@ -130,13 +167,19 @@ def run_mode(
     warmup: int,
     calls: int,
     reference: torch.Tensor | None,
+    budget: int | None = None,
 ) -> tuple[ModeResult, torch.Tensor | None]:
-    """Set the mode up, run ``warmup`` then ``calls`` timed calls, tear it down; return the figures
-    and the first output (the reference for the modes after it when this is the resident mode)."""
+    """Cap the device at ``budget``, set the mode up, run ``warmup`` then ``calls`` timed calls,
+    tear it down; return the figures and the first output (the reference for the modes after it
+    when this is the resident mode)."""
+    if mode.needs_accelerator and not _device.is_accelerator(device):
+        return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
+    _device.cap_device_memory(device, budget)
+    pinned = mode.name == "pinned"
     started = time.perf_counter()
     try:
-        mode.setup(pipe, device)
+        mode.setup(pipe, device, budget)
         _device.synchronize(device)
         setup_seconds = time.perf_counter() - started
         rss = host_rss_bytes()
@@ -147,7 +190,7 @@ def run_mode(
         _device.synchronize(device)
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
-        before_loads = _pinned_loads(pipe) if mode.name == "pinned" else None
+        before = _loaded(pipe) if pinned else None
         timings = []
         for _ in range(calls):
             started = time.perf_counter()
@@ -156,13 +199,19 @@ def run_mode(
             timings.append(time.perf_counter() - started)
             first = output if first is None else first
         peak = _peak_allocated(device)
-        loaded, gbps = _pinned_traffic(pipe, before_loads, calls) if before_loads is not None else (None, None)
-        report = str(residency_report(pipe)) if before_loads is not None else None
-    except torch.OutOfMemoryError as exc:
-        logger.warning("%s ran out of memory: %s", mode.name, exc)
+        loaded, gbps = _traffic(pipe, before, calls) if pinned else (None, None)
+        report = str(residency_report(pipe)) if pinned else None
+        plan = str(residency_plan(pipe)) if pinned else None
+    except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        error = "out of memory" if oom else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        logger.warning("%s %s", mode.name, error, exc_info=not oom)
+        peak = _peak_allocated(device)
         mode.teardown(pipe)
-        return ModeResult(mode.name, float("nan"), _peak_allocated(device), float("nan"), None, error="out of memory"), None
+        _device.cap_device_memory(device, None)
+        return ModeResult(mode.name, float("nan"), peak, float("nan"), None, budget, error=error), None
     mode.teardown(pipe)
+    _device.cap_device_memory(device, None)
     exact = None if reference is None else bool(torch.equal(first, reference))
     result = ModeResult(
         mode=mode.name,
@@ -170,26 +219,22 @@ def run_mode(
         peak_allocated_bytes=peak,
         setup_seconds=setup_seconds,
         exact=exact,
+        budget_bytes=budget,
         host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
         report=report,
+        plan=plan,
     )
     return result, first
 
 
-def _pinned_loads(pipe: DiffusionPipeline) -> dict[str, tuple[int, float]]:
-    return {c.name: (c.loads, c.load_seconds) for c in residency_report(pipe).components}
+def _loaded(pipe: DiffusionPipeline) -> tuple[int, float]:
+    components = residency_report(pipe).components
+    return sum(c.loaded_bytes for c in components), sum(c.load_seconds for c in components)
 
 
-def _pinned_traffic(
-    pipe: DiffusionPipeline, before: dict[str, tuple[int, float]], calls: int
-) -> tuple[int, float | None]:
+def _traffic(pipe: DiffusionPipeline, before: tuple[int, float], calls: int) -> tuple[int, float | None]:
     """Bytes loaded per timed call and the effective host-to-device rate over those loads."""
-    moved = 0
-    seconds = 0.0
-    for component in residency_report(pipe).components:
-        loads, load_seconds = before[component.name]
-        moved += (component.loads - loads) * component.staged_bytes
-        seconds += component.load_seconds - load_seconds
+    moved, seconds = (now - then for now, then in zip(_loaded(pipe), before))
     return moved // max(calls, 1), (moved / seconds / 1e9 if seconds > 0 else None)
