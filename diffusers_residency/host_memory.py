@@ -5,7 +5,7 @@ a power of two and keeps freed blocks for reuse: a pipeline's weights end up in 
 while (the original and the copy) and up to twice over for good (the rounding), and pinning costs
 about 0.5 s per GiB. Registering the pages a weight already occupies (``cudaHostRegister``) locks
 them where they are, about ten times faster, with no second copy and no rounding up. That is done for
-large weights, whose pages hold nothing else; small ones, weights that are not on the host (a
+large weights whose pages hold nothing else; small ones, weights in the malloc heap, weights that are not on the host (a
 pipeline built on the device) and weights whose pages cannot be registered are copied, once, into
 a block sized to their bytes (slots padded to 512 bytes, the block to whole pages) that is
 registered in turn, and their old memory is freed.
@@ -37,14 +37,16 @@ _PAGE = mmap.PAGESIZE
 DEFAULT_PIN_FRACTION = 0.75
 # Masters copied into a block start at multiples of this, which keeps DMA reads aligned.
 _SLOT_ALIGNMENT = 512
-# Only storages at least this large are locked in place. Registration works on whole pages, and a
-# page that is only partly registered breaks every copy that touches it: a host tensor that starts
-# in a registered page and ends in an unregistered one fails to copy to the device with "invalid
-# argument" (measured on the H200 machine). A small weight shares its pages with whatever the heap
-# put beside it, including tensors allocated later; an allocation this large is always served by
-# its own mapping (32 MiB is glibc's largest mmap threshold; other allocators give large
-# allocations whole pages too), so its pages hold nothing else.
-IN_PLACE_MIN_BYTES = 32 << 20
+# Only storages at least this large, outside the malloc heap, are locked in place. Registration
+# works on whole pages, and a page that is only partly registered breaks every copy that touches
+# it, either way: a host tensor that starts in a registered page and ends in an unregistered one
+# fails to copy with "invalid argument" (measured on the H200 machine, to the device, and from it
+# into a pipeline's output allocated by malloc in the last page of a weight locked in place). So a
+# weight is locked where it is only when its first and last pages can hold nothing else: glibc
+# serves a large request from its main heap (the "[heap]" mapping) whenever a free chunk there is
+# big enough, beside other allocations, so that heap is excluded (see owns_its_pages); outside it,
+# an allocation larger than a thread arena's 64 MiB heap is a mapping of its own.
+IN_PLACE_MIN_BYTES = 64 << 20
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -162,10 +164,35 @@ def _locked_elsewhere(host: torch.Tensor) -> bool:
     return not LOCKED.overlaps(start, end) and host.is_pinned() and host[-1:].is_pinned()
 
 
+def _malloc_heap_range() -> tuple[int, int] | None:
+    """The main malloc heap's address range (the ``[heap]`` line of ``/proc/self/maps``), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if line.rstrip().endswith("[heap]"):
+                    start, end = line.split()[0].split("-")
+                    return int(start, 16), int(end, 16)
+    except OSError:
+        pass
+    return None
+
+
+def owns_its_pages(hosts: Sequence[torch.Tensor]) -> list[bool]:
+    """For each flat host byte tensor, whether the pages it spans can hold nothing but it, so locking
+    them in place cannot lock part of another allocation (see ``IN_PLACE_MIN_BYTES``)."""
+    heap = _malloc_heap_range()
+    owned = []
+    for host in hosts:
+        start, end = _page_span(host)
+        in_heap = heap is not None and start < heap[1] and end > heap[0]
+        owned.append(host.numel() >= IN_PLACE_MIN_BYTES and not in_heap)
+    return owned
+
+
 def pin_in_place(hosts: Sequence[torch.Tensor], budget: int) -> list[HostMaster]:
     """Register the pages of flat host byte tensors where they are, within ``budget``; memory that is
     page-locked already is left as it is. The caller vouches that nothing else lives in those pages
-    (see ``IN_PLACE_MIN_BYTES``).
+    (:func:`owns_its_pages`, or a mapping of its own).
 
     Tensors whose pages overlap (consecutive weights of one memory-mapped file) are registered
     together as one run: a page can be registered only once.

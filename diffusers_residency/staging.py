@@ -222,7 +222,7 @@ def _pinned_masters(
     pageable."""
     settled = set(settled)
     on_host = [i for i, w in enumerate(wholes) if i not in settled and w.device.type == "cpu" and w.numel()]
-    in_place = [i for i in on_host if wholes[i].numel() >= host_memory.IN_PLACE_MIN_BYTES]
+    in_place = [i for i, owned in zip(on_host, host_memory.owns_its_pages([wholes[i] for i in on_host])) if owned]
     masters = dict(zip(in_place, host_memory.pin_in_place([wholes[i] for i in in_place], pin_budget)))
     unpinned_host = [i for i in on_host if i not in masters or not masters[i].pinned]
     on_device = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]

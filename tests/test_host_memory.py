@@ -63,9 +63,9 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def large_and_small() -> torch.nn.Module:
-    """One weight large enough to be locked in place (37.7 MB), and small ones beside it."""
+    """One weight large enough to be locked in place (75.5 MB), and small ones beside it."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4096, 2304), torch.nn.GELU(), torch.nn.Linear(2304, 8)).eval()
+    return torch.nn.Sequential(torch.nn.Linear(4096, 4608), torch.nn.GELU(), torch.nn.Linear(4608, 8)).eval()
 
 
 def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(driver: FakeDriver) -> None:
@@ -73,7 +73,7 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     x = torch.randn(3, 4096)
     expected = module(x)
     large = module[0].weight
-    assert large.untyped_storage().nbytes() >= host_memory.IN_PLACE_MIN_BYTES
+    assert host_memory.owns_its_pages([large.detach().view(-1).view(torch.uint8)]) == [True]
     address = large.data_ptr()
     small_addresses = {name: t.data_ptr() for name, t in weights(module).items() if t is not large}
 
@@ -93,6 +93,24 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     stager.close()
     assert driver.ranges == {} and host_memory.locked_bytes() == 0
     assert large.data_ptr() == address and torch.equal(module(x), expected)
+
+
+def test_a_large_weight_in_the_malloc_heap_is_copied_not_locked_in_place(
+    driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """glibc serves large requests from free chunks of its main heap, beside other allocations: a
+    weight there shares its first and last pages, and locking them would break copies of whatever
+    malloc puts there later (a pipeline's output, on the H200 machine)."""
+    module = large_and_small()
+    large = module[0].weight
+    address = large.data_ptr()
+    # Where the weight lands depends on the heap's history; make it the heap, as it was there.
+    monkeypatch.setattr(host_memory, "_malloc_heap_range", lambda: (address - 4 * PAGE, address + (256 << 20)))
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    assert large.data_ptr() != address, "copied into a block of its own"
+    assert stager.pinned and all(driver.covers(t) for t in weights(module).values())
+    assert not any(start <= address < start + size for start, size in driver.ranges.items())
+    stager.close()
 
 
 def test_pipeline_masters_all_locked_and_outputs_unchanged(flux, driver: FakeDriver) -> None:
