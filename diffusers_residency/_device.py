@@ -171,6 +171,20 @@ def unregister_host_memory(address: int) -> None:
         _clear_last_cuda_error()
 
 
+def release_freed_host_heap() -> None:
+    """Give the whole pages inside freed malloc chunks back to the system (glibc's ``malloc_trim``).
+
+    Weights that malloc placed in its main heap are copied into masters of their own (see
+    ``host_memory.IN_PLACE_MIN_BYTES``), and freeing the originals leaves holes that glibc keeps
+    resident: the process would hold those weights twice over in RSS. Elsewhere (no glibc) this
+    does nothing; the holes are reused by later allocations there."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def _clear_last_cuda_error() -> None:
     """Reset the CUDA runtime's per-thread "last error" after a failed call.
 

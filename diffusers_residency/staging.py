@@ -296,6 +296,7 @@ class ModuleStager:
         self._groups = _snapshot(self.tensors(), self.pin_budget)
         self._claim_tensors()
         self.rebind_masters()
+        self._release_replaced_host_memory()
         if retention is not None:
             retention.grow(self.staged_bytes)
 
@@ -483,6 +484,7 @@ class ModuleStager:
         self._groups = _snapshot(self.tensors(), self.pin_budget, self._groups)
         self._claim_tensors()
         self.rebind_masters()
+        self._release_replaced_host_memory()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
@@ -539,6 +541,11 @@ class ModuleStager:
             groups[i] = replace(groups[i], master=master.data, mapped=False, pinned=master.pinned, pin=master.pin)
         self._groups = tuple(groups)
         self.rebind_masters()
+
+    def _release_replaced_host_memory(self) -> None:
+        # Host weights copied into pinned masters were freed by the rebinding just done.
+        if self.pin_budget is not None:
+            _device.release_freed_host_heap()
 
     def _claim_tensors(self) -> None:
         me = weakref.ref(self)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import mmap
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -252,3 +254,34 @@ def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: Fa
     assert not stager.pinned and driver.ranges == {}
     assert {name: t.data_ptr() for name, t in weights(transformer).items()} == addresses, "nothing copied"
     stager.close()
+
+
+_HEAP_RSS_SCRIPT = """
+import ctypes, os, torch
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve allocations below 1 GiB from the heap
+from diffusers_residency import _device
+from diffusers_residency.staging import ModuleStager
+_device.can_register_host_memory = lambda: True  # a driver that registers anything (no GPU here)
+_device.register_host_memory = lambda address, nbytes: True
+_device.unregister_host_memory = lambda address: None
+
+def rss():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+module = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8)))  # 128 MiB in the heap
+guard = torch.ones(1 << 16)  # keeps the weights off the top of the heap, where free() trims anyway
+before = rss()
+stager = ModuleStager(module, torch.device("cpu"), pin_memory=True, pin_budget=1 << 40)
+print(rss() - before)
+"""
+
+
+def test_weights_copied_out_of_the_heap_do_not_stay_resident_twice() -> None:
+    """Weights in malloc's heap are copied into masters; the holes they leave are given back, so host
+    memory holds them once, not twice."""
+    done = subprocess.run([sys.executable, "-c", _HEAP_RSS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    growth = int(done.stdout.split()[-1])
+    assert growth < 32 << 20, f"RSS grew by {growth / 2**20:.0f} MiB for 128 MiB of weights copied out of the heap"
