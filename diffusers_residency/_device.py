@@ -119,6 +119,14 @@ def peak_allocated(device: torch.device) -> int | None:
     return int(torch.accelerator.max_memory_allocated(device)) if is_accelerator(device) else None
 
 
+def allocator_retries(device: torch.device) -> int | None:
+    """How often the caching allocator, out of memory, freed its cache (synchronising the device)
+    and tried again, since the process started; None where there is no such allocator."""
+    if not is_accelerator(device):
+        return None
+    return int(torch.accelerator.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def cap_device_memory(device: torch.device, nbytes: int | None) -> bool:
     """Make the caching allocator refuse to hold more than ``nbytes`` on ``device`` (None lifts the
     cap), as a smaller GPU would. Only CUDA has such a cap; returns whether one is in force."""

@@ -88,8 +88,8 @@ def _gb(value: int | None) -> str:
 def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     resident = next((r.seconds_per_call for r in results if r.mode == "resident" and not r.error), None)
     header = (
-        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "within budget", "setup s", "host RSS GB",
-        "RSS x weights", "loaded GB/call", "load GB/s", "exact",
+        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "within budget", "alloc retries", "setup s",
+        "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "exact",
     )  # fmt: skip
     rows = []
     for r in results:
@@ -106,6 +106,7 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
                 within,
+                "-" if r.alloc_retries is None else str(r.alloc_retries),
                 f"{r.setup_seconds:.2f}",
                 _gb(r.host_rss_bytes),
                 "-" if r.host_rss_bytes is None else f"{r.host_rss_bytes / weight_bytes:.2f}",

@@ -119,6 +119,9 @@ class ModeResult:
     exact: bool | None
     # The cap the mode ran under (None: the whole device).
     budget_bytes: int | None = None
+    # Times the caching allocator ran out under the cap, synchronised the device to free its cache
+    # and retried, over the timed calls: each one stalls the copies and the compute alike.
+    alloc_retries: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
@@ -191,6 +194,7 @@ def run_mode(
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
         before = _loaded(pipe) if pinned else None
+        retries = _device.allocator_retries(device)
         timings = []
         for _ in range(calls):
             started = time.perf_counter()
@@ -199,6 +203,7 @@ def run_mode(
             timings.append(time.perf_counter() - started)
             first = output if first is None else first
         peak = _peak_allocated(device)
+        retries = None if retries is None else _device.allocator_retries(device) - retries
         loaded, gbps = _traffic(pipe, before, calls) if pinned else (None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
@@ -220,6 +225,7 @@ def run_mode(
         setup_seconds=setup_seconds,
         exact=exact,
         budget_bytes=budget,
+        alloc_retries=retries,
         host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
