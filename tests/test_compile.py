@@ -92,3 +92,22 @@ def test_compiling_again_compiles_the_plain_forward_once(flux: PipelineCase) -> 
     counters.clear()
     assert torch.equal(flux.run(), flux.reference)
     assert graph_breaks() == {}
+
+
+def test_regionally_compiled_streamed_transformer_never_breaks_or_recompiles(flux: PipelineCase) -> None:
+    """Each streamed block's staging hook stays outside the block's compiled graph."""
+    resident = PipelineCase("flux")
+    compile_transformer(resident, "regional", "eager")
+    expected = resident.run()
+
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    compile_transformer(flux, "regional", "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(flux.run(), expected)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graph_breaks() == {} and graphs >= 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):  # blocks at new device addresses at every step
+            assert torch.equal(flux.run(), expected)
+    assert counters["stats"]["unique_graphs"] == graphs and graph_breaks() == {}

@@ -186,3 +186,44 @@ def test_a_peak_over_the_budget_grows_the_reserve_and_shrinks_the_resident_prefi
     assert torch.equal(flux.run(), flux.reference)
     monkeypatch.undo()
     assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "sd3", "wan"])
+def test_every_streamable_component_of_other_pipelines_streams_exactly(kind: str) -> None:
+    case = PipelineCase(kind)
+    before = case.state()
+    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    streamed = {s.name: "streamed" for s in sizes if s.streamable}
+    assert any(s.per_step for s in sizes if s.name in streamed), "the denoiser streams"
+    case.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=None)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    report = case.pipe.residency_report()
+    assert {c.name for c in report.components if c.policy == "streamed"} == set(streamed), str(report)
+    if kind == "sdxl":
+        # The UNet defines its mid block after the up blocks but runs it before them: prefetching
+        # follows the order the first pass took.
+        order = pipeline_state(case.pipe).group.units_of("unet")[1].stream.order
+        first_up = min(i for i, name in enumerate(order) if ".up_blocks." in name)
+        assert max(i for i, name in enumerate(order) if ".mid_block." in name) < first_up, order
+    case.pipe.disable_pinned_offload()
+    assert_weights_equal(before, case.state())
+
+
+def test_lora_loaded_and_fused_into_a_streamed_transformer_matches_resident(flux: PipelineCase) -> None:
+    pytest.importorskip("peft")
+    from .test_changing_weights import lora_state_dict
+
+    resident = PipelineCase("flux")
+    lora = lora_state_dict(resident)
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    assert torch.equal(flux.run(), flux.reference)
+    for step in (
+        lambda pipe: pipe.load_lora_weights(lora, adapter_name="style"),
+        lambda pipe: pipe.fuse_lora(lora_scale=0.8),
+        lambda pipe: pipe.unfuse_lora(),
+        lambda pipe: pipe.unload_lora_weights(),
+    ):
+        step(resident.pipe)
+        step(flux.pipe)
+        assert torch.equal(flux.run(), resident.run())

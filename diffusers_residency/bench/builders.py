@@ -303,7 +303,7 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "sdxl_vae": _TINY_KL_VAE,
     "sd3_transformer": {
         "sample_size": 16,
-        "num_layers": 1,
+        "num_layers": 4,  # enough blocks to stream
         "attention_head_dim": 16,
         "num_attention_heads": 2,
         "joint_attention_dim": _TINY_T5_WIDTH,
@@ -317,7 +317,7 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "attention_head_dim": 12,  # Wan's RoPE splits a head into thirds of an even size
         "text_dim": _TINY_T5_WIDTH,
         "ffn_dim": 32,
-        "num_layers": 2,
+        "num_layers": 4,  # enough blocks to stream
         "rope_max_seq_len": 32,
     },
     "wan_vae": {"base_dim": 8, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1},
