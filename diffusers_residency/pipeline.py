@@ -27,6 +27,7 @@ from .planner import (
     ComponentSizes,
     ResidencyPlan,
     default_reserve,
+    format_bytes,
     parse_bytes,
     plan_as_given,
     plan_residency,
@@ -150,7 +151,7 @@ def _resolve_budget(
     reserve_bytes = default_reserve(budget) if reserve is None else parse_bytes(reserve, "activation_reserve")
     if reserve_bytes >= budget:
         raise ValueError(
-            f"activation_reserve ({reserve_bytes / 1e9:.2f} GB) leaves nothing of vram_budget ({budget / 1e9:.2f} GB) "
+            f"activation_reserve ({format_bytes(reserve_bytes)}) leaves nothing of vram_budget ({format_bytes(budget)}) "
             "for weights; lower the reserve or raise the budget"
         )
     return budget, reserve_bytes
@@ -185,22 +186,22 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
         new_plan = state.replan(reserve)
     except BudgetTooSmallError:
         logger.warning(
-            "Peak device memory went %.2f GB over vram_budget (%.2f GB) and no plan with a larger activation "
-            "reserve fits; raise vram_budget.",
-            overshoot / 1e9,
-            plan.budget / 1e9,
+            "Peak device memory went %s over vram_budget (%s) and no plan with a larger activation reserve "
+            "fits; raise vram_budget.",
+            format_bytes(overshoot),
+            format_bytes(plan.budget),
         )
         return
     streamed = {p.name for p in new_plan.components if p.policy is Policy.STREAMED}
     if any(p.policy is not new_plan[p.name].policy for p in plan.components if p.name not in streamed):
-        logger.warning("Peak device memory went %.2f GB over vram_budget; %s", overshoot / 1e9, advice)
+        logger.warning("Peak device memory went %s over vram_budget; %s", format_bytes(overshoot), advice)
         return
     _apply_policies(state, new_plan)
     logger.warning(
-        "Peak device memory went %.2f GB over vram_budget; activation reserve raised to %.2f GB, resident "
+        "Peak device memory went %s over vram_budget; activation reserve raised to %s, resident "
         "blocks now: %s (to start there next time, %s)",
-        overshoot / 1e9,
-        reserve / 1e9,
+        format_bytes(overshoot),
+        format_bytes(reserve),
         ", ".join(f"{p.name} {p.resident_blocks}" for p in new_plan.components if p.policy is Policy.STREAMED),
         advice,
     )

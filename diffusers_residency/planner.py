@@ -73,6 +73,14 @@ def parse_bytes(value: int | str, what: str = "vram_budget") -> int:
     return nbytes
 
 
+def format_bytes(nbytes: int) -> str:
+    """Bytes in the largest decimal unit that keeps a digit before the point: "23.80 GB", "512.0 kB"."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def default_reserve(budget: int) -> int:
     return max(MIN_RESERVE_BYTES, int(budget * DEFAULT_RESERVE_FRACTION))
 
@@ -177,10 +185,10 @@ class ResidencyPlan:
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        budget = "none" if self.budget is None else f"{self.budget / 1e9:.2f} GB"
+        budget = "none" if self.budget is None else format_bytes(self.budget)
         head = (
-            f"vram budget {budget}, activation reserve {self.reserve / 1e9:.2f} GB, "
-            f"peak weights {self.peak_weight_bytes / 1e9:.2f} GB"
+            f"vram budget {budget}, activation reserve {format_bytes(self.reserve)}, "
+            f"peak weights {format_bytes(self.peak_weight_bytes)}"
         )
         return "\n".join([head, *table])
 
@@ -268,10 +276,11 @@ def plan_residency(
     plans = {s.name: fixed_plan(s) if s.name in fixed else _away(s) for s in sizes}
     if _peak(list(plans.values()), sizes) > capacity:
         raise BudgetTooSmallError(
-            f"vram_budget {budget / 1e9:.2f} GB is too small: with every component streamed or staged, the "
-            f"weights need {_peak(list(plans.values()), sizes) / 1e9:.2f} GB at once, and "
-            f"{reserve / 1e9:.2f} GB is reserved for activations. Raise the budget, or make resident "
-            "components staged."
+            f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but "
+            f"those you fixed, the weights need {format_bytes(_peak(list(plans.values()), sizes))} at once, "
+            f"and {format_bytes(reserve)} is reserved for activations. Raise the budget to at least "
+            f"{format_bytes(_peak(list(plans.values()), sizes) + reserve)}, or lower activation_reserve, or "
+            "fix fewer components as resident."
         )
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
