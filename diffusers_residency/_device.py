@@ -119,6 +119,11 @@ def peak_allocated(device: torch.device) -> int | None:
     return int(torch.accelerator.max_memory_allocated(device)) if is_accelerator(device) else None
 
 
+def reset_peak_allocated(device: torch.device) -> None:
+    if is_accelerator(device):
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
 def allocator_retries(device: torch.device) -> int | None:
     """How often the caching allocator, out of memory, freed its cache (synchronising the device)
     and tried again, since the process started; None where there is no such allocator."""
@@ -220,10 +225,13 @@ class TimedCopy:
     """Host-to-device copies on a side stream, ordered against the compute stream without a host sync.
 
     ``with timed_copy.running():`` makes the copy stream wait for the compute stream (the destination
-    blocks may have been freed by compute work still in flight), runs the body on the copy stream,
-    records one reusable event, and makes the compute stream wait on it: the host never blocks on a
-    load. The same event pair times the copy; its elapsed time is read at the next load or when asked,
-    by which point the copy finished long ago, so reading it costs no stall.
+    blocks may have been freed by compute work still in flight), runs the body on the copy stream and
+    records one reusable event. :meth:`join` then makes the compute stream wait on that event: the
+    host never blocks on a load. The two are apart so that a copy made ahead (the next blocks of a
+    streamed component) is waited for only where its weights are first used; joining at once would
+    hold the compute stream behind every copy queued ahead of it, and copies and compute would run
+    one after the other. The same event pair times the copy; its elapsed time is read at the next
+    load or when asked, by which point the copy finished long ago, so reading it costs no stall.
     """
 
     def __init__(self, device: torch.device, copy_stream: torch.Stream | None) -> None:
@@ -231,6 +239,8 @@ class TimedCopy:
         self.copy_stream = copy_stream
         self._seconds = 0.0
         self._pending = False
+        # The last copy's event has not been waited on by the compute stream yet.
+        self._unjoined = False
         if copy_stream is not None:
             self._start = torch.Event(device=device, enable_timing=True)
             self._done = torch.Event(device=device, enable_timing=True)
@@ -265,5 +275,13 @@ class TimedCopy:
         with self.copy_stream:
             yield
         self._done.record(self.copy_stream)
-        compute_stream.wait_event(self._done)
         self._pending = True
+        self._unjoined = True
+
+    def join(self) -> None:
+        """Make the compute stream wait for the last copy (on the device; the host goes on). Needed
+        before the copied weights are read, and before their storage is dropped: the allocator
+        hands freed blocks to later compute work, which must come after the copy into them."""
+        if self._unjoined:
+            torch.accelerator.current_stream(self.device).wait_event(self._done)
+            self._unjoined = False

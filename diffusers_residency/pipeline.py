@@ -192,8 +192,8 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
             format_bytes(plan.budget),
         )
         return
-    streamed = {p.name for p in new_plan.components if p.policy is Policy.STREAMED}
-    if any(p.policy is not new_plan[p.name].policy for p in plan.components if p.name not in streamed):
+    if any(p.policy is not new_plan[p.name].policy for p in plan.components):
+        # Only resident prefixes can move in place; another policy means other hooks.
         logger.warning("Peak device memory went %s over vram_budget; %s", format_bytes(overshoot), advice)
         return
     _apply_policies(state, new_plan)
@@ -232,6 +232,8 @@ def _same_setup(
         and previous.group.pin_memory == group.pin_memory
         and previous.group.pin_budget == group.pin_budget
         and {id(hook.unit.module) for hook in previous.hooks.values()} == {id(m) for m in modules.values()}
+        # every hook still attached (one may have been detached on its own) and still in the group
+        and all(getattr(h.unit.module, "_hf_hook", None) is h and h.unit in previous.group.units for h in previous.hooks.values())
         and streamed == {p.name for p in previous.plan.components if p.policy is Policy.STREAMED}
     )
 
@@ -250,7 +252,9 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
     state.plan = plan
     group = state.group
     group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
-    if plan.budget is not None and group.vram_budget != plan.budget:
+    if plan.budget is None:
+        group.unwatch_budget()
+    elif group.vram_budget != plan.budget:
         group.watch_budget(plan.budget, lambda overshoot: _learn_reserve(state, overshoot))
 
 

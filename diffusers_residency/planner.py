@@ -208,8 +208,12 @@ def _streamed(sizes: ComponentSizes, resident_blocks: int = 0) -> ComponentPlan:
 
 
 def _away(sizes: ComponentSizes) -> ComponentPlan:
-    """The cheapest way to keep a component off the device between its uses."""
-    return _streamed(sizes) if sizes.streamable else ComponentPlan(sizes.name, Policy.STAGED)
+    """The cheapest way to keep a component off the device between its uses: streamed when its
+    trunk and window take less room than the whole of it, else staged."""
+    streamed = _streamed(sizes)
+    if sizes.streamable and streamed.resident_bytes(sizes) + streamed.transient_bytes(sizes) < sizes.nbytes:
+        return streamed
+    return ComponentPlan(sizes.name, Policy.STAGED)
 
 
 def _most_resident_blocks(sizes: ComponentSizes, room: int) -> int:

@@ -59,15 +59,16 @@ class StagedUnit:
         and streamed blocks are; resident units and a streamed component's trunk are kept."""
         return self.policy is Policy.STAGED or (self.policy is Policy.STREAMED and self.stream is not None)
 
-    def load(self) -> None:
+    def load(self, *, ahead: bool = False) -> None:
         """Load, first waking the masters of a sleeping unit and taking masters for weights replaced
         or added while offloaded (a LoRA adapter injected, projections fused, a submodule cast);
-        masters of unchanged storages are reused as they are, so that copies only what is new."""
+        masters of unchanged storages are reused as they are, so that copies only what is new.
+        ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does."""
         if self.sleep_level:
             logger.info("Waking %r for a call", self.name)
             self.wake_masters()
         self.stager.retake_masters()
-        self.stager.load()
+        self.stager.load(ahead=ahead)
 
     def wake_masters(self) -> None:
         self.stager.unmap_masters()
@@ -118,12 +119,18 @@ class ResidencyGroup:
         self._peak_told = 0
 
     def watch_budget(self, vram_budget: int, on_over_budget: Callable[[int], None]) -> None:
-        """Call ``on_over_budget(overshoot)`` at a component switch when the device's peak allocated
-        memory has gone past ``vram_budget`` (further than it had been told of before). Peaks from
-        before this call are not counted against it."""
+        """Call ``on_over_budget(overshoot)`` when a component starts and the device's peak allocated
+        memory has gone past ``vram_budget`` (further than it had been told of before). The peak is
+        reset here, so that an earlier workload's peak (the pipeline run resident before, say)
+        neither counts against the budget nor hides an overshoot below it."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
-        self._peak_told = max(vram_budget, _device.peak_allocated(self.device) or 0)
+        self._peak_told = vram_budget
+        _device.reset_peak_allocated(self.device)
+
+    def unwatch_budget(self) -> None:
+        self.vram_budget = None
+        self.on_over_budget = None
 
     def _watch_peak(self) -> None:
         if self.on_over_budget is None:
@@ -187,6 +194,8 @@ class ResidencyGroup:
     def activate(self, unit: StagedUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once."""
+        if self.on_over_budget is not None and unit.stream is None:
+            self._watch_peak()  # once per component call (a block of a streamed one does not check)
         switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
         if switched:
             # A resident unit never switches: it may run interleaved with the others (a ControlNet
@@ -196,6 +205,8 @@ class ResidencyGroup:
             unit.stream.enter(unit)
         elif not unit.stager.loaded:
             unit.load()
+        else:
+            unit.stager.ready()  # loaded ahead: the compute stream waits for the copy from here
         if switched:
             self._load_ahead(unit.component)
 
@@ -204,7 +215,6 @@ class ResidencyGroup:
         one; then let the retention budget decide whether this boundary gives the allocator's cache
         back."""
         self.active_component = component
-        self._watch_peak()
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return
@@ -225,6 +235,8 @@ class ResidencyGroup:
         holds it beside what is loaded: its copy then runs behind this component's compute."""
         if self.weight_capacity is None or component not in self.call_order:
             return
+        if any(u.stream is not None for u in self.units_of(component)):
+            return  # a streaming component's next blocks need the room the plan gave its window
         order = self.call_order
         following = order[(order.index(component) + 1) % len(order)]
         ahead = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
@@ -232,7 +244,7 @@ class ResidencyGroup:
         if ahead and self.loaded_bytes() + needed <= self.weight_capacity:
             logger.debug("Loading %r ahead (%d bytes)", following, needed)
             for unit in ahead:
-                unit.load()
+                unit.load(ahead=True)
 
     def offload_component(self, component: str, *, for_writing: bool = False) -> None:
         """Offload every unit of ``component``; with ``for_writing``, also wait until no copy still

@@ -385,10 +385,21 @@ class ModuleStager:
         else:
             _device.empty_cache(self.device)
 
-    def load(self) -> None:
-        """Bring the weights onto the device; a no-op when they are there."""
+    def load(self, *, ahead: bool = False) -> None:
+        """Bring the weights onto the device; a no-op when they are there (the compute stream then
+        waits for them, unless ``ahead``: loaded before they are needed, :meth:`ready` is called
+        where they are)."""
         if self.loaded:
+            if not ahead:
+                self.ready()
             return
+        self._load(ahead)
+
+    def ready(self) -> None:
+        """Make the compute stream wait for the last load's copy (on the device, not the host)."""
+        self._copy.join()
+
+    def _load(self, ahead: bool) -> None:
         try:
             self._load_once()
         except torch.OutOfMemoryError:
@@ -406,6 +417,8 @@ class ModuleStager:
         except BaseException:
             self._fall_back_to_masters()
             raise
+        if not ahead:
+            self.ready()
 
     def offload(self) -> None:
         """Rebind every tensor to its host master and drop the device copy; a tensor replaced while
@@ -417,6 +430,9 @@ class ModuleStager:
         """
         if not self.loaded:
             return
+        # A copy made ahead and never used: order it before the compute work that may get its
+        # storage next.
+        self.ready()
         replaced = self._replaced_while_loaded()
         if not replaced:
             self.rebind_masters()

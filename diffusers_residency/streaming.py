@@ -114,18 +114,20 @@ class BlockStream:
         if self._recording is not None:
             self._learn(unit)
         window = self._windows.get(id(unit), ())
-        if not unit.stager.loaded:
-            unit.load()
         keep = (unit, *window)
         held = []
-        for other in self._held:
+        for other in self._held:  # dropped first: their room is what the next loads take
             if other in keep:
                 held.append(other)
             else:
                 other.stager.offload()
+        if unit.stager.loaded:
+            unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
+        else:
+            unit.load()
         for ahead in window:
             if not ahead.stager.loaded:
-                ahead.load()
+                ahead.load(ahead=True)
             if ahead not in held:
                 held.append(ahead)
         if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:

@@ -227,3 +227,64 @@ def test_lora_loaded_and_fused_into_a_streamed_transformer_matches_resident(flux
         step(resident.pipe)
         step(flux.pipe)
         assert torch.equal(flux.run(), resident.run())
+
+
+@pytest.mark.parametrize("staged", ["text_encoder", "text_encoder_2", "vae"])
+def test_loading_ahead_never_takes_the_room_of_a_streaming_component(flux: PipelineCase, staged: str) -> None:
+    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    total = sum(s.nbytes for s in sizes)
+    checked = 0
+    for budget in range(total, total // 4, -total // 40):  # fine steps: overshoots show at a few budgets only
+        try:
+            flux.pipe.enable_pinned_offload("cpu", components={staged: "staged"}, vram_budget=budget, activation_reserve=RESERVE)
+        except BudgetTooSmallError:
+            break
+        group = pipeline_state(flux.pipe).group
+        seen = _record_loaded_bytes(flux)
+        for module in flux.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.register_forward_hook(lambda *_: seen.append(group.loaded_bytes()))
+        assert torch.equal(flux.run(), flux.reference)
+        assert torch.equal(flux.run(), flux.reference)
+        assert max(seen) <= budget - RESERVE, (budget, max(seen), str(flux.pipe.residency_plan()))
+        flux.pipe.disable_pinned_offload()
+        for module in flux.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for sub in module.modules():
+                    sub._forward_hooks.clear()
+        checked += 1
+    assert checked >= 3
+
+
+def test_turning_the_budget_off_stops_watching_it(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    streamed = {"transformer": "streamed"}
+    flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=10**7, activation_reserve=RESERVE)
+    group = pipeline_state(flux.pipe).group
+    flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=None)
+    assert pipeline_state(flux.pipe).group is group, "same setup: masters kept"
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 10**9)  # far over the old budget
+    assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan().budget is None
+
+
+def test_enabling_again_after_one_component_was_detached(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    assert torch.equal(flux.run(), flux.reference)
+    detach_staging_hook(flux.pipe.vae)
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    assert flux.pipe.residency_report()["vae"].policy == "staged"
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_learned_reserve_that_would_change_policies_only_advises(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    budget = sum(s.nbytes for s in sizes) + RESERVE  # everything resident, just
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
+    before = flux.pipe.residency_plan()
+    assert {p.policy for p in before.components} == {Policy.RESIDENT}
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 400_000)
+    assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan() == before, "resident components are not turned into streamed ones mid-call"
+    assert "activation_reserve=" in caplog.text
