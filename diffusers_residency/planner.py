@@ -155,16 +155,6 @@ class ResidencyPlan:
         """The most weight bytes the plan puts on the device at once."""
         return _peak(self.components, self.sizes)
 
-    @property
-    def streamed_bytes_per_step(self) -> int:
-        """Bytes the per-step components stream at every step."""
-        by_name = {s.name: s for s in self.sizes}
-        return sum(
-            sum(by_name[p.name].block_bytes[p.resident_blocks :])
-            for p in self.components
-            if p.policy is Policy.STREAMED and by_name[p.name].per_step
-        )
-
     def __str__(self) -> str:
         by_name = {s.name: s for s in self.sizes}
         rows = [("component", "policy", "GB", "resident GB", "blocks resident/streamed", "prefetch")]

@@ -133,9 +133,3 @@ class BlockStream:
         if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
             held.append(unit)
         self._held = held
-
-    def drop(self) -> None:
-        """Offload every streamed block (the component is done for now)."""
-        for unit in self._held:
-            unit.stager.offload()
-        self._held = []

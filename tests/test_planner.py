@@ -27,7 +27,7 @@ def _peak_within(plan, budget: int, reserve: int) -> None:
 def test_ample_budget_keeps_everything_resident() -> None:
     plan = plan_residency(FLUX, 80 * GB, 4 * GB)
     assert {p.policy for p in plan.components} == {Policy.RESIDENT}
-    assert plan.streamed_bytes_per_step == 0
+    assert plan.peak_weight_bytes == sum(s.nbytes for s in FLUX)
 
 
 def test_30gb_streams_the_once_per_call_encoder_and_keeps_the_transformer() -> None:
