@@ -111,3 +111,19 @@ def test_regionally_compiled_streamed_transformer_never_breaks_or_recompiles(flu
         for _ in range(2):  # blocks at new device addresses at every step
             assert torch.equal(flux.run(), expected)
     assert counters["stats"]["unique_graphs"] == graphs and graph_breaks() == {}
+
+
+def test_whole_compile_of_a_streamed_transformer_breaks_once_per_block(flux: PipelineCase) -> None:
+    """Each streamed block's staging runs eagerly inside the compiled forward: fullgraph=True is
+    refused by dynamo, and without it the graph breaks once per block."""
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    transformer = flux.pipe.transformer
+    transformer.compile(backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        flux.run()
+    torch._dynamo.reset()
+    transformer.compile(backend="eager")
+    counters.clear()
+    assert torch.equal(flux.run(), flux.reference)
+    blocks = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+    assert sum(graph_breaks().values()) == blocks, graph_breaks()

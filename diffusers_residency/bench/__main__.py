@@ -55,6 +55,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--budgets", default="unlimited", help="comma-separated VRAM caps, e.g. unlimited,30GB,16GB")
     parser.add_argument("--activation-reserve", default=None, help="for the pinned mode, e.g. 3GB (default: its own)")
+    parser.add_argument("--compile", choices=("regional", "whole"), default=None, help="compile the denoiser in every mode")
+    parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per mode")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
@@ -120,6 +122,16 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def format_compile_table(results: list[ModeResult]) -> str:
+    lines = ["| mode | budget GB | first call s (compiling) | warm s/call | graphs compiled while timed |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.error or r.first_call_seconds is None:
+            continue
+        budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
+        lines.append(f"| {r.mode} | {budget} | {r.first_call_seconds:.2f} | {r.seconds_per_call:.3f} | {r.graphs_compiled_while_timed} |")
+    return "\n".join(lines)
+
+
 def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
     """Unique bytes behind every parameter and buffer of the pipeline's modules."""
     modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
@@ -166,7 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{mode.name} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
         progress.set_postfix_str(label)
         result, output = run_mode(
-            pipe, mode, device, call, warmup=args.warmup, calls=args.calls, reference=reference, budget=budget
+            pipe,
+            mode,
+            device,
+            call,
+            warmup=args.warmup,
+            calls=args.calls,
+            reference=reference,
+            budget=budget,
+            compile=(args.compile, args.compile_backend) if args.compile else None,
         )
         if mode.name == "resident" and reference is None and output is not None:
             reference = output
@@ -183,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{setting}\n{environment}\n")
     print(format_table(results, weight_bytes))
+    if args.compile:
+        print(f"\nwith the denoiser compiled ({args.compile}, {args.compile_backend}):\n")
+        print(format_compile_table(results))
     for result in results:
         if result.plan:
             budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"

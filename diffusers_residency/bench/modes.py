@@ -110,6 +110,39 @@ MODES: dict[str, Mode] = {
 }
 
 
+# The components diffusers' pipelines call at every denoising step: what --compile compiles.
+_DENOISERS = ("transformer", "unet")
+
+
+def compile_denoiser(pipe: DiffusionPipeline, how: str, backend: str) -> None:
+    """Compile the denoiser the way a user would: ``regional`` (``compile_repeated_blocks``) or
+    ``whole`` (``component.compile()``), both with ``fullgraph=True``."""
+    denoiser = next(pipe.components[name] for name in _DENOISERS if name in pipe.components)
+    if how == "regional":
+        denoiser.compile_repeated_blocks(backend=backend, fullgraph=True)
+    else:
+        denoiser.compile(backend=backend, fullgraph=True)
+
+
+def uncompile(pipe: DiffusionPipeline) -> None:
+    """Undo :func:`compile_denoiser` once the mode's hooks are gone, so the next mode starts from the
+    plain modules: ``nn.Module.compile`` leaves ``_compiled_call_impl``, and a staging hook removed
+    after ``compile()`` leaves the compiled forward as the instance's ``forward``."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            for module in component.modules():
+                module._compiled_call_impl = None
+                if hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+                    del module.forward
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 @dataclass(frozen=True)
 class ModeResult:
     mode: str
@@ -122,6 +155,10 @@ class ModeResult:
     # Times the caching allocator ran out under the cap, synchronised the device to free its cache
     # and retried, over the timed calls: each one stalls the copies and the compute alike.
     alloc_retries: int | None = None
+    # With --compile: the first call (tracing and compiling included), and graphs compiled during
+    # the timed calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
+    first_call_seconds: float | None = None
+    graphs_compiled_while_timed: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
@@ -171,10 +208,11 @@ def run_mode(
     calls: int,
     reference: torch.Tensor | None,
     budget: int | None = None,
+    compile: tuple[str, str] | None = None,
 ) -> tuple[ModeResult, torch.Tensor | None]:
-    """Cap the device at ``budget``, set the mode up, run ``warmup`` then ``calls`` timed calls,
-    tear it down; return the figures and the first output (the reference for the modes after it
-    when this is the resident mode)."""
+    """Cap the device at ``budget``, set the mode up (and compile its denoiser, with ``compile`` as
+    ``(how, backend)``), run ``warmup`` then ``calls`` timed calls, tear it down; return the figures
+    and the first output (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
@@ -186,11 +224,17 @@ def run_mode(
         _device.synchronize(device)
         setup_seconds = time.perf_counter() - started
         rss = host_rss_bytes()
+        if compile is not None:
+            compile_denoiser(pipe, *compile)
         first = None
+        first_call = None
         for _ in range(warmup):
+            started = time.perf_counter()
             output = call()
+            _device.synchronize(device)
+            first_call = time.perf_counter() - started if first_call is None else first_call
             first = output if first is None else first
-        _device.synchronize(device)
+        graphs = _graphs() if compile is not None else None
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
         before = _loaded(pipe) if pinned else None
@@ -204,6 +248,7 @@ def run_mode(
             first = output if first is None else first
         peak = _peak_allocated(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
+        graphs = None if graphs is None else _graphs() - graphs
         loaded, gbps = _traffic(pipe, before, calls) if pinned else (None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
@@ -212,11 +257,9 @@ def run_mode(
         error = "out of memory" if oom else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         logger.warning("%s %s", mode.name, error, exc_info=not oom)
         peak = _peak_allocated(device)
-        mode.teardown(pipe)
-        _device.cap_device_memory(device, None)
+        _tear_down(pipe, mode, device, compile)
         return ModeResult(mode.name, float("nan"), peak, float("nan"), None, budget, error=error), None
-    mode.teardown(pipe)
-    _device.cap_device_memory(device, None)
+    _tear_down(pipe, mode, device, compile)
     exact = None if reference is None else bool(torch.equal(first, reference))
     result = ModeResult(
         mode=mode.name,
@@ -226,6 +269,8 @@ def run_mode(
         exact=exact,
         budget_bytes=budget,
         alloc_retries=retries,
+        first_call_seconds=first_call if compile is not None else None,
+        graphs_compiled_while_timed=graphs,
         host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
@@ -233,6 +278,13 @@ def run_mode(
         plan=plan,
     )
     return result, first
+
+
+def _tear_down(pipe: DiffusionPipeline, mode: Mode, device: torch.device, compile: tuple[str, str] | None) -> None:
+    mode.teardown(pipe)
+    if compile is not None:
+        uncompile(pipe)
+    _device.cap_device_memory(device, None)
 
 
 def _loaded(pipe: DiffusionPipeline) -> tuple[int, float]:
