@@ -54,10 +54,11 @@ class BlockStream:
     """The loading order of one component's blocks, and the window of blocks loaded ahead.
 
     The order is the one the forward really takes: definition order at first, then, from the
-    second pass on, the order the blocks were entered during the first complete pass (a pass ends
-    when a block is entered again). A block entered out of that order (a cache hook skipping
-    blocks, a branch not taken) is loaded on the spot if it is not already there; nothing is ever
-    read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a wait.
+    second pass on, the blocks entered during the first pass, in that order (a pass ends when a
+    block is entered again). A block entered out of that order (a cache hook skipping blocks, a
+    branch not taken in the first pass) is loaded on the spot if it is not already there; nothing
+    is ever read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a
+    wait.
     """
 
     def __init__(self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int) -> None:
@@ -100,8 +101,11 @@ class BlockStream:
         recording = self._recording
         if unit in recording:
             self._recording = None
-            if tuple(recording) != self._order and len(recording) == len(self.blocks):
-                logger.info("%r runs its blocks in an order of its own; prefetching in that order", self.component)
+            if tuple(recording) != self._order:
+                # Blocks the pass did not run (a VAE's encoder when only decoding) leave the order:
+                # they are never loaded ahead, only on the spot if they ever run.
+                logger.info("%r runs %d of its %d blocks in an order of its own; prefetching in that order",
+                            self.component, len(recording), len(self.blocks))  # fmt: skip
                 self._order = tuple(recording)
                 self._compute_windows()
             return

@@ -288,3 +288,15 @@ def test_a_learned_reserve_that_would_change_policies_only_advises(
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_plan() == before, "resident components are not turned into streamed ones mid-call"
     assert "activation_reserve=" in caplog.text
+
+
+def test_blocks_a_call_never_runs_are_not_loaded_ahead(flux: PipelineCase) -> None:
+    """Text-to-image decodes only: the streamed VAE's encoder blocks leave the prefetch order."""
+    flux.pipe.enable_pinned_offload("cpu", components={"vae": "streamed"}, vram_budget=None)
+    for _ in range(3):
+        assert torch.equal(flux.run(), flux.reference)
+    units = pipeline_state(flux.pipe).group.units_of("vae")[1:]
+    order = units[0].stream.order
+    assert order and all(".decoder." in name or name.startswith("vae.decoder") for name in order), order
+    encoder = [u for u in units if ".encoder." in u.name]
+    assert encoder and sum(u.stager.loads for u in encoder) <= 2, "loaded ahead once, before the order was known"
