@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch
@@ -241,12 +242,13 @@ def attach_block_streaming(
     group: ResidencyGroup,
     *,
     name: str | None = None,
-    resident_blocks: int = 0,
+    resident_blocks: Collection[int] = (),
     prefetch_blocks: int = PREFETCH_BLOCKS,
 ) -> StagingHook:
     """Stream ``module``'s repeated blocks (see :func:`~diffusers_residency.streaming.repeated_blocks`)
-    through ``group``: its trunk and first ``resident_blocks`` blocks stay on the device once loaded;
-    each other block loads just before it runs, with the next ``prefetch_blocks`` loading behind it.
+    through ``group``: its trunk and the blocks at positions ``resident_blocks`` (in definition
+    order, from 0) stay on the device once loaded; each other block loads just before it runs, with
+    the next ``prefetch_blocks`` streamed ones loading behind it.
     Every block gets a staging hook of its own; :func:`detach_staging_hook` on ``module`` removes them all.
     """
     name = name or type(module).__name__
@@ -256,8 +258,12 @@ def attach_block_streaming(
             f"{name!r} ({type(module).__name__}) has {len(blocks)} repeated blocks, too few to stream with "
             f"{prefetch_blocks} loading ahead; stage it whole instead"
         )
-    if not 0 <= resident_blocks <= len(blocks):
-        raise ValueError(f"resident_blocks must be between 0 and {len(blocks)} for {name!r}, not {resident_blocks}")
+    resident_blocks = frozenset(resident_blocks)
+    outside = sorted(i for i in resident_blocks if not (isinstance(i, int) and 0 <= i < len(blocks)))
+    if outside:
+        raise ValueError(
+            f"resident_blocks {outside} are not positions of {name!r}'s {len(blocks)} blocks; give indices from 0 to {len(blocks) - 1}"
+        )
     check_attachable(module, name, group)
     if isinstance(getattr(module, "_hf_hook", None), StagingHook):
         remove_hook_from_module(module)
@@ -266,7 +272,7 @@ def attach_block_streaming(
     units: list[StagedUnit] = [trunk]
     try:
         for index, (path, block) in enumerate(blocks):
-            policy = Policy.RESIDENT if index < resident_blocks else Policy.STREAMED
+            policy = Policy.RESIDENT if index in resident_blocks else Policy.STREAMED
             units.append(group.add(f"{name}.{path}", block, policy, component=name))
         stream = BlockStream(name, units[1:], prefetch_blocks)
         for unit in units[1:]:

@@ -44,9 +44,11 @@ _STATE_ATTR = "_pinned_residency"
 # merged by a function, not a component method the hooks could wrap): run with every component
 # offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
 _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
-# Grown on top of an observed overshoot when the activation reserve is learned, as a fraction of
-# the budget: the next call's activations may differ a little (another prompt length, say).
-OVERSHOOT_MARGIN = 0.02
+# Kept on top of an observed peak when the activation reserve is learned, as a fraction of the
+# budget: the next call's activations may differ a little (another prompt length, say).
+RESERVE_MARGIN = 0.02
+# How finely a lowered reserve is searched for: a fraction of a block of any model worth streaming.
+_RESERVE_STEP = 1 << 20
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
@@ -60,6 +62,11 @@ class PipelineResidency:
     plan: ResidencyPlan
     # The plan for a given activation reserve, with everything else as enabled.
     replan: Callable[[int], ResidencyPlan]
+    # Whether the reserve is the default, which the first call's peak may lower (a reserve the
+    # caller gave is kept as a floor).
+    reserve_learned: bool = False
+    # The last component of model_cpu_offload_seq: the one that ends a call.
+    call_end: str | None = None
 
     @property
     def active(self) -> bool:
@@ -180,7 +187,7 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
     reserve kept. Plan again with the reserve grown by the overshoot and a margin, and apply it when
     only resident prefixes change; otherwise say what to pass."""
     plan = state.plan
-    reserve = plan.reserve + overshoot + int(plan.budget * OVERSHOOT_MARGIN)
+    reserve = plan.reserve + overshoot + int(plan.budget * RESERVE_MARGIN)
     advice = f"pass activation_reserve={reserve} (bytes) to enable_pinned_offload()"
     try:
         new_plan = state.replan(reserve)
@@ -202,8 +209,58 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
         "blocks now: %s (to start there next time, %s)",
         format_bytes(overshoot),
         format_bytes(reserve),
-        ", ".join(f"{p.name} {p.resident_blocks}" for p in new_plan.components if p.policy is Policy.STREAMED),
+        ", ".join(f"{p.name} {len(p.resident_blocks)}" for p in new_plan.components if p.policy is Policy.STREAMED),
         advice,
+    )
+
+
+def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
+    """The first call peaked at ``call_peak``, under the budget: the default reserve held more than
+    that call's activations needed. Plan again with the smallest reserve whose plan puts no more
+    than the unused room (less a margin) on the device, and apply it when only resident blocks
+    change.
+
+    The bound is on what the new plan *adds* (resident bytes, and any growth of the largest
+    window), not on its peak: activations peak where they please (a FLUX call's is in the VAE,
+    2.6 GB at 1024x1024, while the transformer's window is gone), and every resident byte is there
+    at that moment too."""
+    plan = state.plan
+    room = plan.budget - call_peak - int(plan.budget * RESERVE_MARGIN)
+
+    def added(candidate: ResidencyPlan) -> int:
+        grown_window = max(0, candidate.transient_weight_bytes - plan.transient_weight_bytes)
+        return candidate.resident_weight_bytes - plan.resident_weight_bytes + grown_window
+
+    def fits(reserve: int) -> ResidencyPlan | None:
+        try:
+            candidate = state.replan(reserve)
+        except BudgetTooSmallError:
+            return None
+        same_policies = all(p.policy is candidate[p.name].policy for p in plan.components)
+        return candidate if same_policies and added(candidate) <= room else None
+
+    if room <= 0:
+        return
+    # Bisect: a smaller reserve never keeps fewer bytes resident.
+    low, high = 0, plan.reserve
+    while high - low > _RESERVE_STEP:
+        middle = (low + high) // 2
+        if fits(middle) is None:
+            low = middle
+        else:
+            high = middle
+    new_plan = fits(high)
+    if new_plan is None or new_plan.resident_weight_bytes <= plan.resident_weight_bytes:
+        return
+    _apply_policies(state, new_plan)
+    logger.info(
+        "The first call peaked at %s of vram_budget %s; activation reserve lowered to %s, %s more kept "
+        "on the device. Pass activation_reserve= to enable_pinned_offload() to keep a larger one (calls "
+        "with larger activations than this first one, say at a higher resolution, need it).",
+        format_bytes(call_peak),
+        format_bytes(plan.budget),
+        format_bytes(new_plan.reserve),
+        format_bytes(new_plan.resident_weight_bytes - plan.resident_weight_bytes),
     )
 
 
@@ -246,7 +303,11 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
         units = state.group.units_of(component.name)
         units[0].policy = component.policy
         for index, block in enumerate(units[1:]):
-            block.policy = Policy.RESIDENT if index < component.resident_blocks else Policy.STREAMED
+            policy = Policy.RESIDENT if index in component.resident_blocks else Policy.STREAMED
+            if block.policy is Policy.RESIDENT and policy is Policy.STREAMED and block.stager.loaded:
+                # Leaving residency: its room goes to the blocks that now stay, before they load.
+                block.stager.offload()
+            block.policy = policy
         if units[0].policy is Policy.STREAMED:
             units[1].stream.replan()
     state.plan = plan
@@ -255,7 +316,12 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
     if plan.budget is None:
         group.unwatch_budget()
     elif group.vram_budget != plan.budget:
-        group.watch_budget(plan.budget, lambda overshoot: _learn_reserve(state, overshoot))
+        group.watch_budget(
+            plan.budget,
+            lambda overshoot: _learn_reserve(state, overshoot),
+            on_first_call=(lambda peak: _lower_reserve(state, peak)) if state.reserve_learned else None,
+            call_end=state.call_end,
+        )
 
 
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
@@ -320,6 +386,8 @@ def enable_pinned_offload(
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan
+        previous.reserve_learned = activation_reserve is None
+        previous.group.unwatch_budget()  # watched again for the new plan, the peak reset
         _apply_policies(previous, plan)
         _load_excluded(pipe, previous)
         return
@@ -344,7 +412,15 @@ def enable_pinned_offload(
             else:
                 hooks[name] = attach_staging_hook(module, group, name=name, policy=component.policy)
             attached[id(module)] = name
-        state = PipelineResidency(group=group, hooks=hooks, plan=plan, replan=replan)
+        sequence = [name for name in (pipe.model_cpu_offload_seq or "").split("->") if name in modules]
+        state = PipelineResidency(
+            group=group,
+            hooks=hooks,
+            plan=plan,
+            replan=replan,
+            reserve_learned=activation_reserve is None,
+            call_end=sequence[-1] if sequence else None,
+        )
         group.call_order = tuple(modules)
         _apply_policies(state, plan)
         _load_excluded(pipe, state)

@@ -117,28 +117,64 @@ class ResidencyGroup:
         self.vram_budget: int | None = None
         self.on_over_budget: Callable[[int], None] | None = None
         self._peak_told = 0
+        # Told the peak of the first whole call, once: see watch_budget.
+        self.on_first_call: Callable[[int], None] | None = None
+        self._call_end: str | None = None
+        self._call_start: str | None = None
+        self._call_end_ran = False
 
-    def watch_budget(self, vram_budget: int, on_over_budget: Callable[[int], None]) -> None:
+    def watch_budget(
+        self,
+        vram_budget: int,
+        on_over_budget: Callable[[int], None],
+        *,
+        on_first_call: Callable[[int], None] | None = None,
+        call_end: str | None = None,
+    ) -> None:
         """Call ``on_over_budget(overshoot)`` when a component starts and the device's peak allocated
         memory has gone past ``vram_budget`` (further than it had been told of before). The peak is
         reset here, so that an earlier workload's peak (the pipeline run resident before, say)
-        neither counts against the budget nor hides an overshoot below it."""
+        neither counts against the budget nor hides an overshoot below it.
+
+        With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
+        whole call: from the component that ran first to when it starts again after ``call_end`` ran
+        (a call that stops short of ``call_end``, say with latents as output, does not count). Not
+        after an overshoot, which says the reserve is already too small."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self._peak_told = vram_budget
+        self.on_first_call = on_first_call
+        self._call_end = call_end
+        self._call_start = None
+        self._call_end_ran = False
         _device.reset_peak_allocated(self.device)
 
     def unwatch_budget(self) -> None:
         self.vram_budget = None
         self.on_over_budget = None
+        self.on_first_call = None
 
-    def _watch_peak(self) -> None:
+    def _watch_peak(self, component: str) -> None:
         if self.on_over_budget is None:
             return
         peak = _device.peak_allocated(self.device)
-        if peak is not None and peak > self._peak_told:
+        if peak is None:
+            return
+        if peak > self._peak_told:
             self._peak_told = peak
+            self.on_first_call = None
             self.on_over_budget(peak - self.vram_budget)
+        if self.on_first_call is not None:
+            self._watch_first_call(component, peak)
+
+    def _watch_first_call(self, component: str, peak: int) -> None:
+        if self._call_start is None:
+            self._call_start = component
+        elif component == self._call_end:
+            self._call_end_ran = True
+        elif component == self._call_start and self._call_end_ran:
+            on_first_call, self.on_first_call = self.on_first_call, None
+            on_first_call(peak)
 
     def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
@@ -195,7 +231,7 @@ class ResidencyGroup:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once."""
         if self.on_over_budget is not None and unit.stream is None:
-            self._watch_peak()  # once per component call (a block of a streamed one does not check)
+            self._watch_peak(unit.component)  # once per component call (a block of a streamed one does not check)
         switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
         if switched:
             # A resident unit never switches: it may run interleaved with the others (a ControlNet

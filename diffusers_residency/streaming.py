@@ -3,9 +3,9 @@
 A component too large for the device (or for its share of a VRAM budget) is split into its *trunk*
 (embeddings, norms, projections: everything outside the blocks) and its repeated blocks, the ones
 diffusers lists in ``_repeated_blocks`` and transformers in ``_no_split_modules``. Each block gets a
-stager of its own. The trunk and a prefix of the blocks stay on the device; every other block is
-loaded just before it runs and dropped after, while the next few load on the copy stream behind the
-compute.
+stager of its own. The trunk and some of the blocks (chosen by the planner) stay on the device;
+every other block is loaded just before it runs and dropped after, while the next few load on the
+copy stream behind the compute.
 
 Device memory for streamed blocks is not allocated anew at each step in any way that costs: a
 dropped block's storage returns to the caching allocator on the compute stream, and the next block
@@ -78,23 +78,25 @@ class BlockStream:
 
     def _compute_windows(self) -> None:
         """For each block, the streamed blocks that follow it in order, wrapping around: the next
-        pass (the next denoising step) starts again at the top."""
+        pass (the next denoising step) starts again at the top. A resident block holds no slot of
+        the window while it runs, so the slot a streamed block would take loads one more ahead."""
         order = self._order
         count = len(order)
         windows = {}
         for position, unit in enumerate(order):
+            depth = self.prefetch_blocks + (unit.policy is not Policy.STREAMED)
             ahead = []
             for step in range(1, count):
                 candidate = order[(position + step) % count]
                 if candidate.policy is Policy.STREAMED:
                     ahead.append(candidate)
-                    if len(ahead) == self.prefetch_blocks:
+                    if len(ahead) == depth:
                         break
             windows[id(unit)] = tuple(ahead)
         self._windows = windows
 
     def replan(self) -> None:
-        """Recompute the windows after block policies changed (a new resident prefix)."""
+        """Recompute the windows after block policies changed (other resident blocks)."""
         self._compute_windows()
 
     def _learn(self, unit: StagedUnit) -> None:

@@ -45,13 +45,37 @@ def test_tight_budgets_stream_the_transformer_behind_the_most_resident_blocks(bu
     plan = plan_residency(FLUX, budget, reserve)
     transformer = plan["transformer"]
     assert transformer.policy is Policy.STREAMED and transformer.prefetch_blocks == PREFETCH_BLOCKS
-    assert 0 < transformer.resident_blocks < 57, str(plan)
+    assert 0 < len(transformer.resident_blocks) < 57, str(plan)
     _peak_within(plan, budget, reserve)
     # One more resident block would not fit: the room went to resident blocks, not to spare.
     more = plan_residency(FLUX, budget + 680 * MB + 1, reserve)
-    assert more["transformer"].resident_blocks > transformer.resident_blocks
+    assert more["transformer"].resident_bytes(FLUX[2]) > transformer.resident_bytes(FLUX[2])
     # The once-per-call encoder streams rather than taking the transformer's room whole.
     assert plan["text_encoder_2"].policy is Policy.STREAMED
+
+
+def test_keeping_every_large_block_resident_shrinks_the_window() -> None:
+    # With a 1 GB reserve, all 19 double blocks fit beside a window of single-block slots, which
+    # holds more resident bytes than more double blocks beside a window of double-block slots.
+    plan = plan_residency(FLUX, 16 * GB, 1 * GB)
+    transformer = plan["transformer"]
+    assert set(range(19)) <= transformer.resident_blocks, str(plan)
+    assert transformer.transient_bytes(FLUX[2]) == (1 + PREFETCH_BLOCKS) * 283 * MB
+    _peak_within(plan, 16 * GB, 1 * GB)
+
+
+@pytest.mark.parametrize(("budget", "reserve"), [(16 * GB, 3 * GB), (12 * GB, 2 * GB), (8 * GB, 1 * GB)])
+def test_resident_blocks_of_one_size_are_spread_through_the_order(budget: int, reserve: int) -> None:
+    # A resident run computes with the window already full; spread out, the runs stay short.
+    transformer = plan_residency(FLUX, budget, reserve)["transformer"]
+    for positions in (range(19), range(19, 57)):
+        resident = [i in transformer.resident_blocks for i in positions]
+        kept, streamed = sum(resident), len(resident) - sum(resident)
+        if not kept or not streamed:
+            continue
+        runs = "".join("r" if r else "s" for r in resident).split("s")
+        assert max(len(run) for run in runs) <= -(-kept // streamed), (positions, sorted(transformer.resident_blocks))
+        assert resident[0], "the first block of a size, which cache hooks always run, is among the resident ones"
 
 
 def test_budget_too_small_says_what_is_needed() -> None:
@@ -63,7 +87,7 @@ def test_fixed_policies_are_kept_and_checked() -> None:
     plan = plan_residency(FLUX, 80 * GB, 4 * GB, fixed={"vae": Policy.STAGED})
     assert plan["vae"].policy is Policy.STAGED and plan["transformer"].policy is Policy.RESIDENT
     streamed = plan_residency(FLUX, 80 * GB, 4 * GB, fixed={"transformer": Policy.STREAMED})
-    assert streamed["transformer"].resident_blocks == 57, "a forced stream still keeps all it can"
+    assert len(streamed["transformer"].resident_blocks) == 57, "a forced stream still keeps all it can"
     small = (ComponentSizes("vae", 100, (50, 50)),)
     with pytest.raises(ValueError, match="cannot stream"):
         plan_residency(small, 10**6, 10, fixed={"vae": Policy.STREAMED})

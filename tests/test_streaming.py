@@ -10,24 +10,26 @@ from diffusers_residency import _device
 from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
-from diffusers_residency.planner import Policy, plan_residency
+from diffusers_residency.planner import MIN_RESERVE_BYTES, Policy, plan_residency
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
 
 RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
 
-def _streaming_budget(flux: PipelineCase) -> int:
-    """The largest budget under which the transformer streams with a resident prefix."""
+def _streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:
+    """The largest budget under which the transformer streams with some blocks resident."""
     sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    fixed = {name: Policy(policy) for name, policy in (fixed or {}).items()}
     total = sum(s.nbytes for s in sizes)
-    for budget in range(total, 0, -1024):
+    blocks = len(next(s for s in sizes if s.name == "transformer").block_bytes)
+    for budget in range(total + reserve, reserve, -1024):
         try:
-            plan = plan_residency(sizes, budget, RESERVE)
+            plan = plan_residency(sizes, budget, reserve, fixed=fixed)
         except BudgetTooSmallError:
             break
         transformer = plan["transformer"]
-        if transformer.policy is Policy.STREAMED and 0 < transformer.resident_blocks:
+        if transformer.policy is Policy.STREAMED and 0 < len(transformer.resident_blocks) < blocks:
             return budget
     pytest.fail("no budget streams the transformer behind a resident prefix")
 
@@ -47,7 +49,7 @@ def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) ->
     budget = _streaming_budget(flux)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
     plan = flux.pipe.residency_plan()
-    assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks > 0, str(plan)
+    assert plan["transformer"].policy is Policy.STREAMED and len(plan["transformer"].resident_blocks) > 0, str(plan)
     seen = _record_loaded_bytes(flux)
 
     assert torch.equal(flux.run(), flux.reference)
@@ -70,7 +72,7 @@ def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) ->
 def test_new_budget_moves_the_resident_prefix_and_keeps_the_masters(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload("cpu", vram_budget=_streaming_budget(flux), activation_reserve=RESERVE)
     plan = flux.pipe.residency_plan()
-    first = plan["transformer"].resident_blocks
+    first = len(plan["transformer"].resident_blocks)
     group = pipeline_state(flux.pipe).group
     stagers = [u.stager for u in group.units]
     assert torch.equal(flux.run(), flux.reference)
@@ -78,7 +80,7 @@ def test_new_budget_moves_the_resident_prefix_and_keeps_the_masters(flux: Pipeli
     # An ample budget, the same components streamed (they would be resident otherwise).
     streamed = {p.name: "streamed" for p in plan.components if p.policy is Policy.STREAMED}
     flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=10**9, activation_reserve=RESERVE)
-    assert flux.pipe.residency_plan()["transformer"].resident_blocks == 6 > first
+    assert len(flux.pipe.residency_plan()["transformer"].resident_blocks) == 6 > first
     assert [u.stager for u in pipeline_state(flux.pipe).group.units] == stagers, "masters kept"
     assert torch.equal(flux.run(), flux.reference)
     assert all(u.stager.loaded for u in group.units_of("transformer")), "all blocks resident now"
@@ -140,7 +142,7 @@ def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
     before = flux.state()
     group = ResidencyGroup("cpu")
     transformer = flux.pipe.transformer
-    attach_block_streaming(transformer, group, name="transformer", resident_blocks=1)
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0])
     stream = group.units_of("transformer")[1].stream
     assert stream.order[0] == "transformer.transformer_blocks.0"
     assert torch.equal(flux.run(), flux.reference)
@@ -173,19 +175,49 @@ def test_a_peak_over_the_budget_grows_the_reserve_and_shrinks_the_resident_prefi
     components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
     flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
     before = flux.pipe.residency_plan()
-    assert before["transformer"].resident_blocks == 6
+    assert len(before["transformer"].resident_blocks) == 6
     # The CPU counts no peak; the one a CUDA allocator would report after activations took 300 kB
     # more than the reserve kept.
     monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 300_000)
     assert torch.equal(flux.run(), flux.reference)
     after = flux.pipe.residency_plan()
     assert after.reserve >= before.reserve + 300_000
-    assert after["transformer"].resident_blocks < 6, str(after)
+    assert len(after["transformer"].resident_blocks) < 6, str(after)
     assert after.peak_weight_bytes <= budget - after.reserve
     assert "over vram_budget" in caplog.text and "activation_reserve=" in caplog.text
     assert torch.equal(flux.run(), flux.reference)
     monkeypatch.undo()
     assert torch.equal(flux.run(), flux.reference)
+
+
+def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="diffusers_residency")
+    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+    budget = _streaming_budget(flux, MIN_RESERVE_BYTES, components)  # the default reserve
+    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget)
+    before = flux.pipe.residency_plan()
+    assert before.reserve == MIN_RESERVE_BYTES and len(before["transformer"].resident_blocks) < 6, str(before)
+    # The CPU counts no peak; the one a CUDA allocator would report if activations took 1 kB.
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: before.peak_weight_bytes + 1000)
+    assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan() is before, "the first call is not over until the next one starts"
+    assert torch.equal(flux.run(), flux.reference)
+    after = flux.pipe.residency_plan()
+    assert after.reserve < before.reserve and len(after["transformer"].resident_blocks) == 6, str(after)
+    assert after.peak_weight_bytes <= budget - after.reserve
+    assert "activation reserve lowered" in caplog.text
+    group = pipeline_state(flux.pipe).group
+    assert all(u.stager.loaded for u in group.units_of("transformer")), "the blocks kept now stay on the device"
+    assert torch.equal(flux.run(), flux.reference)
+
+    # A reserve the caller gives is a floor: no call lowers it.
+    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=MIN_RESERVE_BYTES)
+    given = flux.pipe.residency_plan()
+    for _ in range(3):
+        assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan() == given
 
 
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "wan"])
