@@ -119,6 +119,12 @@ def peak_allocated(device: torch.device) -> int | None:
     return int(torch.accelerator.max_memory_allocated(device)) if is_accelerator(device) else None
 
 
+def peak_reserved(device: torch.device) -> int | None:
+    """The most memory the caching allocator held from the device at once (tensors, and cached blocks
+    too fragmented to serve the next request): what a device of that size must have. None on the CPU."""
+    return int(torch.accelerator.max_memory_reserved(device)) if is_accelerator(device) else None
+
+
 def reset_peak_allocated(device: torch.device) -> None:
     if is_accelerator(device):
         torch.accelerator.reset_peak_memory_stats(device)

@@ -137,7 +137,7 @@ class ResidencyGroup:
         neither counts against the budget nor hides an overshoot below it.
 
         With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
-        whole call: from the component that ran first to when it starts again after ``call_end`` ran
+        whole call (memory reserved by the allocator, fragmentation included): from the component that ran first to when it starts again after ``call_end`` ran
         (a call that stops short of ``call_end``, say with latents as output, does not count). Not
         after an overshoot, which says the reserve is already too small."""
         self.vram_budget = vram_budget
@@ -147,6 +147,9 @@ class ResidencyGroup:
         self._call_end = call_end
         self._call_start = None
         self._call_end_ran = False
+        if on_first_call is not None:
+            # Cache an earlier workload left behind would count in the first call's reserved peak.
+            _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
 
     def unwatch_budget(self) -> None:
@@ -165,16 +168,18 @@ class ResidencyGroup:
             self.on_first_call = None
             self.on_over_budget(peak - self.vram_budget)
         if self.on_first_call is not None:
-            self._watch_first_call(component, peak)
+            self._watch_first_call(component)
 
-    def _watch_first_call(self, component: str, peak: int) -> None:
+    def _watch_first_call(self, component: str) -> None:
         if self._call_start is None:
             self._call_start = component
         elif component == self._call_end:
             self._call_end_ran = True
         elif component == self._call_start and self._call_end_ran:
             on_first_call, self.on_first_call = self.on_first_call, None
-            on_first_call(peak)
+            # Reserved, not allocated: cached blocks too fragmented to reuse count against a device
+            # of the budget's size (and against a cap) as much as tensors do.
+            on_first_call(_device.peak_reserved(self.device))
 
     def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
