@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -60,8 +60,9 @@ class PipelineResidency:
     group: ResidencyGroup
     hooks: dict[str, StagingHook]
     plan: ResidencyPlan
-    # The plan for a given activation reserve, with everything else as enabled.
-    replan: Callable[[int], ResidencyPlan]
+    # The plan for a given activation reserve, with everything else as enabled (and the policies
+    # given pinned besides).
+    replan: Callable[[int, Mapping[str, Policy]], ResidencyPlan]
     # Whether the reserve is the default, which the first call's peak may lower (a reserve the
     # caller gave is kept as a floor).
     reserve_learned: bool = False
@@ -169,28 +170,42 @@ def _planner(
     modules: Mapping[str, nn.Module],
     components: Mapping[str, str] | None,
     budget: tuple[int, int] | None,
-) -> Callable[[int], ResidencyPlan]:
-    """The plan for these components as a function of the activation reserve (planned again with a
-    larger one when a call's peak goes over the budget)."""
+) -> Callable[[int, Mapping[str, Policy]], ResidencyPlan]:
+    """The plan for these components as a function of the activation reserve and of policies to pin
+    besides the user's (planned again when a call's peak says the reserve was wrong)."""
     sizes = _component_sizes(pipe, modules)
     chosen = _policies(pipe, modules, components)
     if budget is None:
-        return lambda reserve: plan_as_given(sizes, chosen)
+        return lambda reserve, pinned: plan_as_given(sizes, chosen)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
-    return lambda reserve: plan_residency(sizes, budget[0], reserve, fixed=fixed)
+    return lambda reserve, pinned: plan_residency(sizes, budget[0], reserve, fixed={**fixed, **pinned})
+
+
+def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | None:
+    """The plan for ``reserve`` that the hooks in place can take, or None if it would stream a
+    component that does not stream now. Components that stream keep streaming (their blocks have
+    hooks of their own; all of them resident is as good as the component resident); the others may
+    move between staged and resident, which is a unit's policy alone.
+
+    Raises :class:`BudgetTooSmallError` when nothing fits."""
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    candidate = state.replan(reserve, streaming)
+    if {p.name for p in candidate.components if p.policy is Policy.STREAMED} != set(streaming):
+        return None
+    return candidate
 
 
 def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
     """A call's peak went ``overshoot`` bytes over the budget: activations need more room than the
     reserve kept. Plan again with the reserve grown by the overshoot and a margin, and apply it when
-    only resident prefixes change; otherwise say what to pass."""
+    the hooks in place can take it; otherwise say what to pass."""
     plan = state.plan
     reserve = plan.reserve + overshoot + int(plan.budget * RESERVE_MARGIN)
     advice = f"pass activation_reserve={reserve} (bytes) to enable_pinned_offload()"
     try:
-        new_plan = state.replan(reserve)
+        new_plan = _replan_in_place(state, reserve)
     except BudgetTooSmallError:
         logger.warning(
             "Peak device memory went %s over vram_budget (%s) and no plan with a larger activation reserve "
@@ -199,8 +214,7 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
             format_bytes(plan.budget),
         )
         return
-    if any(p.policy is not new_plan[p.name].policy for p in plan.components):
-        # Only resident prefixes can move in place; another policy means other hooks.
+    if new_plan is None:
         logger.warning("Peak device memory went %s over vram_budget; %s", format_bytes(overshoot), advice)
         return
     _apply_policies(state, new_plan)
@@ -217,8 +231,8 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
 def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
     """The first call peaked at ``call_peak``, under the budget: the default reserve held more than
     that call's activations needed. Plan again with the smallest reserve whose plan puts no more
-    than the unused room (less a margin) on the device, and apply it when only resident blocks
-    change.
+    than the unused room (less a margin) on the device, and apply it when the hooks in place can
+    take it.
 
     The bound is on what the new plan *adds* (resident bytes, and any growth of the largest
     window), not on its peak: activations peak where they please (a FLUX call's is in the VAE,
@@ -233,11 +247,10 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
 
     def fits(reserve: int) -> ResidencyPlan | None:
         try:
-            candidate = state.replan(reserve)
+            candidate = _replan_in_place(state, reserve)
         except BudgetTooSmallError:
             return None
-        same_policies = all(p.policy is candidate[p.name].policy for p in plan.components)
-        return candidate if same_policies and added(candidate) <= room else None
+        return candidate if candidate is not None and added(candidate) <= room else None
 
     if room <= 0:
         return
@@ -252,6 +265,8 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
     new_plan = fits(high)
     if new_plan is None or new_plan.resident_weight_bytes <= plan.resident_weight_bytes:
         return
+    # Any reserve down to ``high`` gives this plan; the one to show is what it leaves unplanned.
+    new_plan = replace(new_plan, reserve=plan.budget - new_plan.peak_weight_bytes)
     _apply_policies(state, new_plan)
     logger.info(
         "The first call peaked at %s of vram_budget %s; activation reserve lowered to %s, %s more kept "
@@ -381,7 +396,7 @@ def enable_pinned_offload(
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
     replan = _planner(pipe, modules, components, budget)
-    plan = replan(budget[1] if budget else 0)
+    plan = replan(budget[1] if budget else 0, {})
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.

@@ -190,11 +190,18 @@ def test_a_peak_over_the_budget_grows_the_reserve_and_shrinks_the_resident_prefi
     assert torch.equal(flux.run(), flux.reference)
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["policies-given", "policies-planned"])
 def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fixed: bool
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+    # Planned, a lower reserve would make everything resident; the components streaming keep
+    # streaming (with every block resident) and the staged text encoder becomes resident.
+    components = (
+        {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+        if fixed
+        else None
+    )
     budget = _streaming_budget(flux, MIN_RESERVE_BYTES, components)  # the default reserve
     flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget)
     before = flux.pipe.residency_plan()
