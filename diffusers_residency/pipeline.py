@@ -362,8 +362,8 @@ def enable_pinned_offload(
         device: where to compute; ``None`` takes the current accelerator (a ``RuntimeError`` where
             there is none). ``"cpu"`` runs the same mechanism unpinned, for machines without a GPU.
         components: component name -> ``"resident"`` (loaded once, kept), ``"staged"`` (on the
-            device only while in use, loaded whole) or ``"streamed"`` (trunk and leading blocks kept,
-            the other blocks loaded as they run). Named components keep the policy given; the
+            device only while in use, loaded whole) or ``"streamed"`` (trunk and the blocks the
+            planner picks kept, the other blocks loaded as they run). Named components keep the policy given; the
             others follow the plan for ``vram_budget``.
         vram_budget: device memory the pipeline may use, weights and activations together: bytes,
             a string such as ``"24GB"``, ``"auto"`` (the default: what the device has free now, plus
@@ -372,7 +372,9 @@ def enable_pinned_offload(
             does). A device that reports no free memory (the CPU) plans nothing under ``"auto"``.
             ``pipe.residency_plan()`` shows the plan.
         activation_reserve: the part of ``vram_budget`` kept free for activations and the
-            allocator's slack (default: a tenth of the budget, at least 1 GiB).
+            allocator's slack. Default: a tenth of the budget, at least 3 GiB, lowered once from
+            the first call's peak (see :func:`_lower_reserve`); a reserve given is kept, and
+            either is grown when a call's peak goes over the budget.
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
             weights on the device are copied down once into blocks sized to them.
@@ -485,8 +487,9 @@ def residency_report(pipe: DiffusionPipeline) -> ResidencyReport:
 
 
 def residency_plan(pipe: DiffusionPipeline) -> ResidencyPlan:
-    """The plan ``enable_pinned_offload`` made: each component's policy and, for streamed ones, how
-    many blocks stay resident and how many load ahead; printing it gives a table."""
+    """The plan in force (as ``enable_pinned_offload`` made it, or as calls since had it replanned):
+    each component's policy and, for streamed ones, which blocks stay resident and how many load
+    ahead; printing it gives a table."""
     state = pipeline_state(pipe)
     if state is None:
         raise RuntimeError("Pinned offload is not enabled on this pipeline; call pipe.enable_pinned_offload() first.")
