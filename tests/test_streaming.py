@@ -229,6 +229,28 @@ def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
     assert flux.pipe.residency_plan() == given
 
 
+def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SDXL with a negative prompt runs both text encoders twice before the UNet; a call that stops
+    # at latents never runs the VAE. Only a whole call counts, and only once.
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 10)
+    monkeypatch.setattr(_device, "peak_reserved", lambda device: 10)
+    group = ResidencyGroup("cpu")
+    peaks: list[int] = []
+    group.watch_budget(100, lambda overshoot: None, on_first_call=peaks.append, call_end="vae")
+    first_call = ["text_encoder", "text_encoder_2", "text_encoder", "text_encoder_2", *["unet"] * 3, "vae"]
+    latents_call = ["text_encoder", "text_encoder_2", *["unet"] * 3]
+    for component in first_call:
+        group._watch_peak(component)
+    assert peaks == []
+    for component in latents_call + first_call:
+        group._watch_peak(component)
+    assert peaks == [10], "told once, as the call after the first began"
+    group.watch_budget(100, lambda overshoot: None, on_first_call=peaks.append, call_end="vae")
+    for component in latents_call + latents_call:
+        group._watch_peak(component)
+    assert peaks == [10], "calls that never reach the VAE are not whole calls"
+
+
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "wan"])
 def test_every_streamable_component_of_other_pipelines_streams_exactly(kind: str) -> None:
     case = PipelineCase(kind)
