@@ -259,10 +259,11 @@ def attach_block_streaming(
             f"{prefetch_blocks} loading ahead; stage it whole instead"
         )
     resident_blocks = frozenset(resident_blocks)
-    outside = sorted(i for i in resident_blocks if not (isinstance(i, int) and 0 <= i < len(blocks)))
+    outside = [i for i in resident_blocks if not (isinstance(i, int) and 0 <= i < len(blocks))]
     if outside:
         raise ValueError(
-            f"resident_blocks {outside} are not positions of {name!r}'s {len(blocks)} blocks; give indices from 0 to {len(blocks) - 1}"
+            f"resident_blocks {sorted(outside, key=repr)} are not positions of {name!r}'s {len(blocks)} blocks; "
+            f"give indices from 0 to {len(blocks) - 1}"
         )
     check_attachable(module, name, group)
     if isinstance(getattr(module, "_hf_hook", None), StagingHook):

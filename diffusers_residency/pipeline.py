@@ -363,8 +363,8 @@ def enable_pinned_offload(
             there is none). ``"cpu"`` runs the same mechanism unpinned, for machines without a GPU.
         components: component name -> ``"resident"`` (loaded once, kept), ``"staged"`` (on the
             device only while in use, loaded whole) or ``"streamed"`` (trunk and the blocks the
-            planner picks kept, the other blocks loaded as they run). Named components keep the policy given; the
-            others follow the plan for ``vram_budget``.
+            planner picks kept, the other blocks loaded as they run). Named components keep the
+            policy given; the others follow the plan for ``vram_budget``.
         vram_budget: device memory the pipeline may use, weights and activations together: bytes,
             a string such as ``"24GB"``, ``"auto"`` (the default: what the device has free now, plus
             what the components hold there) or ``None`` (no plan: components in

@@ -137,9 +137,10 @@ class ResidencyGroup:
         neither counts against the budget nor hides an overshoot below it.
 
         With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
-        whole call (memory reserved by the allocator, fragmentation included): from the component that ran first to when it starts again after ``call_end`` ran
-        (a call that stops short of ``call_end``, say with latents as output, does not count). Not
-        after an overshoot, which says the reserve is already too small."""
+        whole call (memory reserved by the allocator, fragmentation included): from the component
+        that ran first to when it starts again after ``call_end`` ran (a call that stops short of
+        ``call_end``, say with latents as output, does not count). Not after an overshoot, which
+        says the reserve is already too small."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self._peak_told = vram_budget

@@ -142,6 +142,9 @@ def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
     before = flux.state()
     group = ResidencyGroup("cpu")
     transformer = flux.pipe.transformer
+    with pytest.raises(ValueError, match="not positions"):
+        attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0, 99])
+    assert group.units == [] and not hasattr(transformer, "_hf_hook")
     attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0])
     stream = group.units_of("transformer")[1].stream
     assert stream.order[0] == "transformer.transformer_blocks.0"
@@ -207,7 +210,9 @@ def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
     before = flux.pipe.residency_plan()
     assert before.reserve == MIN_RESERVE_BYTES and len(before["transformer"].resident_blocks) < 6, str(before)
     # The CPU counts no peak; the one a CUDA allocator would report if activations took 1 kB.
-    peak = lambda device: before.peak_weight_bytes + 1000  # noqa: E731
+    def peak(device: torch.device) -> int:
+        return before.peak_weight_bytes + 1000
+
     monkeypatch.setattr(_device, "peak_allocated", peak)
     monkeypatch.setattr(_device, "peak_reserved", peak)
     assert torch.equal(flux.run(), flux.reference)
