@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from collections.abc import Collection
 from typing import Any, Callable
 
@@ -259,7 +260,7 @@ def attach_block_streaming(
             f"{prefetch_blocks} loading ahead; stage it whole instead"
         )
     resident_blocks = frozenset(resident_blocks)
-    outside = [i for i in resident_blocks if not (isinstance(i, int) and 0 <= i < len(blocks))]
+    outside = [i for i in resident_blocks if not (isinstance(i, numbers.Integral) and 0 <= i < len(blocks))]
     if outside:
         raise ValueError(
             f"resident_blocks {sorted(outside, key=repr)} are not positions of {name!r}'s {len(blocks)} blocks; "

@@ -47,8 +47,6 @@ _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 # Kept on top of an observed peak when the activation reserve is learned, as a fraction of the
 # budget: the next call's activations may differ a little (another prompt length, say).
 RESERVE_MARGIN = 0.02
-# How finely a lowered reserve is searched for: a fraction of a block of any model worth streaming.
-_RESERVE_STEP = 1 << 20
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
@@ -66,7 +64,8 @@ class PipelineResidency:
     # Whether the reserve is the default, which the first call's peak may lower (a reserve the
     # caller gave is kept as a floor).
     reserve_learned: bool = False
-    # The last component of model_cpu_offload_seq: the one that ends a call.
+    # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
+    call_start: str | None = None
     call_end: str | None = None
 
     @property
@@ -184,15 +183,16 @@ def _planner(
 
 
 def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | None:
-    """The plan for ``reserve`` that the hooks in place can take, or None if it would stream a
-    component that does not stream now. Components that stream keep streaming (their blocks have
-    hooks of their own; all of them resident is as good as the component resident); the others may
-    move between staged and resident, which is a unit's policy alone.
+    """The plan for ``reserve`` in which only streamed components' resident blocks differ from the
+    plan in force, or None if every component's policy cannot stay. Components that stream keep
+    streaming (planned afresh, a streamed component could come out resident: other hooks, while all
+    its blocks resident is as good); a component that would move between staged and resident is
+    refused, because what it leaves loaded across a switch is not what the call's peak measured.
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
     candidate = state.replan(reserve, streaming)
-    if {p.name for p in candidate.components if p.policy is Policy.STREAMED} != set(streaming):
+    if any(p.policy is not candidate[p.name].policy for p in state.plan.components):
         return None
     return candidate
 
@@ -200,7 +200,7 @@ def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | 
 def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
     """A call's peak went ``overshoot`` bytes over the budget: activations need more room than the
     reserve kept. Plan again with the reserve grown by the overshoot and a margin, and apply it when
-    the hooks in place can take it; otherwise say what to pass."""
+    only resident blocks change; otherwise say what to pass."""
     plan = state.plan
     reserve = plan.reserve + overshoot + int(plan.budget * RESERVE_MARGIN)
     advice = f"pass activation_reserve={reserve} (bytes) to enable_pinned_offload()"
@@ -231,19 +231,22 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
 def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
     """The first call peaked at ``call_peak``, under the budget: the default reserve held more than
     that call's activations needed. Plan again with the smallest reserve whose plan puts no more
-    than the unused room (less a margin) on the device, and apply it when the hooks in place can
-    take it.
+    than the unused room (less a margin) on the device, and apply it when only resident blocks
+    change.
 
-    The bound is on what the new plan *adds* (resident bytes, and any growth of the largest
-    window), not on its peak: activations peak where they please (a FLUX call's is in the VAE,
-    2.6 GB at 1024x1024, while the transformer's window is gone), and every resident byte is there
-    at that moment too."""
+    The bound is on what the new plan *adds* at any moment of a call (resident bytes, plus the
+    growth of the window of whichever component runs), not on its peak: activations peak where they
+    please (a FLUX call's is in the VAE, 2.6 GB at 1024x1024, while the transformer's window is
+    gone), and every resident byte is there at that moment too. The reserve then shrinks by exactly
+    what was added, so that loading the next component ahead (which the reserve bounds) decides
+    as it did in the call measured."""
     plan = state.plan
     room = plan.budget - call_peak - int(plan.budget * RESERVE_MARGIN)
 
     def added(candidate: ResidencyPlan) -> int:
-        grown_window = max(0, candidate.transient_weight_bytes - plan.transient_weight_bytes)
-        return candidate.resident_weight_bytes - plan.resident_weight_bytes + grown_window
+        grown = candidate.resident_weight_bytes - plan.resident_weight_bytes
+        windows = (candidate.transient_bytes_of(p.name) - plan.transient_bytes_of(p.name) for p in plan.components)
+        return grown + max(0, *windows)
 
     def fits(reserve: int) -> ResidencyPlan | None:
         try:
@@ -254,19 +257,19 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
 
     if room <= 0:
         return
-    # Bisect: a smaller reserve never keeps fewer bytes resident.
-    low, high = 0, plan.reserve
-    while high - low > _RESERVE_STEP:
+    # Bisect for the smallest reserve whose plan fits. More room does not always mean more resident
+    # bytes (a larger window can win), so the plan found is checked, not assumed, to add some.
+    low, high, best = 0, plan.reserve, None
+    while high - low > 1:  # to the byte: about 32 plans, a few milliseconds each
         middle = (low + high) // 2
-        if fits(middle) is None:
+        candidate = fits(middle)
+        if candidate is None:
             low = middle
         else:
-            high = middle
-    new_plan = fits(high)
-    if new_plan is None or new_plan.resident_weight_bytes <= plan.resident_weight_bytes:
+            high, best = middle, candidate
+    if best is None or best.resident_weight_bytes <= plan.resident_weight_bytes:
         return
-    # Any reserve down to ``high`` gives this plan; the one to show is what it leaves unplanned.
-    new_plan = replace(new_plan, reserve=plan.budget - new_plan.peak_weight_bytes)
+    new_plan = replace(best, reserve=plan.reserve - added(best))
     _apply_policies(state, new_plan)
     logger.info(
         "The first call peaked at %s of vram_budget %s; activation reserve lowered to %s, %s more kept "
@@ -335,6 +338,7 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
             plan.budget,
             lambda overshoot: _learn_reserve(state, overshoot),
             on_first_call=(lambda peak: _lower_reserve(state, peak)) if state.reserve_learned else None,
+            call_start=state.call_start,
             call_end=state.call_end,
         )
 
@@ -436,6 +440,7 @@ def enable_pinned_offload(
             plan=plan,
             replan=replan,
             reserve_learned=activation_reserve is None,
+            call_start=sequence[0] if sequence else None,
             call_end=sequence[-1] if sequence else None,
         )
         group.call_order = tuple(modules)

@@ -168,6 +168,10 @@ class ResidencyPlan:
         """The most weight bytes any one component adds while it runs."""
         return _transient(self.components, self.sizes)
 
+    def transient_bytes_of(self, name: str) -> int:
+        """The weight bytes component ``name`` adds while it runs."""
+        return self[name].transient_bytes(next(s for s in self.sizes if s.name == name))
+
     @property
     def peak_weight_bytes(self) -> int:
         """The most weight bytes the plan puts on the device at once."""
@@ -324,9 +328,16 @@ def plan_residency(
     def finish(plans: dict[str, ComponentPlan]) -> ResidencyPlan:
         return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes))
 
-    resident = {s.name: fixed_plan(s) if s.name in fixed else ComponentPlan(s.name, Policy.RESIDENT) for s in sizes}
+    def most(s: ComponentSizes) -> ComponentPlan:
+        # A fixed streamed component at its most: every block resident.
+        if s.name not in fixed:
+            return ComponentPlan(s.name, Policy.RESIDENT)
+        plan = fixed_plan(s)
+        return replace(plan, resident_blocks=frozenset(range(len(s.block_bytes)))) if plan.policy is Policy.STREAMED else plan
+
+    resident = {s.name: most(s) for s in sizes}
     if _peak(list(resident.values()), sizes) <= capacity:
-        return finish(_grow_streamed(resident, by_name, capacity))
+        return finish(resident)
 
     free = [s for s in sizes if s.name not in fixed]
     plans = {s.name: fixed_plan(s) if s.name in fixed else _away(s) for s in sizes}

@@ -119,8 +119,9 @@ class ResidencyGroup:
         self._peak_told = 0
         # Told the peak of the first whole call, once: see watch_budget.
         self.on_first_call: Callable[[int], None] | None = None
-        self._call_end: str | None = None
         self._call_start: str | None = None
+        self._call_end: str | None = None
+        self._call_started = False
         self._call_end_ran = False
 
     def watch_budget(
@@ -129,6 +130,7 @@ class ResidencyGroup:
         on_over_budget: Callable[[int], None],
         *,
         on_first_call: Callable[[int], None] | None = None,
+        call_start: str | None = None,
         call_end: str | None = None,
     ) -> None:
         """Call ``on_over_budget(overshoot)`` when a component starts and the device's peak allocated
@@ -137,17 +139,18 @@ class ResidencyGroup:
         neither counts against the budget nor hides an overshoot below it.
 
         With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
-        whole call (memory reserved by the allocator, fragmentation included): from the component
-        that ran first to when it starts again after ``call_end`` ran (a call that stops short of
-        ``call_end``, say with latents as output, does not count). Not after an overshoot, which
-        says the reserve is already too small."""
+        whole call (memory reserved by the allocator, fragmentation included): from ``call_start``
+        to ``call_start`` again after ``call_end`` ran. Named, not taken from the first activation,
+        which may come from outside a call (a component loaded at enable or at wake). A call that
+        skips either (prompt embeddings passed in, latents as output) does not count. Not after an
+        overshoot, which says the reserve is already too small."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self._peak_told = vram_budget
         self.on_first_call = on_first_call
+        self._call_start = call_start
         self._call_end = call_end
-        self._call_start = None
-        self._call_end_ran = False
+        self._call_started = self._call_end_ran = False
         if on_first_call is not None:
             # Cache an earlier workload left behind would count in the first call's reserved peak.
             _device.empty_cache(self.device)
@@ -172,15 +175,16 @@ class ResidencyGroup:
             self._watch_first_call(component)
 
     def _watch_first_call(self, component: str) -> None:
-        if self._call_start is None:
-            self._call_start = component
-        elif component == self._call_end:
-            self._call_end_ran = True
-        elif component == self._call_start and self._call_end_ran:
+        if component == self._call_start:
+            if not self._call_end_ran:
+                self._call_started = True
+                return
             on_first_call, self.on_first_call = self.on_first_call, None
             # Reserved, not allocated: cached blocks too fragmented to reuse count against a device
             # of the budget's size (and against a cap) as much as tensors do.
             on_first_call(_device.peak_reserved(self.device))
+        elif component == self._call_end and self._call_started:
+            self._call_end_ran = True
 
     def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would

@@ -198,8 +198,8 @@ def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fixed: bool
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    # Planned, a lower reserve would make everything resident; the components streaming keep
-    # streaming (with every block resident) and the staged text encoder becomes resident.
+    # Planned afresh, a lower reserve would make everything resident; replanned in place, the
+    # components streaming keep streaming (with every block resident) and the others their policy.
     components = (
         {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
         if fixed
@@ -241,7 +241,13 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     monkeypatch.setattr(_device, "peak_reserved", lambda device: 10)
     group = ResidencyGroup("cpu")
     peaks: list[int] = []
-    group.watch_budget(100, lambda overshoot: None, on_first_call=peaks.append, call_end="vae")
+
+    def watch(overshoot: int) -> None:
+        pytest.fail("no overshoot")
+
+    # A component loaded outside a call (the VAE at enable, say) starts nothing.
+    group.watch_budget(100, watch, on_first_call=peaks.append, call_start="text_encoder", call_end="vae")
+    group._watch_peak("vae")
     first_call = ["text_encoder", "text_encoder_2", "text_encoder", "text_encoder_2", *["unet"] * 3, "vae"]
     latents_call = ["text_encoder", "text_encoder_2", *["unet"] * 3]
     for component in first_call:
@@ -250,7 +256,7 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     for component in latents_call + first_call:
         group._watch_peak(component)
     assert peaks == [10], "told once, as the call after the first began"
-    group.watch_budget(100, lambda overshoot: None, on_first_call=peaks.append, call_end="vae")
+    group.watch_budget(100, watch, on_first_call=peaks.append, call_start="text_encoder", call_end="vae")
     for component in latents_call + latents_call:
         group._watch_peak(component)
     assert peaks == [10], "calls that never reach the VAE are not whole calls"
