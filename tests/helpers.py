@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from diffusers_residency import StagingHook
@@ -11,7 +13,11 @@ from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipe
 class PipelineCase:
     """A freshly built pipeline, how to call it, and what it produced fully resident."""
 
+    # Every case still alive: a failed test's case lives on in its traceback.
+    live: weakref.WeakSet[PipelineCase] = weakref.WeakSet()
+
     def __init__(self, kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        PipelineCase.live.add(self)
         self.kind = kind
         self.pipe = build_pipeline(kind, "tiny", dtype=dtype, device=device)
         self.reference = self.run()

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from diffusers_residency.pipeline import pipeline_state
+
 from .helpers import PipelineCase, assert_weights_equal, staging_hooks
 
 pytestmark = pytest.mark.gpu
@@ -20,8 +22,12 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def release_pipelines():
-    """Collect each test's pipelines, so their page-locked masters are unregistered before the next."""
+    """Collect each test's pipelines, so their page-locked masters are unregistered before the next.
+    A failed test's pipeline lives on in its traceback: its offload is disabled instead."""
     yield
+    for case in list(PipelineCase.live):
+        if pipeline_state(case.pipe) is not None:
+            case.pipe.disable_pinned_offload()
     gc.collect()
 
 
@@ -289,8 +295,6 @@ def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first
 
 
 def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory() -> None:
-    from diffusers_residency.pipeline import pipeline_state
-
     from .test_streaming import RESERVE, _record_loaded_bytes, _streaming_budget
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
