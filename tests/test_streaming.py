@@ -158,6 +158,29 @@ def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase) -> None:
+    # A running resident block holds no slot of the window, so the window's 1 + 2 slots all load ahead.
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(flux.pipe.transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=2)
+    blocks = group.units_of("transformer")[1:]
+    loaded_while_running: dict[str, list[str]] = {}
+
+    def record(unit):
+        def hook(*_):
+            loaded = [b.name for b in blocks if b.policy is Policy.STREAMED and b.stager.loaded]
+            loaded_while_running.setdefault(unit.name, loaded)
+
+        return hook
+
+    for unit in blocks:
+        unit.module.register_forward_hook(record(unit))
+    assert torch.equal(flux.run(), flux.reference)
+    names = [b.name for b in blocks]
+    assert loaded_while_running[names[0]] == names[1:4], "three streamed blocks ahead of a resident one"
+    assert loaded_while_running[names[2]] == names[2:5], "a streamed block and the two after it"
+    detach_staging_hook(flux.pipe.transformer)
+
+
 def test_next_component_loads_ahead_when_the_budget_holds_it(flux: PipelineCase) -> None:
     staged = {name: "staged" for name in ("text_encoder", "text_encoder_2", "transformer", "vae")}
     flux.pipe.enable_pinned_offload("cpu", components=staged, vram_budget=10**9, activation_reserve=RESERVE)
