@@ -88,10 +88,15 @@ def _forget(pipe: DiffusionPipeline) -> None:
         pipe.__dict__.pop(name, None)
 
 
+def _offload_sequence(pipe: DiffusionPipeline) -> list[str]:
+    """The components ``model_cpu_offload_seq`` names, in the order a call runs them."""
+    return (pipe.model_cpu_offload_seq or "").split("->")
+
+
 def _module_components(pipe: DiffusionPipeline) -> dict[str, nn.Module]:
     """nn.Module components in call order: ``model_cpu_offload_seq`` first, then the rest."""
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
-    sequence = (pipe.model_cpu_offload_seq or "").split("->")
+    sequence = _offload_sequence(pipe)
     ordered = {name: modules[name] for name in sequence if name in modules}
     ordered.update(modules)
     return ordered
@@ -100,7 +105,7 @@ def _module_components(pipe: DiffusionPipeline) -> dict[str, nn.Module]:
 def _default_policy(pipe: DiffusionPipeline, name: str) -> Policy:
     if name in pipe._exclude_from_cpu_offload:
         return Policy.RESIDENT
-    if name not in (pipe.model_cpu_offload_seq or "").split("->"):
+    if name not in _offload_sequence(pipe):
         # Outside the sequence means called inside the denoising loop (a ControlNet, say): staging it
         # would swap it against the denoiser at every step.
         logger.info("%r is not in model_cpu_offload_seq; keeping it resident", name)
@@ -433,7 +438,7 @@ def enable_pinned_offload(
             else:
                 hooks[name] = attach_staging_hook(module, group, name=name, policy=component.policy)
             attached[id(module)] = name
-        sequence = [name for name in (pipe.model_cpu_offload_seq or "").split("->") if name in modules]
+        sequence = [name for name in _offload_sequence(pipe) if name in modules]
         state = PipelineResidency(
             group=group,
             hooks=hooks,
