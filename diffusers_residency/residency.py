@@ -22,7 +22,7 @@ from torch import nn
 from . import _device, host_memory
 from .planner import Policy
 from .retention import RetentionBudget
-from .staging import ModuleStager, local_tensor, module_tensors, staged_by
+from .staging import DeviceSlots, ModuleStager, local_tensor, module_tensors, staged_by
 from .streaming import BlockStream
 
 logger = logging.getLogger(__name__)
@@ -59,16 +59,17 @@ class StagedUnit:
         and streamed blocks are; resident units and a streamed component's trunk are kept."""
         return self.policy is Policy.STAGED or (self.policy is Policy.STREAMED and self.stream is not None)
 
-    def load(self, *, ahead: bool = False) -> None:
+    def load(self, *, ahead: bool = False, slots: DeviceSlots | None = None) -> None:
         """Load, first waking the masters of a sleeping unit and taking masters for weights replaced
         or added while offloaded (a LoRA adapter injected, projections fused, a submodule cast);
         masters of unchanged storages are reused as they are, so that copies only what is new.
-        ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does."""
+        ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does. ``slots``:
+        device storage to load into, where it has some of the right layout."""
         if self.sleep_level:
             logger.info("Waking %r for a call", self.name)
             self.wake_masters()
         self.stager.retake_masters()
-        self.stager.load(ahead=ahead)
+        self.stager.load(ahead=ahead, slots=slots)
 
     def wake_masters(self) -> None:
         self.stager.unmap_masters()

@@ -7,10 +7,11 @@ stager of its own. The trunk and some of the blocks (chosen by the planner) stay
 every other block is loaded just before it runs and dropped after, while the next few load on the
 copy stream behind the compute.
 
-Device memory for streamed blocks is not allocated anew at each step in any way that costs: a
-dropped block's storage returns to the caching allocator on the compute stream, and the next block
-of the same shape takes those very blocks back (the copy stream first waits for the compute that
-last read them; see ``_device.TimedCopy``).
+Device memory for streamed blocks is not allocated anew at each step: a dropped block hands its
+storage to the block that loads in its place through the stream's :class:`~.staging.DeviceSlots`
+(the copy into it first waits for the compute that last read it; see ``_device.TimedCopy``), so the
+window's storage is allocated when the component starts running and goes back to the allocator with
+the last blocks loaded, when another component evicts them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from .planner import Policy
+from .staging import DeviceSlots
 
 if TYPE_CHECKING:
     from .residency import StagedUnit
@@ -70,6 +72,8 @@ class BlockStream:
         self._windows: dict[int, tuple[StagedUnit, ...]] = {}
         # Streamed blocks this stream loaded and has not dropped yet.
         self._held: list[StagedUnit] = []
+        # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
+        self.slots = DeviceSlots()
         self._compute_windows()
 
     @property
@@ -126,16 +130,20 @@ class BlockStream:
             if other in keep:
                 held.append(other)
             else:
-                other.stager.offload()
+                other.stager.offload(slots=self.slots)
         if unit.stager.loaded:
             unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
         else:
-            unit.load()
+            unit.load(slots=self.slots)
         for ahead in window:
             if not ahead.stager.loaded:
-                ahead.load(ahead=True)
+                ahead.load(ahead=True, slots=self.slots)
             if ahead not in held:
                 held.append(ahead)
         if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
             held.append(unit)
         self._held = held
+        # Storage dropped here and not taken back (fewer blocks loaded than dropped) is the
+        # allocator's again: between two entries the slots hold nothing, so an eviction, a sleep or
+        # the end of the call finds every byte of the component in its loaded blocks.
+        self.slots.clear()

@@ -11,6 +11,7 @@ from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_bloc
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
 from diffusers_residency.planner import MIN_RESERVE_BYTES, Policy, plan_residency
+from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
 
@@ -179,6 +180,44 @@ def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase
     assert loaded_while_running[names[0]] == names[1:4], "three streamed blocks ahead of a resident one"
     assert loaded_while_running[names[2]] == names[2:5], "a streamed block and the two after it"
     detach_staging_hook(flux.pipe.transformer)
+
+
+def _count_device_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on the one point where stagers allocate device storage: the sizes allocated, in order."""
+    sizes: list[int] = []
+    allocate = _device.allocate_device_storage
+
+    def counted(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return allocate(nbytes, device, alignment=alignment)
+
+    monkeypatch.setattr(_device, "allocate_device_storage", counted)
+    return sizes
+
+
+def test_streamed_blocks_load_into_the_storage_of_the_blocks_they_follow(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the single-stream blocks stream: one layout, so the window's storage is allocated once.
+    transformer = flux.pipe.transformer
+    doubles = [i for i, (path, _) in enumerate(repeated_blocks(transformer)) if path.startswith("transformer_blocks.")]
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=doubles, prefetch_blocks=2)
+    streamed = [u for u in group.units_of("transformer")[1:] if u.policy is Policy.STREAMED]
+    assert len(streamed) == 4 and len(doubles) == 2
+    allocations = _count_device_allocations(monkeypatch)
+
+    assert torch.equal(flux.run(), flux.reference)
+    window = 3 * len(streamed[0].stager._layout())
+    assert len(allocations) == window + sum(len(u.stager._layout()) for u in group.units if u not in streamed)
+    loads = sum(u.stager.loads for u in streamed)
+    assert torch.equal(flux.run(), flux.reference)
+    assert sum(u.stager.loads for u in streamed) - loads >= 2 * len(streamed), "blocks stream at every step"
+    assert len(allocations) == window + sum(len(u.stager._layout()) for u in group.units if u not in streamed), (
+        "the second call loads every block into storage the first allocated"
+    )
+    detach_staging_hook(transformer)
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_next_component_loads_ahead_when_the_budget_holds_it(flux: PipelineCase) -> None:
