@@ -90,7 +90,7 @@ def _gb(value: int | None) -> str:
 def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     resident = next((r.seconds_per_call for r in results if r.mode == "resident" and not r.error), None)
     header = (
-        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "within budget", "alloc retries", "setup s",
+        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "peak reserved GB", "within budget", "alloc retries", "setup s",
         "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "exact",
     )  # fmt: skip
     rows = []
@@ -107,6 +107,7 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
                 f"{r.seconds_per_call:.3f}",
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
+                _gb(r.peak_reserved_bytes),
                 within,
                 "-" if r.alloc_retries is None else str(r.alloc_retries),
                 f"{r.setup_seconds:.2f}",

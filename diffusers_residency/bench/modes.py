@@ -152,6 +152,9 @@ class ModeResult:
     exact: bool | None
     # The cap the mode ran under (None: the whole device).
     budget_bytes: int | None = None
+    # What the caching allocator held at the peak: tensors and cached blocks too fragmented to serve
+    # the next request. A cap counts this, not the allocated peak.
+    peak_reserved_bytes: int | None = None
     # Times the caching allocator ran out under the cap, synchronised the device to free its cache
     # and retried, over the timed calls: each one stalls the copies and the compute alike.
     alloc_retries: int | None = None
@@ -192,10 +195,6 @@ def host_rss_bytes() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return None
-
-
-def _peak_allocated(device: torch.device) -> int | None:
-    return int(torch.accelerator.max_memory_allocated(device)) if _device.is_accelerator(device) else None
 
 
 def run_mode(
@@ -246,7 +245,7 @@ def run_mode(
             _device.synchronize(device)
             timings.append(time.perf_counter() - started)
             first = output if first is None else first
-        peak = _peak_allocated(device)
+        peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
         graphs = None if graphs is None else _graphs() - graphs
         loaded, gbps = _traffic(pipe, before, calls) if pinned else (None, None)
@@ -256,7 +255,7 @@ def run_mode(
         oom = isinstance(exc, torch.OutOfMemoryError)
         error = "out of memory" if oom else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         logger.warning("%s %s", mode.name, error, exc_info=not oom)
-        peak = _peak_allocated(device)
+        peak = _device.peak_allocated(device)
         _tear_down(pipe, mode, device, compile)
         return ModeResult(mode.name, float("nan"), peak, float("nan"), None, budget, error=error), None
     _tear_down(pipe, mode, device, compile)
@@ -268,6 +267,7 @@ def run_mode(
         setup_seconds=setup_seconds,
         exact=exact,
         budget_bytes=budget,
+        peak_reserved_bytes=peak_reserved,
         alloc_retries=retries,
         first_call_seconds=first_call if compile is not None else None,
         graphs_compiled_while_timed=graphs,
