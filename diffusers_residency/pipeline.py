@@ -336,6 +336,7 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
     state.plan = plan
     group = state.group
     group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
+    group.retention.reserved_limit = group.weight_capacity
     if plan.budget is None:
         group.unwatch_budget()
     elif group.vram_budget != plan.budget:

@@ -52,13 +52,19 @@ class RetentionBudget:
     The budget is the larger of the staged bytes times :data:`STAGED_BYTES_MULTIPLIER` and the
     largest cached figure observed at a boundary times :data:`OBSERVED_PEAK_MARGIN`, capped at
     :data:`MAX_CAPACITY_FRACTION` of the device. Stagers grow it when they attach and shrink it when
-    they detach. A boundary keeps the cache while it is within budget and at least
-    :data:`MIN_FREE_FRACTION` of the device is free; missing telemetry releases, as does any failure
-    path (``release()``).
+    they detach. A boundary keeps the cache while it is within budget, at least
+    :data:`MIN_FREE_FRACTION` of the device is free, and the allocator holds no more than
+    ``reserved_limit``; missing telemetry releases, as does any failure path (``release()``).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Under a VRAM budget, the most the allocator may hold at a boundary: the budget less the
+        # activation reserve. Cache above it sits in the room the next component's activations were
+        # planned to take. Left there, the allocator would free it only on failing to allocate under
+        # a cap, synchronising mid-call, and the first call's reserved peak, from which the reserve
+        # is learned, would count one component's freed activations beside the next one's.
+        self.reserved_limit: int | None = None
         self.staged_bytes = 0
         self.observed_cached_peak = 0
         self.releases = 0
@@ -91,6 +97,8 @@ class RetentionBudget:
         budget = self.budget_for(memory.total)
         figures = dict(cached=memory.cached, budget=budget, free=memory.free, total=memory.total)
         self.observed_cached_peak = max(self.observed_cached_peak, memory.cached)
+        if self.reserved_limit is not None and memory.reserved > self.reserved_limit:
+            return RetentionDecision(released=True, reason="over-vram-budget", **figures)
         if memory.cached > budget:
             return RetentionDecision(released=True, reason="cached-over-budget", **figures)
         if memory.free < memory.total * MIN_FREE_FRACTION:

@@ -70,6 +70,17 @@ def test_low_free_memory_releases(figures: dict) -> None:
     assert budget.releases == 1
 
 
+def test_cache_in_the_room_a_vram_budget_keeps_for_activations_is_released(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)  # a retention budget of 10 GB would keep 3 GB
+    budget.reserved_limit = 12 * GB
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=9 * GB)
+    assert not budget.at_boundary().released, "9 + 3 GB held: at the limit, not over it"
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
+    assert budget.at_boundary().reason == "over-vram-budget"
+    assert figures["empty_cache_calls"] == 1
+
+
 @pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])
 def test_missing_telemetry_releases(figures: dict, telemetry) -> None:
     figures["telemetry"] = telemetry

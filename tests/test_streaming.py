@@ -286,6 +286,7 @@ def test_the_first_call_lowers_a_default_reserve_it_did_not_need(
     assert "activation reserve lowered" in caplog.text
     group = pipeline_state(flux.pipe).group
     assert all(u.stager.loaded for u in group.units_of("transformer")), "the blocks kept now stay on the device"
+    assert group.retention.reserved_limit == budget - after.reserve, "cache may fill what the reserve gave up"
     assert torch.equal(flux.run(), flux.reference)
 
     # A reserve the caller gives is a floor: no call lowers it.
@@ -396,8 +397,10 @@ def test_turning_the_budget_off_stops_watching_it(flux: PipelineCase, monkeypatc
     streamed = {"transformer": "streamed"}
     flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=10**7, activation_reserve=RESERVE)
     group = pipeline_state(flux.pipe).group
+    assert group.retention.reserved_limit == 10**7 - RESERVE
     flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=None)
     assert pipeline_state(flux.pipe).group is group, "same setup: masters kept"
+    assert group.retention.reserved_limit is None
     monkeypatch.setattr(_device, "peak_allocated", lambda device: 10**9)  # far over the old budget
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_plan().budget is None
