@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from diffusers_residency.bench.__main__ import main
+from diffusers_residency.bench.__main__ import format_table, main
+from diffusers_residency.bench.modes import ModeResult
 
 
 def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys) -> None:
@@ -35,3 +36,23 @@ def test_compiled_denoiser_is_timed_and_never_recompiles(tmp_path, capsys) -> No
     assert all(r["first_call_seconds"] > 0 and r["graphs_compiled_while_timed"] == 0 for r in results), results
     assert all(r["exact"] is not False for r in results), "each mode starts from the plain modules again"
     assert "first call s (compiling)" in capsys.readouterr().out
+
+
+def test_a_compiled_mode_is_held_to_a_tolerance_and_an_eager_one_to_bit_equality() -> None:
+    def result(mode: str, exact: bool | None, diff: float | None, close: bool | None) -> ModeResult:
+        return ModeResult(mode, 1.0, 1, 1.0, exact, max_abs_diff=diff, within_tolerance=close)
+
+    results = [
+        result("resident", None, None, None),
+        result("pinned", False, 4e-3, True),  # compiled, within tolerance
+        result("pinned", False, 2e-1, False),  # compiled, too far
+        result("pinned", False, 1e-7, None),  # eager: any difference is a failure
+    ]
+    assert [r.matches_resident for r in results] == [None, True, False, False]
+    rows = format_table(results, weight_bytes=1).splitlines()[2:]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == [
+        "reference",
+        "within tolerance, max diff 4.0e-03",
+        "NO, max diff 2.0e-01",
+        "NO, max diff 1.0e-07",
+    ]
