@@ -245,10 +245,9 @@ class DeviceSlots:
     Left to the caching allocator, a dropped block's storages go back to its cache while the block
     that computes allocates its activations, which split those cached blocks to serve their own,
     smaller requests; the next block's weights then find no free block of their size, and the
-    allocator reserves new segments. On FLUX.1-dev at 1024x1024 under a 16 GB cap that held 2.3 GB
-    (15.64 GB reserved against 13.34 GB allocated at the peak, on the H200 machine): room the
-    activation reserve had to cover instead of resident blocks. Storages kept here never return to
-    that cache while the component streams.
+    allocator reserves new segments. Under a VRAM budget that memory is room the activation reserve
+    has to cover instead of resident blocks (docs/benchmarks.md has the reserved and allocated
+    peaks). Storages kept here never return to that cache while the component streams.
 
     Slots are keyed by layout (the storages' sizes, and on the CPU their alignment), which the blocks
     of one class share. A block of another layout (FLUX.1's single-stream blocks after its
