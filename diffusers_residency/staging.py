@@ -327,8 +327,9 @@ class ModuleStager:
         self.loaded = False
         self.loads = 0
         self.loaded_bytes = 0  # moved by all loads, a figure that survives retakes
-        # Device storage of the last load, one per group: held from allocation on, so a failure path
-        # can synchronise before dropping it, and an offload can hand it to the next block's load.
+        # Device storage of a load, one per group: held from allocation on, so a failure path can
+        # synchronise before dropping it, and, for a load into DeviceSlots, while loaded, so that
+        # the offload can hand it to the next block's load.
         self._device_storages: list[torch.Tensor] = []
         # Each tensor and the address the last load bound it to: a tensor found elsewhere at
         # offload was replaced while loaded.
@@ -417,6 +418,11 @@ class ModuleStager:
                 for storage, group in zip(storages, self._groups):
                     storage.copy_(group.master, non_blocking=self.pin_memory)
         self._bind(storages)
+        if slots is None:
+            # From here on the bound views keep the storage alive, and let it go when they move to
+            # storage of their own (layerwise casting does, at every forward). Storage to be handed
+            # to the next block is held here instead, at most a window of blocks' worth.
+            self._device_storages = []
         self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
         self.loaded = True
         self.loads += 1
@@ -487,7 +493,10 @@ class ModuleStager:
         replaced = self._replaced_while_loaded()
         if not replaced:
             self.rebind_masters()
-            if slots is not None:
+            # Only storage that none of the modules' tensors still reaches is handed on: a parameter
+            # replaced while loaded by one over the same storage (``nn.Parameter(w.detach())``)
+            # would get the next block's weights copied into it.
+            if slots is not None and storages and self.masters_current():
                 slots.give(self._layout(), storages)
             return
         # Tensors replaced while loaded (layers cast to a storage dtype, weights assigned through

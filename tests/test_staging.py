@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import ModuleStager
+from diffusers_residency.staging import DeviceSlots
 
 CPU = torch.device("cpu")
 
@@ -164,3 +165,33 @@ def test_map_masters_takes_only_byte_identical_whole_storages() -> None:
     assert stager.host_bytes()["mapped"] == 0
     assert module.same.data_ptr() != file_bytes[id(module.same)].data_ptr()
     assert torch.equal(module.same, torch.arange(6, dtype=torch.float32))
+
+
+def test_storage_a_replaced_parameter_still_uses_is_not_handed_to_the_next_block() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    expected = first.weight.detach().clone()
+    cpu = torch.device("cpu")
+    a, b = ModuleStager(first, cpu, pin_memory=False), ModuleStager(second, cpu, pin_memory=False)
+    assert a._layout() == b._layout(), "equal layouts: b would take a's storage"
+    slots = DeviceSlots()
+    a.load(slots=slots)
+    first.weight = nn.Parameter(first.weight.detach())  # a new parameter over the loaded storage
+    a.offload(slots=slots)
+    b.load(slots=slots)
+    assert torch.equal(first.weight, expected), "the next block's weights were copied under a live parameter"
+    assert torch.equal(second(torch.ones(8)), nn.functional.linear(torch.ones(8), second.weight, second.bias))
+
+
+def test_only_a_load_into_slots_holds_its_storage_beyond_the_bound_tensors() -> None:
+    # Layerwise casting moves every weight to storage of its own at each forward: the loaded copy
+    # must then be freed, not held by the stager until the offload.
+    module = nn.Linear(8, 8)
+    stager = ModuleStager(module, torch.device("cpu"), pin_memory=False)
+    stager.load()
+    assert stager._device_storages == []
+    stager.offload()
+    stager.load(slots=DeviceSlots())
+    assert len(stager._device_storages) == len(stager._layout())
+    stager.offload()
+    assert stager._device_storages == []
