@@ -120,30 +120,37 @@ class BlockStream:
     def enter(self, unit: StagedUnit) -> None:
         """``unit`` is about to run: have it loaded, drop streamed blocks outside its window, and
         start loading the window. Runs before every block's forward, so it allocates nothing but
-        the loads themselves."""
+        device storage for loads that no dropped block's storage fits."""
         if self._recording is not None:
             self._learn(unit)
         window = self._windows.get(id(unit), ())
         keep = (unit, *window)
         held = []
-        for other in self._held:  # dropped first: their room is what the next loads take
-            if other in keep:
-                held.append(other)
+        try:
+            for other in self._held:  # dropped first: their room is what the next loads take
+                if other in keep:
+                    held.append(other)
+                else:
+                    other.stager.offload(slots=self.slots)
+            if unit.stager.loaded:
+                unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
             else:
-                other.stager.offload(slots=self.slots)
-        if unit.stager.loaded:
-            unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
-        else:
-            unit.load(slots=self.slots)
-        for ahead in window:
-            if not ahead.stager.loaded:
-                ahead.load(ahead=True, slots=self.slots)
-            if ahead not in held:
-                held.append(ahead)
-        if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
-            held.append(unit)
-        self._held = held
-        # Storage dropped here and not taken back (fewer blocks loaded than dropped) is the
-        # allocator's again: between two entries the slots hold nothing, so an eviction, a sleep or
-        # the end of the call finds every byte of the component in its loaded blocks.
-        self.slots.clear()
+                unit.load(slots=self.slots)
+            for ahead in window:
+                if not ahead.stager.loaded:
+                    ahead.load(ahead=True, slots=self.slots)
+                if ahead not in held:
+                    held.append(ahead)
+            if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
+                held.append(unit)
+            self._held = held
+        except BaseException:
+            # Blocks loaded before the failure are held, so that a later entry drops them.
+            self._held = [block for block in self.blocks if block.stager.loaded and block.policy is Policy.STREAMED]
+            raise
+        finally:
+            # Storage dropped here and not taken back (fewer blocks loaded than dropped, or a load
+            # that failed) is the allocator's again: between two entries the slots hold nothing, so
+            # an eviction, a sleep or the end of the call finds every byte of the component in its
+            # loaded blocks.
+            self.slots.clear()

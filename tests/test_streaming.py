@@ -195,16 +195,23 @@ def _count_device_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+def _stream_single_blocks(flux: PipelineCase, prefetch_blocks: int) -> tuple[ResidencyGroup, list]:
+    """Stream the tiny FLUX transformer's single-stream blocks (one layout) through a script's group,
+    its double-stream blocks resident; returns the group and the streamed units."""
+    transformer = flux.pipe.transformer
+    doubles = [i for i, (path, _) in enumerate(repeated_blocks(transformer)) if path.startswith("transformer_blocks.")]
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=doubles, prefetch_blocks=prefetch_blocks)
+    streamed = [u for u in group.units_of("transformer")[1:] if u.policy is Policy.STREAMED]
+    assert len(streamed) == 4 and len(doubles) == 2
+    return group, streamed
+
+
 def test_streamed_blocks_load_into_the_storage_of_the_blocks_they_follow(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Only the single-stream blocks stream: one layout, so the window's storage is allocated once.
-    transformer = flux.pipe.transformer
-    doubles = [i for i, (path, _) in enumerate(repeated_blocks(transformer)) if path.startswith("transformer_blocks.")]
-    group = ResidencyGroup("cpu")
-    attach_block_streaming(transformer, group, name="transformer", resident_blocks=doubles, prefetch_blocks=2)
-    streamed = [u for u in group.units_of("transformer")[1:] if u.policy is Policy.STREAMED]
-    assert len(streamed) == 4 and len(doubles) == 2
+    group, streamed = _stream_single_blocks(flux, prefetch_blocks=2)
     allocations = _count_device_allocations(monkeypatch)
 
     assert torch.equal(flux.run(), flux.reference)
@@ -216,7 +223,7 @@ def test_streamed_blocks_load_into_the_storage_of_the_blocks_they_follow(
     assert len(allocations) == window + sum(len(u.stager._layout()) for u in group.units if u not in streamed), (
         "the second call loads every block into storage the first allocated"
     )
-    detach_staging_hook(transformer)
+    detach_staging_hook(flux.pipe.transformer)
     assert torch.equal(flux.run(), flux.reference)
 
 
@@ -439,3 +446,28 @@ def test_blocks_a_call_never_runs_are_not_loaded_ahead(flux: PipelineCase) -> No
     assert order and all(".decoder." in name or name.startswith("vae.decoder") for name in order), order
     encoder = [u for u in units if ".encoder." in u.name]
     assert encoder and sum(u.stager.loads for u in encoder) <= 2, "loaded ahead once, before the order was known"
+
+
+def test_blocks_loaded_before_a_failed_load_are_dropped_by_the_next_entry(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, streamed = _stream_single_blocks(flux, prefetch_blocks=1)
+    stream = streamed[0].stream
+    allocate, room = _device.allocate_device_storage, len(streamed[0].stager._layout())
+
+    def out_of_memory_after_one_block(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        nonlocal room
+        if room == 0:
+            raise torch.OutOfMemoryError("injected: out of device memory")
+        room -= 1
+        return allocate(nbytes, device, alignment=alignment)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_device, "allocate_device_storage", out_of_memory_after_one_block)
+        with pytest.raises(torch.OutOfMemoryError):
+            stream.enter(streamed[0])  # loads the block, then fails on the one ahead of it
+    assert streamed[0].stager.loaded and not streamed[1].stager.loaded
+    stream.enter(streamed[2])  # its window is the block after it: the first one goes
+    assert not streamed[0].stager.loaded and streamed[2].stager.loaded and streamed[3].stager.loaded
+    detach_staging_hook(flux.pipe.transformer)
+    assert torch.equal(flux.run(), flux.reference)
