@@ -97,7 +97,7 @@ class RetentionBudget:
         budget = self.budget_for(memory.total)
         figures = dict(cached=memory.cached, budget=budget, free=memory.free, total=memory.total)
         self.observed_cached_peak = max(self.observed_cached_peak, memory.cached)
-        if self.reserved_limit is not None and memory.reserved > self.reserved_limit:
+        if self.reserved_limit is not None and memory.reserved > self.reserved_limit and memory.cached:
             return RetentionDecision(released=True, reason="over-vram-budget", **figures)
         if memory.cached > budget:
             return RetentionDecision(released=True, reason="cached-over-budget", **figures)

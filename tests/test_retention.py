@@ -79,6 +79,8 @@ def test_cache_in_the_room_a_vram_budget_keeps_for_activations_is_released(figur
     figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
     assert budget.at_boundary().reason == "over-vram-budget"
     assert figures["empty_cache_calls"] == 1
+    figures["telemetry"] = telemetry(cached=0, free=50 * GB, allocated=13 * GB)
+    assert not budget.at_boundary().released, "tensors alone over the limit: no cache to give back"
 
 
 @pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])
