@@ -93,7 +93,8 @@ def _agreement(result: ModeResult) -> str:
     if result.exact:
         return "yes"
     verdict = "within tolerance" if result.matches_resident else "NO"
-    return f"{verdict}, max diff {result.max_abs_diff:.1e}"
+    detail = "another shape" if result.max_abs_diff is None else f"max diff {result.max_abs_diff:.1e}"
+    return f"{verdict}, {detail}"
 
 
 def format_table(results: list[ModeResult], weight_bytes: int) -> str:
@@ -107,7 +108,8 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
         budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
         within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
-            rows.append((r.mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), *("-",) * (len(header) - 5)))
+            reserved = _gb(r.peak_reserved_bytes)
+            rows.append((r.mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), reserved, *("-",) * (len(header) - 6)))
             continue
         rows.append(
             (

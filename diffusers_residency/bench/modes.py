@@ -272,15 +272,19 @@ def run_mode(
         oom = isinstance(exc, torch.OutOfMemoryError)
         error = "out of memory" if oom else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         logger.warning("%s %s", mode.name, error, exc_info=not oom)
-        peak = _device.peak_allocated(device)
+        peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         _tear_down(pipe, mode, device, compile)
-        return ModeResult(mode.name, float("nan"), peak, float("nan"), None, budget, error=error), None
+        result = ModeResult(
+            mode.name, float("nan"), peak, float("nan"), None, budget, peak_reserved_bytes=peak_reserved, error=error
+        )
+        return result, None
     _tear_down(pipe, mode, device, compile)
-    exact = None if reference is None else bool(torch.equal(first, reference))
-    diff = None if reference is None else float((first.float() - reference.float()).abs().max())
+    comparable = reference is not None and first.shape == reference.shape
+    exact = None if reference is None else comparable and bool(torch.equal(first, reference))
+    diff = float((first.float() - reference.float()).abs().max()) if comparable else None
     close = None
     if compile is not None and reference is not None:
-        close = bool(torch.allclose(first.float(), reference.float(), **COMPILED_TOLERANCE))
+        close = comparable and bool(torch.allclose(first.float(), reference.float(), **COMPILED_TOLERANCE))
     result = ModeResult(
         mode=mode.name,
         seconds_per_call=sum(timings) / len(timings),
