@@ -496,7 +496,8 @@ class ModuleStager:
             # Only storage that none of the modules' tensors still reaches is handed on: a parameter
             # replaced while loaded by one over the same storage (``nn.Parameter(w.detach())``)
             # would get the next block's weights copied into it.
-            if slots is not None and storages and self.masters_current():
+            # Just rebound, every bound tensor is on its master: only their identity is left to check.
+            if slots is not None and storages and self._holds_only_bound_tensors():
                 slots.give(self._layout(), storages)
             return
         # Tensors replaced while loaded (layers cast to a storage dtype, weights assigned through
@@ -535,11 +536,9 @@ class ModuleStager:
     def masters_current(self) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
         storage, dtype and layout it had then."""
-        bound: set[int] = set()
         for group in self._groups:
             for binding in group.bindings:
                 tensor = binding.target
-                bound.add(id(tensor))
                 if (
                     tensor.dtype != binding.dtype
                     or tuple(tensor.shape) != binding.shape
@@ -547,6 +546,12 @@ class ModuleStager:
                     or tensor.data_ptr() != group.master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
                 ):
                     return False
+        return self._holds_only_bound_tensors()
+
+    def _holds_only_bound_tensors(self) -> bool:
+        """Whether the modules' tensors are exactly the ones the masters were taken for (none added,
+        none replaced by another object)."""
+        bound = {id(binding.target) for group in self._groups for binding in group.bindings}
         return bound == {id(local_tensor(t)) for t in self.tensors()}
 
     def retake_masters(self) -> None:
