@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
-from diffusers_residency.bench.__main__ import format_table, main
-from diffusers_residency.bench.modes import ModeResult
+import pytest
+import torch
+
+from diffusers_residency.bench.__main__ import _runs, environment_line, format_table, main
+from diffusers_residency.bench.modes import (
+    MMGP_INSTALL,
+    MODES,
+    Mode,
+    ModeResult,
+    ModeUnavailable,
+    mmgp_budgets,
+    run_mode,
+)
 
 
-def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys) -> None:
+def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mmgp", None)  # CI has no mmgp; and the CPU must not import it
     status = main(
         [
             "bench",  # as `diffusers-residency bench ...` passes it
-            "--modes", "resident,pinned,group_offload_block,sequential_cpu_offload@1MB",
+            "--modes", "resident,mmgp@1MB,pinned,group_offload_block,sequential_cpu_offload@1MB",
             "--budgets", "unlimited",
             "--activation-reserve", "1000",
             "--calls", "1",
@@ -22,11 +36,19 @@ def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys
     assert status == 0
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     runs = [(r["mode"], r["budget_bytes"]) for r in results]
-    assert runs == [("resident", None), ("pinned", None), ("group_offload_block", None), ("sequential_cpu_offload", 10**6)]
+    assert runs == [
+        ("resident", None),
+        ("pinned", None),
+        ("group_offload_block", None),
+        ("sequential_cpu_offload", 10**6),
+        ("mmgp", 10**6),  # moved last: it cannot be undone
+    ]
     assert results[1]["exact"] is True and results[1]["plan"]
-    assert results[3]["error"] == "needs an accelerator"
+    assert results[3]["error"] == results[4]["error"] == "needs an accelerator"
     assert (tmp_path / "results.png").stat().st_size > 0
-    assert "| pinned |" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "| pinned |" in captured.out
+    assert "mmgp cannot be undone" in captured.err
 
 
 def test_compiled_denoiser_is_timed_and_never_recompiles(tmp_path, capsys) -> None:
@@ -56,3 +78,122 @@ def test_a_compiled_mode_is_held_to_a_tolerance_and_an_eager_one_to_bit_equality
         "NO, max diff 2.0e-01",
         "NO, max diff 1.0e-07",
     ]
+
+
+def _names(runs: list[tuple[Mode, int | None]]) -> list[tuple[str, int | None]]:
+    return [(mode.name, budget) for mode, budget in runs]
+
+
+def test_a_mode_that_cannot_be_undone_runs_after_every_other_mode(capsys) -> None:
+    runs = _runs("resident,mmgp@16GB,pinned", "unlimited,16GB", None)
+    assert _names(runs) == [
+        ("resident", None),
+        ("pinned", None),
+        ("resident", 16 * 10**9),
+        ("pinned", 16 * 10**9),
+        ("mmgp", 16 * 10**9),
+    ]
+    assert "note: mmgp cannot be undone, so it runs after the other modes" in capsys.readouterr().err
+
+    assert _names(_runs("resident,mmgp", "unlimited", None)) == [("resident", None), ("mmgp", None)]
+    assert capsys.readouterr().err == "", "no note when it already runs last"
+
+
+@pytest.mark.parametrize(
+    ("modes", "budgets", "asked"),
+    [
+        ("resident,mmgp", "unlimited,16GB", "mmgp @ unlimited, mmgp @ 16.00 GB"),
+        ("mmgp@8GB,resident,mmgp@16GB", "unlimited", "mmgp @ 8.00 GB, mmgp @ 16.00 GB"),
+        ("mmgp,mmgp", "unlimited", "mmgp @ unlimited, mmgp @ unlimited"),
+    ],
+)
+def test_a_mode_that_cannot_be_undone_is_refused_more_than_one_run(modes: str, budgets: str, asked: str) -> None:
+    with pytest.raises(SystemExit, match="cannot be undone runs once per process") as refused:
+        _runs(modes, budgets, None)
+    assert str(refused.value).startswith(f"{asked}:")
+    assert "mmgp@16GB" in str(refused.value), "says how to ask for one run"
+
+
+def test_mmgp_on_the_cpu_needs_an_accelerator_and_never_imports_mmgp(monkeypatch) -> None:
+    # Importing mmgp would raise here, and its setup refuses the CPU with another message.
+    monkeypatch.setitem(sys.modules, "mmgp", None)
+
+    def call() -> torch.Tensor:
+        raise AssertionError("the mode must not run")
+
+    result, output = run_mode(
+        object(), MODES["mmgp"], torch.device("cpu"), call, warmup=1, calls=1, reference=None, budget=10**9
+    )
+    assert output is None
+    assert (result.mode, result.error, result.budget_bytes) == ("mmgp", "needs an accelerator", 10**9)
+
+
+def test_mmgp_not_installed_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mmgp", None)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    with pytest.raises(ModeUnavailable, match="needs mmgp") as unavailable:
+        MODES["mmgp"].setup(object(), torch.device("cuda", 0), None)
+    assert str(unavailable.value).endswith(MMGP_INSTALL)
+    assert MMGP_INSTALL == "pip install mmgp==3.8.2 optimum-quanto==0.2.7"
+    # mmgp moves weights to the current CUDA device, whichever the run was asked for.
+    with pytest.raises(ModeUnavailable, match="current CUDA device only, not cuda:1"):
+        MODES["mmgp"].setup(object(), torch.device("cuda", 1), None)
+
+
+def test_an_unavailable_mode_is_a_result_and_is_torn_down() -> None:
+    torn_down = []
+
+    def setup(pipe: object, device: torch.device, budget: int | None) -> None:
+        raise ModeUnavailable("needs something: pip install something")
+
+    mode = Mode("unavailable", setup, torn_down.append)
+    pipe = object()
+    result, output = run_mode(pipe, mode, torch.device("cpu"), torch.zeros, warmup=1, calls=1, reference=None)
+    assert output is None
+    assert result.error == "needs something: pip install something"
+    assert torn_down == [pipe]
+
+
+def test_mmgp_budget_is_the_cap_less_the_default_activation_reserve_in_mib() -> None:
+    assert mmgp_budgets(None) is None, "no cap: mmgp's no-budget profile"
+    # 16 GB less the 3 GiB minimum reserve; 40 GB less a tenth; mmgp counts in MiB.
+    assert mmgp_budgets(16 * 10**9) == {"*": (16 * 10**9 - 3 * 2**30) // 2**20} == {"*": 12186}
+    assert mmgp_budgets(40 * 10**9) == {"*": 34332}
+    # Below the reserve: the smallest budget, since mmgp reads 0 as no budget at all.
+    assert mmgp_budgets(2 * 10**9) == {"*": 1}
+
+
+def test_mmgp_teardown_releases_its_manager_and_the_default_device(monkeypatch) -> None:
+    released = []
+    manager = types.SimpleNamespace(release=lambda: released.append(True))
+    monkeypatch.setitem(sys.modules, "mmgp.offload", types.SimpleNamespace(last_offload_obj=manager))
+    torch.set_default_device("meta")  # offload.all leaves "cuda"; meta stands in for it on the CPU
+    try:
+        MODES["mmgp"].teardown(object())
+        assert torch.empty(1).device == torch.device("cpu")
+    finally:
+        torch.set_default_device(None)
+    assert released == [True]
+    assert MODES["mmgp"].undoable is False and MODES["mmgp"].needs_accelerator
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({}, "default allocator settings"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, "PYTORCH_ALLOC_CONF=expandable_segments:False"),
+        (
+            {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+            "PYTORCH_ALLOC_CONF=expandable_segments:True; PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128",
+        ),
+    ],
+)
+def test_the_environment_line_names_the_allocator_settings(monkeypatch, variables: dict[str, str], named: str) -> None:
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    line = environment_line(torch.device("cpu"))
+    assert line.startswith(f"torch {torch.__version__}, ")
+    assert line.endswith(f"device cpu, {named}")

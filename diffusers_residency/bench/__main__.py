@@ -7,7 +7,9 @@ picks SDXL, SD3 or Wan 2.1 instead; ``--checkpoint DIR`` loads a saved pipeline.
 
 ``--budgets 30GB,16GB`` runs every mode once per budget, each under a device-memory cap of that size
 (as a smaller GPU would be); ``--modes pinned,group_offload_leaf@16GB`` runs a mode named with
-``@`` at that budget only. A mode that runs out of memory is reported as such. The table is printed;
+``@`` at that budget only. A mode that runs out of memory is reported as such. ``mmgp`` (CUDA only;
+``pip install mmgp==3.8.2 optimum-quanto==0.2.7``) cannot be undone, so it runs once, after the
+others. The table is printed;
 ``--out`` gets ``results.json`` and, with matplotlib installed, ``results.png`` (s/call against peak
 memory, one point per mode and budget).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import sys
 from pathlib import Path
@@ -68,9 +71,14 @@ def _budget(text: str) -> int | None:
     return None if text.strip().lower() in ("unlimited", "none", "") else parse_bytes(text, "budget")
 
 
+def _label(mode: Mode, budget: int | None) -> str:
+    return f"{mode.name} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
+
+
 def _runs(modes: str, budgets: str, activation_reserve: str | None) -> list[tuple[Mode, int | None]]:
     """(mode, budget) pairs in the order they run: budget by budget, modes in the order given; a
-    mode named ``mode@budget`` runs at that budget only."""
+    mode named ``mode@budget`` runs at that budget only. A mode that cannot be undone runs last,
+    and only once."""
     every = [_budget(b) for b in budgets.split(",")]
     specs: list[tuple[Mode, list[int | None]]] = []
     for spec in modes.split(","):
@@ -80,7 +88,16 @@ def _runs(modes: str, budgets: str, activation_reserve: str | None) -> list[tupl
         mode = pinned_mode(activation_reserve) if name == "pinned" else MODES[name]
         specs.append((mode, [_budget(only)] if at else every))
     caps = dict.fromkeys(cap for _, mode_caps in specs for cap in mode_caps)
-    return [(mode, cap) for cap in caps for mode, mode_caps in specs if cap in mode_caps]
+    runs = [(mode, cap) for cap in caps for mode, mode_caps in specs if cap in mode_caps]
+    final = [run for run in runs if not run[0].undoable]
+    if len(final) > 1:
+        raise SystemExit(
+            f"{', '.join(_label(*run) for run in final)}: a mode that cannot be undone runs once per "
+            f"process, after the others; name one budget for it, e.g. --modes ...,{final[0][0].name}@16GB"
+        )
+    if final and runs[-1][0].undoable:
+        print(f"note: {final[0][0].name} cannot be undone, so it runs after the other modes", file=sys.stderr)
+    return [run for run in runs if run[0].undoable] + final
 
 
 def _gb(value: int | None) -> str:
@@ -144,6 +161,26 @@ def format_compile_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
+# Where torch reads the caching allocator's settings from (PYTORCH_ALLOC_CONF is newer torch's
+# device-generic name). torch's generic and CUDA-specific settings rank them differently, so every
+# one that is set is named.
+_ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def allocator_settings() -> str:
+    """The caching allocator's configuration from the environment. Peaks and timings under a cap
+    depend on it (``expandable_segments:True`` above all), so the results say which was used."""
+    settings = [f"{name}={os.environ[name]}" for name in _ALLOC_CONF_VARIABLES if os.environ.get(name)]
+    return "; ".join(settings) or "default allocator settings"
+
+
+def environment_line(device: torch.device) -> str:
+    return (
+        f"torch {torch.__version__}, diffusers {diffusers.__version__}, python {platform.python_version()}, "
+        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, {allocator_settings()}"
+    )
+
+
 def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
     """Unique bytes behind every parameter and buffer of the pipeline's modules."""
     modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
@@ -187,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     progress = tqdm(runs, desc="bench", unit="mode", file=sys.stderr)
     for mode, budget in progress:
-        label = f"{mode.name} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
+        label = _label(mode, budget)
         progress.set_postfix_str(label)
         result, output = run_mode(
             pipe,
@@ -209,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{source}, {weight_bytes / 1e9:.2f} GB of weights, {dtype}, {args.steps or 'default'} steps, "
         f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} warm-up + {args.calls} timed calls per mode"
     )
-    environment = (
-        f"torch {torch.__version__}, diffusers {diffusers.__version__}, python {platform.python_version()}, "
-        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
-    )
+    environment = environment_line(device)
     print(f"{setting}\n{environment}\n")
     print(format_table(results, weight_bytes))
     if args.compile:

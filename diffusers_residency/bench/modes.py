@@ -7,9 +7,11 @@ the resident mode's, so a speed figure never hides a wrong pixel.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +22,7 @@ from diffusers import DiffusionPipeline
 
 from .. import _device
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
+from ..planner import default_reserve
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,15 @@ class Mode:
     # accelerate's sequential offload moves weights through the meta device and cannot run on the
     # CPU (nor be undone there).
     needs_accelerator: bool = False
+    # False for a mode whose teardown only frees the device (mmgp rewrites every module's forward
+    # and moves the weights into pinned buffers of its own, with no way back): every mode after it
+    # would measure a pipeline it changed, so it runs once, after all the others.
+    undoable: bool = True
+
+
+class ModeUnavailable(RuntimeError):
+    """A mode that cannot run in this process (a package missing, a device it does not support):
+    reported as that mode's result, without a traceback."""
 
 
 def _resident(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
@@ -98,6 +110,59 @@ def _remove_group_offload(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
+# What the mmgp mode was written against: offload.all's arguments and budget rules change between
+# releases, and mmgp 3.8.2 needs optimum-quanto 0.2.7.
+MMGP_INSTALL = "pip install mmgp==3.8.2 optimum-quanto==0.2.7"
+
+# mmgp's budgets are in MiB (offload.py: ONE_MB = 1048576).
+_MIB = 1 << 20
+
+
+def mmgp_budgets(budget: int | None) -> dict[str, int] | None:
+    """mmgp's ``budgets`` for a run capped at ``budget`` bytes.
+
+    No cap: None, mmgp's "no budget" profile (each model moves to the device whole when called).
+    A cap: one budget for every model (``"*"``; mmgp moves one model at a time, text encoders and
+    VAE aside), the cap less the activation reserve the pinned mode keeps by default, so both
+    modes leave the same room for activations. At least 1 MiB: mmgp reads 0 as no budget at all.
+    """
+    if budget is None:
+        return None
+    return {"*": max(1, (budget - default_reserve(budget)) // _MIB)}
+
+
+def _mmgp(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
+    # mmgp moves weights to "cuda", the current device, whatever the pipeline was asked to run on.
+    if not _device.same_device(device, torch.device("cuda")):
+        raise ModeUnavailable(f"mmgp runs on the current CUDA device only, not {device}")
+    try:
+        from mmgp import offload
+    except ImportError as exc:
+        raise ModeUnavailable(f"needs mmgp ({exc}): {MMGP_INSTALL}") from exc
+    # mmgp prints its banner and plans on stdout, where the benchmark prints its results.
+    with contextlib.redirect_stdout(sys.stderr):
+        offload.all(
+            pipe,
+            pinnedMemory=True,
+            quantizeTransformer=False,
+            budgets=mmgp_budgets(budget),
+            # mmgp casts float32 weights to bfloat16 by default, which would have a float32 run
+            # move half the bytes the other modes move.
+            convertWeightsFloatTo=pipe.dtype,
+        )
+
+
+def _release_mmgp(pipe: DiffusionPipeline) -> None:
+    # Frees the device memory mmgp holds; the hooks and pinned weights stay (mmgp has no way to
+    # remove them), which is why this mode runs last.
+    offload = sys.modules.get("mmgp.offload")
+    manager = None if offload is None else offload.last_offload_obj
+    if manager is not None:
+        manager.release()
+    # offload.all leaves "cuda" as the process's default device.
+    torch.set_default_device(None)
+
+
 MODES: dict[str, Mode] = {
     "resident": Mode("resident", _resident, _to_host),
     "pinned": pinned_mode(),
@@ -107,6 +172,7 @@ MODES: dict[str, Mode] = {
     ),
     "group_offload_block": Mode("group_offload_block", _group_offload("block_level"), _remove_group_offload),
     "group_offload_leaf": Mode("group_offload_leaf", _group_offload("leaf_level"), _remove_group_offload),
+    "mmgp": Mode("mmgp", _mmgp, _release_mmgp, needs_accelerator=True, undoable=False),
 }
 
 
@@ -270,8 +336,12 @@ def run_mode(
         plan = str(residency_plan(pipe)) if pinned else None
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
-        error = "out of memory" if oom else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-        logger.warning("%s %s", mode.name, error, exc_info=not oom)
+        unavailable = isinstance(exc, ModeUnavailable)
+        if oom or unavailable:
+            error = "out of memory" if oom else str(exc)
+        else:
+            error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        logger.warning("%s %s", mode.name, error, exc_info=not (oom or unavailable))
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         _tear_down(pipe, mode, device, compile)
         result = ModeResult(
