@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -26,7 +26,6 @@ from .planner import (
     BudgetTooSmallError,
     ComponentSizes,
     ResidencyPlan,
-    StreamTimings,
     default_reserve,
     format_bytes,
     parse_bytes,
@@ -60,16 +59,14 @@ class PipelineResidency:
     hooks: dict[str, StagingHook]
     plan: ResidencyPlan
     # The plan for a given activation reserve, with everything else as enabled (and the policies
-    # given pinned besides, and the timings of streamed components' steps).
-    replan: Callable[[int, Mapping[str, Policy], Mapping[str, StreamTimings]], ResidencyPlan]
+    # given pinned besides).
+    replan: Callable[[int, Mapping[str, Policy]], ResidencyPlan]
     # Whether the reserve is the default, which the first call's peak may lower (a reserve the
     # caller gave is kept as a floor).
     reserve_learned: bool = False
     # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
     call_start: str | None = None
     call_end: str | None = None
-    # Streamed components' timed steps, once the first call has timed them.
-    timings: dict[str, StreamTimings] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -183,13 +180,11 @@ def _planner(
     sizes = _component_sizes(pipe, modules)
     chosen = _policies(pipe, modules, components)
     if budget is None:
-        return lambda reserve, pinned, timings: plan_as_given(sizes, chosen)
+        return lambda reserve, pinned: plan_as_given(sizes, chosen)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
-    return lambda reserve, pinned, timings: plan_residency(
-        sizes, budget[0], reserve, fixed={**fixed, **pinned}, timings=timings
-    )
+    return lambda reserve, pinned: plan_residency(sizes, budget[0], reserve, fixed={**fixed, **pinned})
 
 
 def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | None:
@@ -201,7 +196,7 @@ def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | 
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
-    candidate = state.replan(reserve, streaming, state.timings)
+    candidate = state.replan(reserve, streaming)
     if any(p.policy is not candidate[p.name].policy for p in state.plan.components):
         return None
     return candidate
@@ -238,30 +233,7 @@ def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
     )
 
 
-def _after_first_call(state: PipelineResidency, call_peak: int | None) -> None:
-    """The first call has ended, having peaked at ``call_peak`` reserved bytes (None where the device
-    keeps no such count): take in the step timings of streamed components, then plan again, with a
-    lower activation reserve if the default one was larger than the call needed, else with the same
-    one, the window depths now chosen from the timings."""
-    for plan in state.plan.components:
-        if plan.policy is Policy.STREAMED:
-            timings = state.group.units_of(plan.name)[1].stream.timings()
-            if timings is not None:
-                state.timings[plan.name] = timings
-    if state.reserve_learned and call_peak is not None and _lower_reserve(state, call_peak):
-        return
-    if not state.timings:
-        return
-    try:
-        new_plan = _replan_in_place(state, state.plan.reserve)
-    except BudgetTooSmallError:
-        return
-    if new_plan is not None and new_plan != state.plan:
-        _apply_policies(state, new_plan)
-        logger.info("Streamed blocks planned again from the first call's timings:\n%s", new_plan)
-
-
-def _lower_reserve(state: PipelineResidency, call_peak: int) -> bool:
+def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
     """The first call peaked at ``call_peak``, under the budget: the default reserve held more than
     that call's activations needed. Plan again with the smallest reserve whose plan puts no more
     than the unused room (less a margin) on the device, and apply it when only resident blocks
@@ -289,7 +261,7 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> bool:
         return candidate if candidate is not None and added(candidate) <= room else None
 
     if room <= 0:
-        return False
+        return
     # Bisect for the smallest reserve whose plan fits. More room does not always mean more resident
     # bytes (a larger window can win), so the plan found is checked, not assumed, to add some.
     low, high, best = 0, plan.reserve, None
@@ -301,7 +273,7 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> bool:
         else:
             high, best = middle, candidate
     if best is None or best.resident_weight_bytes <= plan.resident_weight_bytes:
-        return False
+        return
     new_plan = replace(best, reserve=plan.reserve - added(best))
     _apply_policies(state, new_plan)
     logger.info(
@@ -313,7 +285,6 @@ def _lower_reserve(state: PipelineResidency, call_peak: int) -> bool:
         format_bytes(new_plan.reserve),
         format_bytes(new_plan.resident_weight_bytes - plan.resident_weight_bytes),
     )
-    return True
 
 
 def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
@@ -361,7 +332,7 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
                 block.stager.offload()
             block.policy = policy
         if units[0].policy is Policy.STREAMED:
-            units[1].stream.replan(component.prefetch_blocks)
+            units[1].stream.replan()
     state.plan = plan
     group = state.group
     group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
@@ -372,7 +343,7 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
         group.watch_budget(
             plan.budget,
             lambda overshoot: _learn_reserve(state, overshoot),
-            on_first_call=lambda peak: _after_first_call(state, peak),
+            on_first_call=(lambda peak: _lower_reserve(state, peak)) if state.reserve_learned else None,
             call_start=state.call_start,
             call_end=state.call_end,
         )
@@ -437,7 +408,7 @@ def enable_pinned_offload(
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
     replan = _planner(pipe, modules, components, budget)
-    plan = replan(budget[1] if budget else 0, {}, {})
+    plan = replan(budget[1] if budget else 0, {})
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.

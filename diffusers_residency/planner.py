@@ -17,11 +17,6 @@ denoising step (the transformer or UNet) costs its non-resident bytes at *every*
    the bus, see :func:`_resident_block_choices`: the largest ones (the window's slots are as large
    as the largest streamed block), spread evenly through the order (the copy stream then has work
    while each resident block computes).
-4. Once a denoising step has been timed (:class:`StreamTimings`), the window's depth is chosen too:
-   for each depth up to :data:`MAX_PREFETCH_BLOCKS`, the most resident blocks that fit beside that
-   window, and of those plans the one whose step :func:`simulated_step_seconds` predicts fastest.
-   When the bus is the bottleneck a window of one keeps the copy stream as busy as a deeper one,
-   and the slot it saves holds one more resident block.
 """
 
 from __future__ import annotations
@@ -36,10 +31,6 @@ from enum import Enum
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
 # resident blocks, which are never moved at all.
 PREFETCH_BLOCKS = 2
-# The deepest window the planner tries once it has timings. Deeper windows only pay where a run of
-# resident blocks computes for longer than two loads take, which the even spread of resident
-# blocks avoids, and each level costs a slot as large as the largest streamed block.
-MAX_PREFETCH_BLOCKS = 3
 # Activation reserve when the caller gives none: a tenth of the budget, at least 3 GiB. The floor
 # is what a FLUX.1-dev call at 1024x1024 needs above its weights (the VAE decoding at full
 # resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated, resident, over 33.74 GB of
@@ -122,14 +113,12 @@ class ComponentSizes:
 class ComponentPlan:
     """Where one component's weights live. ``resident_blocks``: for a streamed component, the
     positions (in definition order) of the blocks that stay on the device; ``prefetch_blocks``: how
-    many streamed blocks load ahead of the one running; ``step_seconds``: what the blocks of one
-    step are predicted to take, when the depth was chosen from timings."""
+    many streamed blocks load ahead of the one running."""
 
     name: str
     policy: Policy
     resident_blocks: frozenset[int] = frozenset()
     prefetch_blocks: int = 0
-    step_seconds: float | None = None
 
     def resident_bytes(self, sizes: ComponentSizes) -> int:
         """Bytes this component keeps on the device across calls."""
@@ -152,70 +141,6 @@ def _window_bytes(block_bytes: Sequence[int], resident: frozenset[int], prefetch
     # One block computing and ``prefetch_blocks`` loading, each slot as large as the largest streamed block.
     streamed = (nbytes for index, nbytes in enumerate(block_bytes) if index not in resident)
     return (1 + prefetch_blocks) * max(streamed, default=0)
-
-
-def prefetch_windows(streamed: Sequence[bool], prefetch_blocks: int) -> list[tuple[int, ...]]:
-    """For each block of a pass (``streamed[i]``: whether the i-th block to run streams), the
-    indices of the streamed blocks loaded while it runs: the next ``prefetch_blocks`` streamed ones,
-    wrapping around (the next pass, the next denoising step, starts again at the top). A resident
-    block holds no slot of the window while it runs, so the slot a streamed block would take loads
-    one more ahead."""
-    count = len(streamed)
-    windows = []
-    for position in range(count):
-        depth = prefetch_blocks + (not streamed[position])
-        ahead: list[int] = []
-        for step in range(1, count):
-            candidate = (position + step) % count
-            if streamed[candidate]:
-                ahead.append(candidate)
-                if len(ahead) == depth:
-                    break
-        windows.append(tuple(ahead))
-    return windows
-
-
-@dataclass(frozen=True)
-class StreamTimings:
-    """One timed pass of a streamed component's blocks (a denoising step): ``order``, the blocks'
-    positions (in definition order) in the order the forward ran them; ``block_seconds``, the device
-    time each of them computed (waits for its weights excluded), in that order; and
-    ``bytes_per_second``, the rate its loads ran at."""
-
-    order: tuple[int, ...]
-    block_seconds: tuple[float, ...]
-    bytes_per_second: float
-
-
-def simulated_step_seconds(
-    block_bytes: Sequence[int], timings: StreamTimings, resident: frozenset[int], prefetch_blocks: int
-) -> float:
-    """Seconds one pass over the blocks takes in steady state with ``resident`` blocks kept and a
-    window of ``prefetch_blocks``, on a model of how the stream orders the work
-    (:meth:`~.streaming.BlockStream.enter` and ``_device.TimedCopy``): on entering a block, the
-    streamed blocks of its window that are not loaded are queued on the copy stream, each copy
-    starting once the copy stream is free *and* the compute queued before that block has finished
-    (a copy waits for the compute stream, whose work may still read the storage it fills); the
-    block computes once the block before it has and its own copy is done. Two passes run and the
-    second is timed, the first having started with nothing loaded."""
-    order = timings.order
-    streamed = [position not in resident for position in order]
-    windows = prefetch_windows(streamed, prefetch_blocks)
-    load_seconds = [block_bytes[position] / timings.bytes_per_second for position in order]
-    copy_free = compute_end = pass_start = 0.0
-    held: dict[int, float] = {}  # index in order -> when its copy ends, for the blocks loaded
-    for lap in range(2):
-        pass_start = compute_end
-        for index, seconds in enumerate(timings.block_seconds):
-            keep = ((index,) if streamed[index] else ()) + windows[index]
-            held = {other: done for other, done in held.items() if other in keep}
-            queued_after = compute_end
-            for wanted in keep:
-                if wanted not in held:
-                    copy_free = max(copy_free, queued_after) + load_seconds[wanted]
-                    held[wanted] = copy_free
-            compute_end = max(compute_end, held.get(index, 0.0)) + seconds
-    return compute_end - pass_start
 
 
 @dataclass(frozen=True)
@@ -268,7 +193,7 @@ class ResidencyPlan:
                     f"{sizes.nbytes / 1e9:.3f}",
                     f"{plan.resident_bytes(sizes) / 1e9:.3f}",
                     blocks,
-                    _prefetch_cell(plan),
+                    str(plan.prefetch_blocks) if plan.policy is Policy.STREAMED else "-",
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -279,14 +204,6 @@ class ResidencyPlan:
             f"peak weights {format_bytes(self.peak_weight_bytes)}"
         )
         return "\n".join([head, *table])
-
-
-def _prefetch_cell(plan: ComponentPlan) -> str:
-    if plan.policy is not Policy.STREAMED:
-        return "-"
-    if plan.step_seconds is None:
-        return str(plan.prefetch_blocks)
-    return f"{plan.prefetch_blocks} (timed: {plan.step_seconds * 1e3:.1f} ms/step)"
 
 
 class BudgetTooSmallError(ValueError):
@@ -394,12 +311,10 @@ def plan_residency(
     budget: int,
     reserve: int,
     fixed: Mapping[str, Policy] | None = None,
-    timings: Mapping[str, StreamTimings] | None = None,
 ) -> ResidencyPlan:
     """Plan every component for ``budget`` bytes of device memory, ``reserve`` of them kept for
     activations. ``fixed`` pins a component's policy (a user's choice, or a component that must stay
-    resident); a fixed ``streamed`` component still gets its resident prefix chosen here. With
-    ``timings`` of a streamed component, its window's depth is chosen from them too.
+    resident); a fixed ``streamed`` component still gets its resident prefix chosen here.
 
     Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
     """
@@ -442,35 +357,23 @@ def plan_residency(
             trial = {**plans, s.name: ComponentPlan(s.name, Policy.RESIDENT)}
             if _peak(list(trial.values()), sizes) <= capacity:
                 plans = trial
-        plans = _grow_streamed(plans, by_name, capacity, timings or {})
+        plans = _grow_streamed(plans, by_name, capacity)
     return finish(plans)
 
 
 def _grow_streamed(
-    plans: dict[str, ComponentPlan],
-    by_name: Mapping[str, ComponentSizes],
-    capacity: int,
-    timings: Mapping[str, StreamTimings],
+    plans: dict[str, ComponentPlan], by_name: Mapping[str, ComponentSizes], capacity: int
 ) -> dict[str, ComponentPlan]:
-    """Give each streamed component, per-step ones first, the most resident block bytes that fit
-    beside its window; with timings, beside the window of each depth, keeping the depth whose step
-    is predicted fastest (then the one that moves the fewest bytes)."""
+    """Give each streamed component, per-step ones first, the most resident block bytes that fit."""
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     all_sizes = list(by_name.values())
     for name in streamed:
-        sizes, plan, timed = by_name[name], plans[name], timings.get(name)
+        sizes, plan = by_name[name], plans[name]
         others = [p for other, p in plans.items() if other != name]
         other_resident, other_transient = _resident(others, all_sizes), _transient(others, all_sizes)
-        depths = range(1, min(MAX_PREFETCH_BLOCKS, len(timed.order) - 1) + 1) if timed else (plan.prefetch_blocks,)
-        candidates = []
-        for depth in depths:
-            for resident, block_bytes, transient in _resident_block_choices(sizes, depth):
-                if other_resident + sizes.trunk_bytes + block_bytes + max(other_transient, transient) <= capacity:
-                    seconds = simulated_step_seconds(sizes.block_bytes, timed, resident, depth) if timed else None
-                    chosen = replace(plan, resident_blocks=resident, prefetch_blocks=depth, step_seconds=seconds)
-                    candidates.append((seconds or 0.0, -block_bytes, depth, chosen))
-                    break
-        if candidates:
-            plans = {**plans, name: min(candidates, key=lambda candidate: candidate[:3])[3]}
+        for resident, block_bytes, transient in _resident_block_choices(sizes, plan.prefetch_blocks):
+            if other_resident + sizes.trunk_bytes + block_bytes + max(other_transient, transient) <= capacity:
+                plans = {**plans, name: replace(plan, resident_blocks=resident)}
+                break
     return plans

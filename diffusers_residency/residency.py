@@ -108,9 +108,6 @@ class ResidencyGroup:
         # The component whose units ran last (resident ones aside): switching away from it is
         # what evicts.
         self.active_component: str | None = None
-        # Times evict_others handed the device to a component: a timed pass of a streamed one
-        # (see BlockStream) must not span one.
-        self.switches = 0
         # Components in call order, and the most weight bytes the group may hold at once: together
         # they let the next component load ahead while the current one computes. No capacity, no
         # loading ahead.
@@ -127,7 +124,6 @@ class ResidencyGroup:
         self._call_end: str | None = None
         self._call_started = False
         self._call_end_ran = False
-        self._overshot = False
 
     def watch_budget(
         self,
@@ -143,21 +139,19 @@ class ResidencyGroup:
         reset here, so that an earlier workload's peak (the pipeline run resident before, say)
         neither counts against the budget nor hides an overshoot below it.
 
-        With ``on_first_call``, also call ``on_first_call(peak)`` once, at the end of the first whole
-        call, with its peak (memory reserved by the allocator, fragmentation included): from
-        ``call_start`` to ``call_start`` again after ``call_end`` ran. Named, not taken from the
-        first activation, which may come from outside a call (a component loaded at enable or at
-        wake). A call that skips either (prompt embeddings passed in, latents as output) does not
-        count. The peak is None after an overshoot, which says the reserve is already too small,
-        and where the device keeps no count of it (the CPU).
-        """
+        With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
+        whole call (memory reserved by the allocator, fragmentation included): from ``call_start``
+        to ``call_start`` again after ``call_end`` ran. Named, not taken from the first activation,
+        which may come from outside a call (a component loaded at enable or at wake). A call that
+        skips either (prompt embeddings passed in, latents as output) does not count. Not after an
+        overshoot, which says the reserve is already too small."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self._peak_told = vram_budget
         self.on_first_call = on_first_call
         self._call_start = call_start
         self._call_end = call_end
-        self._call_started = self._call_end_ran = self._overshot = False
+        self._call_started = self._call_end_ran = False
         if on_first_call is not None:
             # Cache an earlier workload left behind would count in the first call's reserved peak.
             _device.empty_cache(self.device)
@@ -172,9 +166,11 @@ class ResidencyGroup:
         if self.on_over_budget is None:
             return
         peak = _device.peak_allocated(self.device)
-        if peak is not None and peak > self._peak_told:
+        if peak is None:
+            return
+        if peak > self._peak_told:
             self._peak_told = peak
-            self._overshot = True
+            self.on_first_call = None
             self.on_over_budget(peak - self.vram_budget)
         if self.on_first_call is not None:
             self._watch_first_call(component)
@@ -187,7 +183,7 @@ class ResidencyGroup:
             on_first_call, self.on_first_call = self.on_first_call, None
             # Reserved, not allocated: cached blocks too fragmented to reuse count against a device
             # of the budget's size (and against a cap) as much as tensors do.
-            on_first_call(None if self._overshot else _device.peak_reserved(self.device))
+            on_first_call(_device.peak_reserved(self.device))
         elif component == self._call_end and self._call_started:
             self._call_end_ran = True
 
@@ -266,7 +262,6 @@ class ResidencyGroup:
         one; then let the retention budget decide whether this boundary gives the allocator's cache
         back."""
         self.active_component = component
-        self.switches += 1
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return

@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from . import _device
-from .planner import Policy, StreamTimings, prefetch_windows
+from .planner import Policy
 from .staging import DeviceSlots
 
 if TYPE_CHECKING:
-    from .residency import ResidencyGroup, StagedUnit
+    from .residency import StagedUnit
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +61,10 @@ class BlockStream:
     branch not taken in the first pass) is loaded on the spot if it is not already there; nothing
     is ever read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a
     wait.
-
-    The second pass is also timed, block by block, on the compute stream: from the end of a block's
-    entry (its copy waited for) to the next block's entry, so a pass's last block also counts the
-    work between two passes (the scheduler's step, the trunk), which loads overlap as well. A pass
-    during which the group switched components (the call ended, another component ran) is timed
-    again: its last block would count their work. The planner picks the window's depth from those
-    times (:meth:`timings`).
     """
 
-    def __init__(
-        self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int, group: ResidencyGroup
-    ) -> None:
+    def __init__(self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int) -> None:
         self.component = component
-        self.group = group
         self.blocks = tuple(blocks)
         self.prefetch_blocks = prefetch_blocks
         self._order: tuple[StagedUnit, ...] = self.blocks
@@ -85,14 +74,6 @@ class BlockStream:
         self._held: list[StagedUnit] = []
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
-        # Compute timestamps of the timed pass, (start, end) per block, and the block running
-        # with its start; None before that pass and after it. Then the whole pass's stamps until
-        # read, and what they were read as.
-        self._stamps: dict[StagedUnit, tuple] | None = None
-        self._running: tuple[StagedUnit, object] | None = None
-        self._switches_before_pass = 0
-        self._timed_stamps: dict[StagedUnit, tuple] | None = None
-        self._timings: StreamTimings | None = None
         self._compute_windows()
 
     @property
@@ -104,54 +85,28 @@ class BlockStream:
         pass (the next denoising step) starts again at the top. A resident block holds no slot of
         the window while it runs, so the slot a streamed block would take loads one more ahead."""
         order = self._order
-        windows = prefetch_windows([unit.policy is Policy.STREAMED for unit in order], self.prefetch_blocks)
-        self._windows = {id(unit): tuple(order[i] for i in window) for unit, window in zip(order, windows)}
+        count = len(order)
+        windows = {}
+        for position, unit in enumerate(order):
+            depth = self.prefetch_blocks + (unit.policy is not Policy.STREAMED)
+            ahead = []
+            for step in range(1, count):
+                candidate = order[(position + step) % count]
+                if candidate.policy is Policy.STREAMED:
+                    ahead.append(candidate)
+                    if len(ahead) == depth:
+                        break
+            windows[id(unit)] = tuple(ahead)
+        self._windows = windows
 
-    def replan(self, prefetch_blocks: int) -> None:
-        """Recompute the windows after block policies or the window's depth changed."""
-        self.prefetch_blocks = prefetch_blocks
+    def replan(self) -> None:
+        """Recompute the windows after block policies changed (other resident blocks)."""
         self._compute_windows()
-
-    def _stamp_end(self, unit: StagedUnit) -> None:
-        # ``unit`` is entered: the block that ran before it has been queued in full.
-        stamps = self._stamps
-        if self._running is not None:
-            ran, started = self._running
-            stamps[ran] = (started, _device.compute_timestamp(unit.stager.device))
-            self._running = None
-            if len(stamps) == len(self._order):
-                if self.group.switches == self._switches_before_pass:
-                    self._timed_stamps, self._stamps = stamps, None
-                else:
-                    self._time_next_pass()
-
-    def _time_next_pass(self) -> None:
-        self._stamps, self._running = {}, None
-        self._switches_before_pass = self.group.switches
-
-    def timings(self) -> StreamTimings | None:
-        """The timed pass's compute time per block, and the rate the blocks' loads ran at, once a
-        whole pass was timed within one call: the second step of a call of three steps or more (a
-        cache hook that skips a block in every step after the first leaves it untimed). The first
-        read waits for the pass to finish on the device."""
-        stamps, self._timed_stamps = self._timed_stamps, None
-        if stamps is not None:
-            moved = sum(unit.stager.loaded_bytes for unit in self.blocks)
-            loading = sum(unit.stager.load_seconds for unit in self.blocks)
-            if loading > 0:
-                index = {id(unit): position for position, unit in enumerate(self.blocks)}
-                self._timings = StreamTimings(
-                    order=tuple(index[id(unit)] for unit in self._order),
-                    block_seconds=tuple(_device.seconds_between(*stamps[unit]) for unit in self._order),
-                    bytes_per_second=moved / loading,
-                )
-        return self._timings
 
     def _learn(self, unit: StagedUnit) -> None:
         recording = self._recording
         if unit in recording:
             self._recording = None
-            self._time_next_pass()  # the first in the order learned
             if tuple(recording) != self._order:
                 # Blocks the pass did not run (a VAE's encoder when only decoding) leave the order:
                 # they are never loaded ahead, only on the spot if they ever run.
@@ -168,8 +123,6 @@ class BlockStream:
         device storage for loads that no dropped block's storage fits."""
         if self._recording is not None:
             self._learn(unit)
-        if self._stamps is not None:
-            self._stamp_end(unit)
         window = self._windows.get(id(unit), ())
         keep = (unit, *window)
         held = []
@@ -191,8 +144,6 @@ class BlockStream:
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
                 held.append(unit)
             self._held = held
-            if self._stamps is not None and id(unit) in self._windows and unit not in self._stamps:
-                self._running = (unit, _device.compute_timestamp(unit.stager.device))
         except BaseException:
             # Blocks loaded before the failure are held, so that a later entry drops them.
             self._held = [block for block in self.blocks if block.stager.loaded and block.policy is Policy.STREAMED]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffusers_residency import BudgetTooSmallError, ComponentSizes, plan_residency
-from diffusers_residency.planner import PREFETCH_BLOCKS, Policy, StreamTimings, parse_bytes, simulated_step_seconds
+from diffusers_residency.planner import PREFETCH_BLOCKS, Policy, parse_bytes
 
 GB = 10**9
 MB = 10**6
@@ -107,45 +107,3 @@ def test_budget_strings(text, expected: int) -> None:
 def test_bad_budget_strings_are_refused(bad) -> None:
     with pytest.raises((ValueError, TypeError), match="vram_budget"):
         parse_bytes(bad)
-
-
-# One FLUX.1-dev step at 1024x1024 on the H200 machine is about 0.19 s: a double-stream block
-# computes for about 5 ms, a single-stream one for 2.5 ms; pinned loads run at 54 GB/s.
-FLUX_STEP = StreamTimings(tuple(range(57)), (5e-3,) * 19 + (2.5e-3,) * 38, 54e9)
-
-
-def test_simulated_step_is_the_compute_when_resident_and_the_bus_when_bus_bound() -> None:
-    blocks = FLUX[2].block_bytes
-    compute = sum(FLUX_STEP.block_seconds)
-    assert simulated_step_seconds(blocks, FLUX_STEP, frozenset(range(57)), PREFETCH_BLOCKS) == pytest.approx(compute)
-    # Streaming all of it, a load takes 2.4x its block's compute: the bus sets the pace, at any depth.
-    bus = sum(blocks) / FLUX_STEP.bytes_per_second
-    for depth in (1, 2, 3):
-        assert simulated_step_seconds(blocks, FLUX_STEP, frozenset(), depth) == pytest.approx(bus)
-
-
-def test_a_bus_bound_step_trades_a_window_slot_for_a_resident_block() -> None:
-    budget, reserve = 8 * GB, 1200 * MB
-    untimed = plan_residency(FLUX, budget, reserve)["transformer"]
-    plan = plan_residency(FLUX, budget, reserve, timings={"transformer": FLUX_STEP})
-    timed = plan["transformer"]
-    assert (untimed.prefetch_blocks, timed.prefetch_blocks) == (PREFETCH_BLOCKS, 1), str(plan)
-    assert timed.resident_bytes(FLUX[2]) > untimed.resident_bytes(FLUX[2])
-    before = simulated_step_seconds(FLUX[2].block_bytes, FLUX_STEP, untimed.resident_blocks, untimed.prefetch_blocks)
-    assert timed.step_seconds < before
-    assert "1 (timed: " in str(plan)
-    _peak_within(plan, budget, reserve)
-
-
-def test_a_deeper_window_is_kept_where_quick_blocks_with_large_loads_follow_a_slow_one() -> None:
-    # A slow block with small weights, then two quick ones with large weights, four times over: a
-    # window of one loads each large block behind the quick block before it and stalls; a window of
-    # two loads both behind the slow block. The room a window of one saves does not make up for it.
-    sizes = (1 * MB, 10 * MB, 10 * MB) * 4
-    timings = StreamTimings(tuple(range(12)), (20e-3, 1e-3, 1e-3) * 4, 1e9)
-    component = ComponentSizes("transformer", 1 * MB + sum(sizes), sizes, True)
-    transformer = plan_residency((component,), 31 * MB, 0, timings={"transformer": timings})["transformer"]
-    assert transformer.prefetch_blocks == 2, transformer
-    assert transformer.step_seconds == pytest.approx(4 * 22e-3), "no block waits for its weights"
-    # A window of one leaves room for a large block to stay, and stalls on the three others.
-    assert simulated_step_seconds(sizes, timings, frozenset({1}), 1) > transformer.step_seconds
