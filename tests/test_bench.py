@@ -20,6 +20,8 @@ from diffusers_residency.bench.modes import (
     run_mode,
 )
 
+from .helpers import PipelineCase
+
 
 def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "mmgp", None)  # CI has no mmgp; and the CPU must not import it
@@ -152,6 +154,22 @@ def test_an_unavailable_mode_is_a_result_and_is_torn_down() -> None:
     assert output is None
     assert result.error == "needs something: pip install something"
     assert torn_down == [pipe]
+
+
+def test_a_component_a_failed_call_left_cast_is_cast_back_for_the_next_mode() -> None:
+    case = PipelineCase("flux")
+
+    def upcasts_then_fails(pipe, device: torch.device, budget: int | None) -> None:
+        pipe.vae.to(torch.float64)  # as SDXL's call upcasts its VAE, out of memory before casting back
+        raise torch.OutOfMemoryError("injected")
+
+    failed, _ = run_mode(case.pipe, Mode("fails", upcasts_then_fails, lambda pipe: None), torch.device("cpu"),
+                         case.run, warmup=1, calls=1, reference=case.reference)  # fmt: skip
+    assert failed.error == "out of memory"
+    assert {p.dtype for p in case.pipe.vae.parameters()} == {torch.float32}
+    resident, output = run_mode(case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=1, calls=1,
+                                reference=case.reference)  # fmt: skip
+    assert resident.exact and torch.equal(output, case.reference)
 
 
 def test_mmgp_budget_is_the_cap_less_the_default_activation_reserve_in_mib() -> None:

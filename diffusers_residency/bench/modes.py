@@ -298,6 +298,7 @@ def run_mode(
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
+    dtypes = _floating_dtypes(pipe)
     _device.cap_device_memory(device, budget)
     pinned = mode.name == "pinned"
     started = time.perf_counter()
@@ -343,12 +344,12 @@ def run_mode(
             error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         logger.warning("%s %s", mode.name, error, exc_info=not (oom or unavailable))
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
-        _tear_down(pipe, mode, device, compile)
+        _tear_down(pipe, mode, device, compile, dtypes)
         result = ModeResult(
             mode.name, float("nan"), peak, float("nan"), None, budget, peak_reserved_bytes=peak_reserved, error=error
         )
         return result, None
-    _tear_down(pipe, mode, device, compile)
+    _tear_down(pipe, mode, device, compile, dtypes)
     comparable = reference is not None and first.shape == reference.shape
     exact = None if reference is None else comparable and bool(torch.equal(first, reference))
     diff = float((first.float() - reference.float()).abs().max()) if comparable else None
@@ -377,11 +378,36 @@ def run_mode(
     return result, first
 
 
-def _tear_down(pipe: DiffusionPipeline, mode: Mode, device: torch.device, compile: tuple[str, str] | None) -> None:
+def _tear_down(
+    pipe: DiffusionPipeline,
+    mode: Mode,
+    device: torch.device,
+    compile: tuple[str, str] | None,
+    dtypes: dict[str, set[torch.dtype]],
+) -> None:
     mode.teardown(pipe)
     if compile is not None:
         uncompile(pipe)
     _device.cap_device_memory(device, None)
+    _restore_dtypes(pipe, dtypes)
+
+
+def _floating_dtypes(pipe: DiffusionPipeline) -> dict[str, set[torch.dtype]]:
+    """Each module component's floating-point parameter dtypes."""
+    modules = {name: c for name, c in getattr(pipe, "components", {}).items() if isinstance(c, torch.nn.Module)}
+    return {name: {p.dtype for p in module.parameters() if p.is_floating_point()} for name, module in modules.items()}
+
+
+def _restore_dtypes(pipe: DiffusionPipeline, before: dict[str, set[torch.dtype]]) -> None:
+    # A call that fails midway can leave a component cast: SDXL upcasts its VAE to float32 inside
+    # the call and casts it back at the end, which a call out of memory never reaches. Every mode
+    # after it would then run another pipeline (and diffusers' modes fail on the dtype mismatch).
+    after = _floating_dtypes(pipe)
+    for name, dtypes in before.items():
+        if len(dtypes) == 1 and after.get(name) != dtypes:
+            (dtype,) = dtypes
+            logger.warning("%s was left in %s; cast back to %s for the next mode", name, sorted(map(str, after[name])), dtype)
+            pipe.components[name].to(dtype=dtype)
 
 
 def _loaded(pipe: DiffusionPipeline) -> tuple[int, float]:
