@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from diffusers_residency.bench.__main__ import _runs, environment_line, format_table, main
+from diffusers_residency.bench.__main__ import _runs, environment_line, format_table, judged_by_compile_spread, main
 from diffusers_residency.bench.modes import (
     MMGP_INSTALL,
     MODES,
@@ -80,6 +80,18 @@ def test_a_compiled_mode_is_held_to_a_tolerance_and_an_eager_one_to_bit_equality
         "NO, max diff 2.0e-01",
         "NO, max diff 1.0e-07",
     ]
+
+
+def test_compiled_modes_are_judged_by_how_far_two_compiles_of_resident_are_apart() -> None:
+    def result(mode: str, exact: bool | None, diff: float | None, close: bool | None) -> ModeResult:
+        return ModeResult(mode, 1.0, 1, 1.0, exact, max_abs_diff=diff, within_tolerance=close)
+
+    once = [result("resident", None, None, None), result("pinned", False, 2.3e-2, False)]
+    assert judged_by_compile_spread(once) == (once, None)
+    twice = [*once, result("resident", False, 2.5e-2, False), result("pinned", False, 3e-2, False)]
+    judged, spread = judged_by_compile_spread(twice)
+    assert spread == 2.5e-2
+    assert [r.matches_resident for r in judged] == [None, True, True, False]
 
 
 def _names(runs: list[tuple[Mode, int | None]]) -> list[tuple[str, int | None]]:
