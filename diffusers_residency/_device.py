@@ -227,6 +227,24 @@ def _clear_last_cuda_error() -> None:
         logger.warning("Could not clear a failed CUDA call's error; the next kernel launch may report it")
 
 
+def compute_timestamp(device: torch.device) -> torch.Event | float:
+    """The point the compute stream has reached: an event on an accelerator (recorded, not waited
+    for), the host clock on the CPU, where compute is synchronous."""
+    if not is_accelerator(device):
+        return time.perf_counter()
+    event = torch.Event(device=device, enable_timing=True)
+    event.record(torch.accelerator.current_stream(device))
+    return event
+
+
+def seconds_between(start: torch.Event | float, end: torch.Event | float) -> float:
+    """Seconds from one :func:`compute_timestamp` to a later one (waiting for the later one to pass)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
 class TimedCopy:
     """Host-to-device copies on a side stream, ordered against the compute stream without a host sync.
 

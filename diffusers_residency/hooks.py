@@ -276,7 +276,7 @@ def attach_block_streaming(
         for index, (path, block) in enumerate(blocks):
             policy = Policy.RESIDENT if index in resident_blocks else Policy.STREAMED
             units.append(group.add(f"{name}.{path}", block, policy, component=name))
-        stream = BlockStream(name, units[1:], prefetch_blocks)
+        stream = BlockStream(name, units[1:], prefetch_blocks, group)
         for unit in units[1:]:
             unit.stream = stream
             add_hook_to_module(unit.module, StagingHook(group, unit))

@@ -29,6 +29,9 @@ class ComponentReport:
     load_seconds: float
     releases: int
     retains: int
+    # A streamed component's compute seconds per step: the first step timed and the latest (see
+    # BlockStream). Beside its loads per step it says whether the bus or the compute sets the pace.
+    step_compute_seconds: tuple[float, float] | None = None
 
     @property
     def state(self) -> str:
@@ -67,7 +70,7 @@ class ResidencyReport:
     def __str__(self) -> str:
         header = (
             "component", "policy", "state", "GB", "device GB", "pinned GB", "pageable GB", "mapped GB",
-            "loads", "load s", "GB/s", "releases", "retains",
+            "loads", "load s", "GB/s", "releases", "retains", "compute s/step (first, latest)",
         )  # fmt: skip
         rows = [
             (
@@ -80,6 +83,7 @@ class ResidencyReport:
                 "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
                 str(c.releases),
                 str(c.retains),
+                "-" if c.step_compute_seconds is None else "{:.3f}, {:.3f}".format(*c.step_compute_seconds),
             )
             for c in self.components
         ]
@@ -108,6 +112,7 @@ def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
         load_seconds=sum(u.stager.load_seconds for u in units),
         releases=sum(u.releases for u in units),
         retains=sum(u.retains for u in units),
+        step_compute_seconds=next((u.stream.step_compute_seconds() for u in units if u.stream is not None), None),
     )
 
 

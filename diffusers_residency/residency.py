@@ -108,6 +108,9 @@ class ResidencyGroup:
         # The component whose units ran last (resident ones aside): switching away from it is
         # what evicts.
         self.active_component: str | None = None
+        # Times evict_others handed the device to a component: a block stream times a step only
+        # between two (see BlockStream).
+        self.switches = 0
         # Components in call order, and the most weight bytes the group may hold at once: together
         # they let the next component load ahead while the current one computes. No capacity, no
         # loading ahead.
@@ -262,6 +265,7 @@ class ResidencyGroup:
         one; then let the retention budget decide whether this boundary gives the allocator's cache
         back."""
         self.active_component = component
+        self.switches += 1
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return

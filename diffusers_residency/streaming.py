@@ -20,13 +20,15 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
+from . import _device
 from .planner import Policy
 from .staging import DeviceSlots
 
 if TYPE_CHECKING:
-    from .residency import StagedUnit
+    from .residency import ResidencyGroup, StagedUnit
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +63,20 @@ class BlockStream:
     branch not taken in the first pass) is loaded on the spot if it is not already there; nothing
     is ever read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a
     wait.
+
+    The second pass of every activation of the component (the second denoising step of a call) is
+    timed on the compute stream, block by block: from the end of a block's entry (its weights
+    waited for) to the next block's entry, so the pass's last block also counts the work up to the
+    next pass (the scheduler's step, the trunk). :meth:`step_compute_seconds` sums them: what a
+    step computes, beside what it loads, says whether the bus or the compute sets its pace. A pass
+    cut by a switch to another component is not counted.
     """
 
-    def __init__(self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int) -> None:
+    def __init__(
+        self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int, group: ResidencyGroup
+    ) -> None:
         self.component = component
+        self.group = group
         self.blocks = tuple(blocks)
         self.prefetch_blocks = prefetch_blocks
         self._order: tuple[StagedUnit, ...] = self.blocks
@@ -74,6 +86,15 @@ class BlockStream:
         self._held: list[StagedUnit] = []
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
+        # The pass being timed: (start, end) compute timestamps per block, and the block running
+        # with its start. Passes are counted from the group's switch count they began at.
+        self._stamps: dict[StagedUnit, tuple] | None = None
+        self._running: tuple[StagedUnit, torch.Event | float] | None = None
+        self._activation = -1
+        self._passes = 0
+        # The first pass ever timed and the latest: their stamps until read, then their sums.
+        self._first_step: dict[StagedUnit, tuple] | float | None = None
+        self._latest_step: dict[StagedUnit, tuple] | float | None = None
         self._compute_windows()
 
     @property
@@ -103,6 +124,39 @@ class BlockStream:
         """Recompute the windows after block policies changed (other resident blocks)."""
         self._compute_windows()
 
+    def step_compute_seconds(self) -> tuple[float, float] | None:
+        """Compute seconds of the first step ever timed and of the latest one (None before a whole
+        step was timed, in a call of three steps or more). Reading waits for that step to have run
+        on the device."""
+        if self._latest_step is None:
+            return None
+        self._first_step, self._latest_step = (
+            stamps if isinstance(stamps, float) else sum(_device.seconds_between(*pair) for pair in stamps.values())
+            for stamps in (self._first_step, self._latest_step)
+        )
+        return self._first_step, self._latest_step
+
+    def _pass_begins(self, unit: StagedUnit) -> None:
+        switches = self.group.switches
+        if switches != self._activation:
+            # Another component ran since this one last did: a pass it cut short is not a step.
+            self._activation, self._passes = switches, 0
+            self._stamps = self._running = None
+        elif self._stamps is not None:
+            if self._running is not None:
+                self._stamp_end(unit)
+            self._latest_step, self._stamps = self._stamps, None
+            if self._first_step is None:
+                self._first_step = self._latest_step
+        self._passes += 1
+        if self._passes == 2:
+            self._stamps = {}
+
+    def _stamp_end(self, unit: StagedUnit) -> None:
+        ran, started = self._running
+        self._stamps[ran] = (started, _device.compute_timestamp(unit.stager.device))
+        self._running = None
+
     def _learn(self, unit: StagedUnit) -> None:
         recording = self._recording
         if unit in recording:
@@ -123,6 +177,10 @@ class BlockStream:
         device storage for loads that no dropped block's storage fits."""
         if self._recording is not None:
             self._learn(unit)
+        if unit is self._order[0]:
+            self._pass_begins(unit)
+        if self._running is not None:
+            self._stamp_end(unit)
         window = self._windows.get(id(unit), ())
         keep = (unit, *window)
         held = []
@@ -144,6 +202,8 @@ class BlockStream:
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
                 held.append(unit)
             self._held = held
+            if self._stamps is not None:
+                self._running = (unit, _device.compute_timestamp(unit.stager.device))
         except BaseException:
             # Blocks loaded before the failure are held, so that a later entry drops them.
             self._held = [block for block in self.blocks if block.stager.loaded and block.policy is Policy.STREAMED]

@@ -324,6 +324,19 @@ def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory
     assert all(t.device.type == "cpu" for t in case.pipe.transformer.parameters())
 
 
+def test_a_streamed_step_is_timed_with_cuda_events() -> None:
+    from .test_streaming import _run
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    reference = _run(case, 3)
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload(components={"transformer": "streamed"}, vram_budget=None)
+    for _ in range(2):
+        assert torch.equal(_run(case, 3), reference)
+    first, latest = case.pipe.residency_report()["transformer"].step_compute_seconds
+    assert 0 < first and 0 < latest
+
+
 def test_default_reserve_is_lowered_from_the_first_calls_real_peak_and_stays_in_budget() -> None:
     from diffusers_residency.planner import MIN_RESERVE_BYTES
 

@@ -8,7 +8,7 @@ from diffusers.hooks import FirstBlockCacheConfig
 
 from diffusers_residency import _device
 from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
-from diffusers_residency.bench.builders import call_kwargs
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
 from diffusers_residency.planner import MIN_RESERVE_BYTES, Policy, plan_residency
 from diffusers_residency.streaming import repeated_blocks
@@ -471,3 +471,31 @@ def test_blocks_loaded_before_a_failed_load_are_dropped_by_the_next_entry(
     assert not streamed[0].stager.loaded and streamed[2].stager.loaded and streamed[3].stager.loaded
     detach_staging_hook(flux.pipe.transformer)
     assert torch.equal(flux.run(), flux.reference)
+
+
+def _run(flux: PipelineCase, steps: int) -> torch.Tensor:
+    return pipeline_output(flux.pipe, call_kwargs("flux", steps=steps))
+
+
+def test_a_streamed_component_reports_the_compute_of_a_step(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = {steps: _run(flux, steps) for steps in (2, 3)}
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    # A clock that counts the transformer's forwards (its steps), and other components' turns a
+    # hundredfold: a timed pass of one whole step, its last block ending as the next step's first
+    # block enters, reads exactly 1.
+    steps = []
+    flux.pipe.transformer.register_forward_pre_hook(lambda *_: steps.append(None))
+    group = pipeline_state(flux.pipe).group
+    monkeypatch.setattr(_device, "compute_timestamp", lambda device: float(len(steps) + 100 * group.switches))
+
+    assert torch.equal(_run(flux, 2), reference[2])
+    assert torch.equal(_run(flux, 2), reference[2])
+    assert flux.pipe.residency_report()["transformer"].step_compute_seconds is None, "a step across two calls"
+    assert torch.equal(_run(flux, 3), reference[3])
+    assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 1.0)
+    assert "compute s/step (first, latest)" in str(flux.pipe.residency_report())
+
+    monkeypatch.undo()  # the host clock: the next call's step is timed afresh, the first kept
+    assert torch.equal(_run(flux, 3), reference[3])
+    first, latest = flux.pipe.residency_report()["transformer"].step_compute_seconds
+    assert first == 1.0 and 0 < latest != 1.0
