@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -44,7 +44,7 @@ _STATE_ATTR = "_pinned_residency"
 # merged by a function, not a component method the hooks could wrap): run with every component
 # offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
 _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
-# Kept on top of an observed peak when the activation reserve is learned, as a fraction of the
+# Kept on top of what a component was measured to need above its weights, as a fraction of the
 # budget: the next call's activations may differ a little (another prompt length, say).
 RESERVE_MARGIN = 0.02
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
@@ -58,12 +58,12 @@ class PipelineResidency:
     group: ResidencyGroup
     hooks: dict[str, StagingHook]
     plan: ResidencyPlan
-    # The plan for a given activation reserve, with everything else as enabled (and the policies
-    # given pinned besides).
-    replan: Callable[[int, Mapping[str, Policy]], ResidencyPlan]
-    # Whether the reserve is the default, which the first call's peak may lower (a reserve the
-    # caller gave is kept as a floor).
-    reserve_learned: bool = False
+    # The plan for given per-component activations, with everything else as enabled (and the
+    # policies given pinned besides).
+    replan: Callable[..., ResidencyPlan]
+    # Whether the first call measures each component's activations (no reserve given, and a plan
+    # that does not keep everything on the device).
+    measuring: bool = False
     # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
     call_start: str | None = None
     call_end: str | None = None
@@ -174,116 +174,101 @@ def _planner(
     modules: Mapping[str, nn.Module],
     components: Mapping[str, str] | None,
     budget: tuple[int, int] | None,
-) -> Callable[[int, Mapping[str, Policy]], ResidencyPlan]:
-    """The plan for these components as a function of the activation reserve and of policies to pin
-    besides the user's (planned again when a call's peak says the reserve was wrong)."""
+) -> Callable[..., ResidencyPlan]:
+    """The plan for these components as a function of per-component activations, of policies to pin
+    besides the user's, of components that can only move whole, and of ``least`` (see
+    :func:`~diffusers_residency.planner.plan_residency`): planned again when a call says what its
+    components need."""
     sizes = _component_sizes(pipe, modules)
     chosen = _policies(pipe, modules, components)
     if budget is None:
-        return lambda reserve, pinned: plan_as_given(sizes, chosen)
+        return lambda activations, pinned, whole=(), least=False: plan_as_given(sizes, chosen)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
-    return lambda reserve, pinned: plan_residency(sizes, budget[0], reserve, fixed={**fixed, **pinned})
+    budget_bytes, reserve = budget
+
+    def plan(
+        activations: Mapping[str, int], pinned: Mapping[str, Policy], whole: Collection[str] = (), least: bool = False
+    ) -> ResidencyPlan:
+        # A component with no block hooks shows the planner no blocks: it cannot stream.
+        planned = [replace(s, block_bytes=()) if s.name in whole else s for s in sizes]
+        return plan_residency(planned, budget_bytes, reserve, {**fixed, **pinned}, activations, least=least)
+
+    return plan
 
 
-def _replan_in_place(state: PipelineResidency, reserve: int) -> ResidencyPlan | None:
-    """The plan for ``reserve`` in which only streamed components' resident blocks differ from the
-    plan in force, or None if every component's policy cannot stay. Components that stream keep
-    streaming (planned afresh, a streamed component could come out resident: other hooks, while all
-    its blocks resident is as good); a component that would move between staged and resident is
-    refused, because what it leaves loaded across a switch is not what the call's peak measured.
+def _replan_in_place(state: PipelineResidency, activations: Mapping[str, int]) -> ResidencyPlan:
+    """The plan for ``activations`` on the hooks in place: components that stream keep streaming
+    (their blocks have hooks of their own; with every block resident, one is as good as resident),
+    the others may move between staged and resident, not to streaming (they have no block hooks).
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
-    candidate = state.replan(reserve, streaming)
-    if any(p.policy is not candidate[p.name].policy for p in state.plan.components):
-        return None
-    return candidate
+    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    return state.replan(activations, streaming, whole)
 
 
-def _learn_reserve(state: PipelineResidency, overshoot: int) -> None:
-    """A call's peak went ``overshoot`` bytes over the budget: activations need more room than the
-    reserve kept. Plan again with the reserve grown by the overshoot and a margin, and apply it when
-    only resident blocks change; otherwise say what to pass."""
-    plan = state.plan
-    reserve = plan.reserve + overshoot + int(plan.budget * RESERVE_MARGIN)
-    advice = f"pass activation_reserve={reserve} (bytes) to enable_pinned_offload()"
-    try:
-        new_plan = _replan_in_place(state, reserve)
-    except BudgetTooSmallError:
-        logger.warning(
-            "Peak device memory went %s over vram_budget (%s) and no plan with a larger activation reserve "
-            "fits; raise vram_budget.",
-            format_bytes(overshoot),
-            format_bytes(plan.budget),
-        )
-        return
-    if new_plan is None:
-        logger.warning("Peak device memory went %s over vram_budget; %s", format_bytes(overshoot), advice)
-        return
-    _apply_policies(state, new_plan)
-    logger.warning(
-        "Peak device memory went %s over vram_budget; activation reserve raised to %s, resident "
-        "blocks now: %s (to start there next time, %s)",
-        format_bytes(overshoot),
-        format_bytes(reserve),
-        ", ".join(f"{p.name} {len(p.resident_blocks)}" for p in new_plan.components if p.policy is Policy.STREAMED),
-        advice,
+def _plan_summary(plan: ResidencyPlan) -> str:
+    return ", ".join(
+        f"{p.name} {p.policy.value}"
+        + (f" ({len(p.resident_blocks)} blocks resident, {len(p.staged_blocks)} staged)" if p.policy is Policy.STREAMED else "")
+        for p in plan.components
     )
 
 
-def _lower_reserve(state: PipelineResidency, call_peak: int) -> None:
-    """The first call peaked at ``call_peak``, under the budget: the default reserve held more than
-    that call's activations needed. Plan again with the smallest reserve whose plan puts no more
-    than the unused room (less a margin) on the device, and apply it when only resident blocks
-    change.
-
-    The bound is on what the new plan *adds* at any moment of a call (resident bytes, plus the
-    growth of the window of whichever component runs), not on its peak: activations peak where they
-    please (a FLUX call's is in the VAE, 2.6 GB at 1024x1024, while the transformer's window is
-    gone), and every resident byte is there at that moment too. The reserve then shrinks by exactly
-    what was added, so that loading the next component ahead (which the reserve bounds) decides
-    as it did in the call measured."""
+def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int) -> None:
+    """The device's peak went ``overshoot`` bytes over the budget while ``component`` ran: it needs
+    more room than the plan gave it. Count that, with a margin, and plan again."""
     plan = state.plan
-    room = plan.budget - call_peak - int(plan.budget * RESERVE_MARGIN)
-
-    def added(candidate: ResidencyPlan) -> int:
-        grown = candidate.resident_weight_bytes - plan.resident_weight_bytes
-        windows = (candidate.transient_bytes_of(p.name) - plan.transient_bytes_of(p.name) for p in plan.components)
-        return grown + max(0, *windows)
-
-    def fits(reserve: int) -> ResidencyPlan | None:
-        try:
-            candidate = _replan_in_place(state, reserve)
-        except BudgetTooSmallError:
-            return None
-        return candidate if candidate is not None and added(candidate) <= room else None
-
-    if room <= 0:
+    need = plan.activation_bytes_of(component) + overshoot + int(plan.budget * RESERVE_MARGIN)
+    try:
+        new_plan = _replan_in_place(state, {**plan.activations, component: need})
+    except BudgetTooSmallError:
+        logger.warning(
+            "Peak device memory went %s over vram_budget (%s) while %r ran, and no plan leaves it that much "
+            "more room; raise vram_budget.",
+            format_bytes(overshoot),
+            format_bytes(plan.budget),
+            component,
+        )
         return
-    # Bisect for the smallest reserve whose plan fits. More room does not always mean more resident
-    # bytes (a larger window can win), so the plan found is checked, not assumed, to add some.
-    low, high, best = 0, plan.reserve, None
-    while high - low > 1:  # to the byte: about 32 plans, a few milliseconds each
-        middle = (low + high) // 2
-        candidate = fits(middle)
-        if candidate is None:
-            low = middle
-        else:
-            high, best = middle, candidate
-    if best is None or best.resident_weight_bytes <= plan.resident_weight_bytes:
+    _apply_policies(state, new_plan)
+    logger.warning(
+        "Peak device memory went %s over vram_budget while %r ran; planned again with %s for its activations: %s",
+        format_bytes(overshoot),
+        component,
+        format_bytes(need),
+        _plan_summary(new_plan),
+    )
+
+
+def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
+    """The first call ran with the least on the device and measured what each component needed
+    above the weights. Plan for those figures, each with a margin, and apply the plan.
+
+    Measured, not guessed: what a call needs varies across components far more than across calls
+    (an SDXL VAE decoding at 1024x1024 in float32 needs about 5 GB, its UNet a fraction of that),
+    and one reserve for all would either waste the denoiser's room or leave the decoder short."""
+    plan = state.plan
+    margin = int(plan.budget * RESERVE_MARGIN)
+    activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
+    try:
+        new_plan = _replan_in_place(state, activations)
+    except BudgetTooSmallError:
+        logger.warning(
+            "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "
+            "measuring plan stays (the least on the device). Raise vram_budget.",
+            ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items()),
+            format_bytes(plan.budget),
+        )
         return
-    new_plan = replace(best, reserve=plan.reserve - added(best))
     _apply_policies(state, new_plan)
     logger.info(
-        "The first call peaked at %s of vram_budget %s; activation reserve lowered to %s, %s more kept "
-        "on the device. Pass activation_reserve= to enable_pinned_offload() to keep a larger one (calls "
-        "with larger activations than this first one, say at a higher resolution, need it).",
-        format_bytes(call_peak),
+        "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
+        ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items()),
         format_bytes(plan.budget),
-        format_bytes(new_plan.reserve),
-        format_bytes(new_plan.resident_weight_bytes - plan.resident_weight_bytes),
+        _plan_summary(new_plan),
     )
 
 
@@ -326,24 +311,31 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
         units = state.group.units_of(component.name)
         units[0].policy = component.policy
         for index, block in enumerate(units[1:]):
-            policy = Policy.RESIDENT if index in component.resident_blocks else Policy.STREAMED
-            if block.policy is Policy.RESIDENT and policy is Policy.STREAMED and block.stager.loaded:
-                # Leaving residency: its room goes to the blocks that now stay, before they load.
+            policy = (
+                Policy.RESIDENT
+                if index in component.resident_blocks
+                else Policy.STAGED
+                if index in component.staged_blocks
+                else Policy.STREAMED
+            )
+            if block.policy is not Policy.STREAMED and policy is Policy.STREAMED and block.stager.loaded:
+                # Now streamed: its room goes to the blocks that now stay, before they load (and the
+                # stream drops only blocks it loaded itself).
                 block.stager.offload()
             block.policy = policy
         if units[0].policy is Policy.STREAMED:
             units[1].stream.replan()
     state.plan = plan
     group = state.group
-    group.weight_capacity = None if plan.budget is None else plan.budget - plan.reserve
-    group.retention.reserved_limit = group.weight_capacity
+    group.weight_room = None if plan.budget is None else plan.weight_room
+    group.retention.reserved_limit = None if plan.budget is None else plan.budget - plan.reserve
     if plan.budget is None:
         group.unwatch_budget()
     elif group.vram_budget != plan.budget:
         group.watch_budget(
             plan.budget,
-            lambda overshoot: _learn_reserve(state, overshoot),
-            on_first_call=(lambda peak: _lower_reserve(state, peak)) if state.reserve_learned else None,
+            lambda component, overshoot: _learn_overshoot(state, component, overshoot),
+            on_first_call=(lambda measured: _learn_activations(state, measured)) if state.measuring else None,
             call_start=state.call_start,
             call_end=state.call_end,
         )
@@ -381,10 +373,14 @@ def enable_pinned_offload(
             ``model_cpu_offload_seq`` are staged, the others resident, as diffusers' model offload
             does). A device that reports no free memory (the CPU) plans nothing under ``"auto"``.
             ``pipe.residency_plan()`` shows the plan.
-        activation_reserve: the part of ``vram_budget`` kept free for activations and the
-            allocator's slack. Default: a tenth of the budget, at least 3 GiB, lowered once from
-            the first call's peak (see :func:`_lower_reserve`); a reserve given is kept, and
-            either is grown when a call's peak goes over the budget.
+        activation_reserve: the part of ``vram_budget`` kept free for what a component needs above
+            its weights while it runs (a call's tensors, activations, the allocator's slack), the
+            same for every component. Default: measured per component, in the first call under a
+            budget that cannot keep everything on the device; that call runs with the least on the
+            device, then the plan keeps the most that fits what each component was measured to
+            need (see :func:`_learn_activations`). Until then, and for a component not measured, a
+            tenth of the budget, at least 3 GiB. Either way a component whose peak goes over the
+            budget gets more room from the next call on.
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
             weights on the device are copied down once into blocks sized to them.
@@ -408,12 +404,15 @@ def enable_pinned_offload(
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
     replan = _planner(pipe, modules, components, budget)
-    plan = replan(budget[1] if budget else 0, {})
+    plan = replan({}, {})
+    measuring = budget is not None and activation_reserve is None and not plan.keeps_everything
+    if measuring:
+        plan = replan({}, {}, least=True)
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan
-        previous.reserve_learned = activation_reserve is None
+        previous.measuring = measuring
         previous.group.unwatch_budget()  # watched again for the new plan, the peak reset
         _apply_policies(previous, plan)
         _load_excluded(pipe, previous)
@@ -445,7 +444,7 @@ def enable_pinned_offload(
             hooks=hooks,
             plan=plan,
             replan=replan,
-            reserve_learned=activation_reserve is None,
+            measuring=measuring,
             call_start=sequence[0] if sequence else None,
             call_end=sequence[-1] if sequence else None,
         )

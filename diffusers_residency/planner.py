@@ -3,10 +3,17 @@ whole, and which stream their blocks. Pure functions over plain numbers: no tens
 
 The cost the plan minimises is bytes over the bus per call. A component the pipeline calls once per
 denoising step (the transformer or UNet) costs its non-resident bytes at *every* step; the others
-(text encoders, VAE) cost theirs once per call. So the per-step component gets the device first:
+(text encoders, VAE) cost theirs once per call. So the per-step component gets the device first.
 
-1. Everything fits (weights plus the activation reserve): everything stays resident, and nothing
-   moves after the first call.
+What must fit is every moment of a call: while a component runs, the device holds what stays
+resident, that component's own transient weights (whole, or its window of blocks) and its
+*activations*, which differ a lot between components (an SDXL VAE decoding at 1024x1024 in float32
+needs about 5 GB above its weights, the UNet far less). Each component's activations are measured
+in a first call (see ``pipeline``); until then, and for a component never measured, the activation
+reserve stands in for them.
+
+1. Everything fits (weights plus activations): everything stays resident, and nothing moves after
+   the first call.
 2. Otherwise the once-per-call components give up their room: those with repeated blocks stream
    them through a small window, the others are staged whole. The per-step component stays
    resident if it fits beside the largest of those transient needs; then once-per-call components
@@ -17,13 +24,18 @@ denoising step (the transformer or UNet) costs its non-resident bytes at *every*
    the bus, see :func:`_resident_block_choices`: the largest ones (the window's slots are as large
    as the largest streamed block), spread evenly through the order (the copy stream then has work
    while each resident block computes).
+4. A per-step component that streams keeps, while it runs, as many of its other blocks as its own
+   moment of the call has room for (*staged* blocks): loaded when first reached, dropped only when
+   another component runs, so they move once per call instead of once per step. Resident blocks
+   are bounded by the other components' moments too (an SDXL UNet's resident blocks are on the
+   device while the VAE decodes); staged blocks only by their own component's.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -31,11 +43,12 @@ from enum import Enum
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
 # resident blocks, which are never moved at all.
 PREFETCH_BLOCKS = 2
-# Activation reserve when the caller gives none: a tenth of the budget, at least 3 GiB. The floor
-# is what a FLUX.1-dev call at 1024x1024 needs above its weights (the VAE decoding at full
-# resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated, resident, over 33.74 GB of
-# weights), plus room for the allocator's rounding. A call that needs more raises the reserve for
-# the calls after it (see pipeline._learn_reserve).
+# Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
+# budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
+# (the VAE decoding at full resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated,
+# resident, over 33.74 GB of weights), plus room for the allocator's rounding. It decides whether a
+# budget keeps everything on the device and whether the least-on-the-device plan of a measuring
+# call fits (see pipeline._learn_activations).
 DEFAULT_RESERVE_FRACTION = 0.1
 MIN_RESERVE_BYTES = 3 << 30
 
@@ -111,14 +124,17 @@ class ComponentSizes:
 
 @dataclass(frozen=True)
 class ComponentPlan:
-    """Where one component's weights live. ``resident_blocks``: for a streamed component, the
-    positions (in definition order) of the blocks that stay on the device; ``prefetch_blocks``: how
-    many streamed blocks load ahead of the one running."""
+    """Where one component's weights live. For a streamed component, ``resident_blocks``: the
+    positions (in definition order) of the blocks that stay on the device across calls;
+    ``staged_blocks``: those kept only while the component runs (loaded when first reached in a
+    call, dropped when another component runs); ``prefetch_blocks``: how many of the other,
+    streamed, blocks load ahead of the one running."""
 
     name: str
     policy: Policy
     resident_blocks: frozenset[int] = frozenset()
     prefetch_blocks: int = 0
+    staged_blocks: frozenset[int] = frozenset()
 
     def resident_bytes(self, sizes: ComponentSizes) -> int:
         """Bytes this component keeps on the device across calls."""
@@ -133,24 +149,28 @@ class ComponentPlan:
         if self.policy is Policy.STAGED:
             return sizes.nbytes
         if self.policy is Policy.STREAMED:
-            return _window_bytes(sizes.block_bytes, self.resident_blocks, self.prefetch_blocks)
+            staged = sum(sizes.block_bytes[i] for i in self.staged_blocks)
+            return staged + _window_bytes(sizes.block_bytes, self.resident_blocks | self.staged_blocks, self.prefetch_blocks)
         return 0
 
 
-def _window_bytes(block_bytes: Sequence[int], resident: frozenset[int], prefetch_blocks: int) -> int:
+def _window_bytes(block_bytes: Sequence[int], kept: frozenset[int], prefetch_blocks: int) -> int:
     # One block computing and ``prefetch_blocks`` loading, each slot as large as the largest streamed block.
-    streamed = (nbytes for index, nbytes in enumerate(block_bytes) if index not in resident)
+    streamed = (nbytes for index, nbytes in enumerate(block_bytes) if index not in kept)
     return (1 + prefetch_blocks) * max(streamed, default=0)
 
 
 @dataclass(frozen=True)
 class ResidencyPlan:
-    """A plan for every component, and the figures it was made from."""
+    """A plan for every component, and the figures it was made from: ``activations`` are the bytes
+    each component was measured to need above the weights while it runs (a call's tensors, the
+    allocator's rounding, a margin); ``reserve`` stands in for a component not measured."""
 
     budget: int | None
     reserve: int
     components: tuple[ComponentPlan, ...]
     sizes: tuple[ComponentSizes, ...] = field(repr=False, default=())
+    activations: Mapping[str, int] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> ComponentPlan:
         for plan in self.components:
@@ -172,20 +192,42 @@ class ResidencyPlan:
         """The weight bytes component ``name`` adds while it runs."""
         return self[name].transient_bytes(next(s for s in self.sizes if s.name == name))
 
+    def activation_bytes_of(self, name: str) -> int:
+        """What component ``name`` needs above the weights while it runs: measured, else the reserve."""
+        return self.activations.get(name, self.reserve)
+
+    def weight_room(self, name: str) -> int:
+        """The most weight bytes the device may hold while component ``name`` runs."""
+        return self.budget - self.activation_bytes_of(name)
+
     @property
     def peak_weight_bytes(self) -> int:
         """The most weight bytes the plan puts on the device at once."""
         return self.resident_weight_bytes + self.transient_weight_bytes
 
+    @property
+    def keeps_everything(self) -> bool:
+        """Whether every weight stays on the device across calls: then nothing moves after the first."""
+        by_name = {s.name: s for s in self.sizes}
+        return all(p.resident_bytes(by_name[p.name]) == by_name[p.name].nbytes for p in self.components)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most the plan expects on the device at any moment of a call, activations included."""
+        return _call_peak(self.components, self.sizes, self.activation_bytes_of)
+
     def __str__(self) -> str:
         by_name = {s.name: s for s in self.sizes}
-        rows = [("component", "policy", "GB", "resident GB", "blocks resident/streamed", "prefetch")]
+        rows = [
+            ("component", "policy", "GB", "resident GB", "blocks resident/staged/streamed", "prefetch", "activations GB")
+        ]
         for plan in self.components:
             sizes = by_name[plan.name]
             blocks = "-"
             if plan.policy is Policy.STREAMED:
-                resident = len(plan.resident_blocks)
-                blocks = f"{resident}/{len(sizes.block_bytes) - resident}"
+                resident, staged = len(plan.resident_blocks), len(plan.staged_blocks)
+                blocks = f"{resident}/{staged}/{len(sizes.block_bytes) - resident - staged}"
+            activations = f"{self.activations[plan.name] / 1e9:.3f}" if plan.name in self.activations else "-"
             rows.append(
                 (
                     plan.name,
@@ -194,15 +236,18 @@ class ResidencyPlan:
                     f"{plan.resident_bytes(sizes) / 1e9:.3f}",
                     blocks,
                     str(plan.prefetch_blocks) if plan.policy is Policy.STREAMED else "-",
+                    activations if self.budget is not None else "-",
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         budget = "none" if self.budget is None else format_bytes(self.budget)
-        head = (
-            f"vram budget {budget}, activation reserve {format_bytes(self.reserve)}, "
-            f"peak weights {format_bytes(self.peak_weight_bytes)}"
-        )
+        head = f"vram budget {budget}, peak weights {format_bytes(self.peak_weight_bytes)}"
+        if self.budget is not None:
+            measured = all(p.name in self.activations for p in self.components)
+            head += f", peak with activations {format_bytes(self.peak_bytes)}, " + (
+                "activations measured" if measured else f"activation reserve {format_bytes(self.reserve)} where not measured"
+            )
         return "\n".join([head, *table])
 
 
@@ -220,8 +265,12 @@ def _transient(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) 
     return max((p.transient_bytes(by_name[p.name]) for p in plans), default=0)
 
 
-def _peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) -> int:
-    return _resident(plans, sizes) + _transient(plans, sizes)
+def _call_peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes], activations: Callable[[str], int]) -> int:
+    """The most on the device at any moment of a call: what stays, plus the running component's
+    transient weights and activations, at its largest."""
+    by_name = {s.name: s for s in sizes}
+    moments = (p.transient_bytes(by_name[p.name]) + activations(p.name) for p in plans)
+    return _resident(plans, sizes) + max(moments, default=0)
 
 
 def _streamed(sizes: ComponentSizes) -> ComponentPlan:
@@ -311,69 +360,107 @@ def plan_residency(
     budget: int,
     reserve: int,
     fixed: Mapping[str, Policy] | None = None,
+    activations: Mapping[str, int] | None = None,
+    *,
+    least: bool = False,
 ) -> ResidencyPlan:
-    """Plan every component for ``budget`` bytes of device memory, ``reserve`` of them kept for
-    activations. ``fixed`` pins a component's policy (a user's choice, or a component that must stay
-    resident); a fixed ``streamed`` component still gets its resident prefix chosen here.
+    """Plan every component for ``budget`` bytes of device memory. ``activations`` are the bytes each
+    component needs above the weights while it runs; ``reserve`` stands in for a component they do
+    not name. ``fixed`` pins a component's policy (a user's choice, or a component that must stay
+    resident); a fixed ``streamed`` component still gets its resident blocks chosen here.
+
+    With ``least``, every component that is not fixed keeps the least it can on the device (streamed
+    with no resident block, or staged): the plan under which a call's activations can be measured,
+    each component having the most room it can have.
 
     Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
     """
     fixed = _checked(sizes, fixed or {})
-    capacity = budget - reserve
+    activations = dict(activations or {})
     by_name = {s.name: s for s in sizes}
 
-    def fixed_plan(s: ComponentSizes) -> ComponentPlan:
-        return _as_given(s, fixed[s.name])
+    def need(name: str) -> int:
+        return activations.get(name, reserve)
 
-    def finish(plans: dict[str, ComponentPlan]) -> ResidencyPlan:
-        return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes))
+    def fits(plans: Mapping[str, ComponentPlan]) -> bool:
+        return _call_peak(list(plans.values()), sizes, need) <= budget
+
+    def finish(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
+        return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes), activations)
 
     def most(s: ComponentSizes) -> ComponentPlan:
         # A fixed streamed component at its most: every block resident.
         if s.name not in fixed:
             return ComponentPlan(s.name, Policy.RESIDENT)
-        plan = fixed_plan(s)
+        plan = _as_given(s, fixed[s.name])
         return replace(plan, resident_blocks=frozenset(range(len(s.block_bytes)))) if plan.policy is Policy.STREAMED else plan
 
     resident = {s.name: most(s) for s in sizes}
-    if _peak(list(resident.values()), sizes) <= capacity:
+    if fits(resident) and not least:
         return finish(resident)
 
     free = [s for s in sizes if s.name not in fixed]
-    plans = {s.name: fixed_plan(s) if s.name in fixed else _away(s) for s in sizes}
-    if _peak(list(plans.values()), sizes) > capacity:
+    plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _away(s) for s in sizes}
+    if not fits(plans):
+        peak = _call_peak(list(plans.values()), sizes, need)
         raise BudgetTooSmallError(
             f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but "
-            f"those you fixed, the weights need {format_bytes(_peak(list(plans.values()), sizes))} at once, "
-            f"and {format_bytes(reserve)} is reserved for activations. Raise the budget to at least "
-            f"{format_bytes(_peak(list(plans.values()), sizes) + reserve)}, or lower activation_reserve, or "
-            "fix fewer components as resident."
+            f"those you fixed, a call needs {format_bytes(peak)} at its largest moment, weights and "
+            f"activations ({format_bytes(reserve)} reserved for a component not measured) together. Raise the "
+            f"budget to at least {format_bytes(peak)}, or lower activation_reserve, or fix fewer components as "
+            "resident."
         )
+    if least:
+        return finish(plans)
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
     # per-step component would be streamed at every step to save one load per call.
     for group in ([s for s in free if s.per_step], sorted((s for s in free if not s.per_step), key=lambda s: s.nbytes)):
         for s in group:
             trial = {**plans, s.name: ComponentPlan(s.name, Policy.RESIDENT)}
-            if _peak(list(trial.values()), sizes) <= capacity:
+            if fits(trial):
                 plans = trial
-        plans = _grow_streamed(plans, by_name, capacity)
-    return finish(plans)
+        plans = _grow_streamed(plans, by_name, fits)
+    return finish(_stage_blocks(plans, by_name, fits))
 
 
 def _grow_streamed(
-    plans: dict[str, ComponentPlan], by_name: Mapping[str, ComponentSizes], capacity: int
+    plans: dict[str, ComponentPlan],
+    by_name: Mapping[str, ComponentSizes],
+    fits: Callable[[Mapping[str, ComponentPlan]], bool],
 ) -> dict[str, ComponentPlan]:
     """Give each streamed component, per-step ones first, the most resident block bytes that fit."""
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
-    all_sizes = list(by_name.values())
     for name in streamed:
-        sizes, plan = by_name[name], plans[name]
-        others = [p for other, p in plans.items() if other != name]
-        other_resident, other_transient = _resident(others, all_sizes), _transient(others, all_sizes)
-        for resident, block_bytes, transient in _resident_block_choices(sizes, plan.prefetch_blocks):
-            if other_resident + sizes.trunk_bytes + block_bytes + max(other_transient, transient) <= capacity:
-                plans = {**plans, name: replace(plan, resident_blocks=resident)}
+        plan = replace(plans[name], staged_blocks=frozenset())
+        for resident, _, _ in _resident_block_choices(by_name[name], plan.prefetch_blocks):
+            trial = {**plans, name: replace(plan, resident_blocks=resident)}
+            if fits(trial):
+                plans = trial
                 break
+    return plans
+
+
+def _stage_blocks(
+    plans: dict[str, ComponentPlan],
+    by_name: Mapping[str, ComponentSizes],
+    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+) -> dict[str, ComponentPlan]:
+    """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
+    largest first: each one kept moves once per call instead of once per step. Once-per-call
+    components keep none (they gain nothing: each of their blocks moves once a call either way, and
+    a streamed one loads behind the compute)."""
+    for name, plan in plans.items():
+        sizes = by_name[name]
+        if plan.policy is not Policy.STREAMED or not sizes.per_step:
+            continue
+        streamed = sorted(
+            (i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks),
+            key=lambda i: (-sizes.block_bytes[i], i),
+        )
+        for index in streamed:
+            trial = {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | {index})}
+            if fits(trial):
+                plans = trial
     return plans

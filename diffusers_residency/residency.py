@@ -111,18 +111,23 @@ class ResidencyGroup:
         # Times evict_others handed the device to a component: a block stream times a step only
         # between two (see BlockStream).
         self.switches = 0
-        # Components in call order, and the most weight bytes the group may hold at once: together
-        # they let the next component load ahead while the current one computes. No capacity, no
-        # loading ahead.
+        # Components in call order, and the most weight bytes the group may hold while a given
+        # component runs: together they let the next component load ahead while the current one
+        # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
-        self.weight_capacity: int | None = None
+        self.weight_room: Callable[[str], int] | None = None
         # The VRAM budget watched at each switch, what to tell when the device's peak goes over
         # it, and the highest peak already told of (peaks only grow until someone resets them).
         self.vram_budget: int | None = None
-        self.on_over_budget: Callable[[int], None] | None = None
+        self.on_over_budget: Callable[[str, int], None] | None = None
         self._peak_told = 0
-        # Told the peak of the first whole call, once: see watch_budget.
-        self.on_first_call: Callable[[int], None] | None = None
+        # The component whose call is under way (resident ones included): the peak seen when
+        # another one starts is that one's.
+        self._running: str | None = None
+        # Told what each component of the first whole call needed above the weights, once: see
+        # watch_budget.
+        self.on_first_call: Callable[[dict[str, int]], None] | None = None
+        self._measured: dict[str, int] = {}
         self._call_start: str | None = None
         self._call_end: str | None = None
         self._call_started = False
@@ -131,32 +136,37 @@ class ResidencyGroup:
     def watch_budget(
         self,
         vram_budget: int,
-        on_over_budget: Callable[[int], None],
+        on_over_budget: Callable[[str, int], None],
         *,
-        on_first_call: Callable[[int], None] | None = None,
+        on_first_call: Callable[[dict[str, int]], None] | None = None,
         call_start: str | None = None,
         call_end: str | None = None,
     ) -> None:
-        """Call ``on_over_budget(overshoot)`` when a component starts and the device's peak allocated
-        memory has gone past ``vram_budget`` (further than it had been told of before). The peak is
-        reset here, so that an earlier workload's peak (the pipeline run resident before, say)
-        neither counts against the budget nor hides an overshoot below it.
+        """Call ``on_over_budget(component, overshoot)`` when the device's peak allocated memory has
+        gone past ``vram_budget`` (further than it had been told of before) while ``component`` ran,
+        seen when a component starts. The peak is reset here, so that an earlier workload's peak
+        (the pipeline run resident before, say) neither counts against the budget nor hides an
+        overshoot below it.
 
-        With ``on_first_call``, also call ``on_first_call(peak)`` once, with the peak of the first
-        whole call (memory reserved by the allocator, fragmentation included): from ``call_start``
-        to ``call_start`` again after ``call_end`` ran. Named, not taken from the first activation,
-        which may come from outside a call (a component loaded at enable or at wake). A call that
-        skips either (prompt embeddings passed in, latents as output) does not count. Not after an
-        overshoot, which says the reserve is already too small."""
+        With ``on_first_call``, the first whole call is measured: from ``call_start`` to
+        ``call_start`` again after ``call_end`` ran (named, not taken from the first activation,
+        which may come from outside a call: a component loaded at enable or at wake). The peak is
+        reset each time another component starts, and what each one needed above the weights (its
+        peak less the weight bytes loaded when it ended: the call's tensors, its activations) is
+        told once, as ``on_first_call({component: bytes})``, when the next call starts. A call that
+        skips either end (prompt embeddings passed in, latents as output) does not count. Not after
+        an overshoot, which is told on its own."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self._peak_told = vram_budget
         self.on_first_call = on_first_call
+        self._measured = {}
+        self._running = None
         self._call_start = call_start
         self._call_end = call_end
         self._call_started = self._call_end_ran = False
         if on_first_call is not None:
-            # Cache an earlier workload left behind would count in the first call's reserved peak.
+            # Cache an earlier workload left behind would take room the call is measured to need.
             _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
 
@@ -165,28 +175,41 @@ class ResidencyGroup:
         self.on_over_budget = None
         self.on_first_call = None
 
-    def _watch_peak(self, component: str) -> None:
+    def _watch_peak(self, component: str) -> bool:
+        """Check the peak as ``component`` starts; True when a measured component just ended, and the
+        peak is to be reset once the room for ``component`` is made (see :meth:`activate`)."""
         if self.on_over_budget is None:
-            return
+            return False
         peak = _device.peak_allocated(self.device)
         if peak is None:
-            return
+            return False
+        ran, self._running = self._running, component
         if peak > self._peak_told:
             self._peak_told = peak
             self.on_first_call = None
-            self.on_over_budget(peak - self.vram_budget)
-        if self.on_first_call is not None:
-            self._watch_first_call(component)
+            self.on_over_budget(ran or component, peak - self.vram_budget)
+        if self.on_first_call is None or component == ran:
+            return False
+        if ran is not None:
+            self._measured[ran] = max(self._measured.get(ran, 0), peak - self.loaded_bytes())
+        self._watch_first_call(component)
+        return self.on_first_call is not None
+
+    def _measure_from_here(self) -> None:
+        # Only while measuring: each component's own peak, from what is left once the others are
+        # evicted. (After, peaks are left to whoever reads them, a benchmark say.)
+        _device.reset_peak_allocated(self.device)
+        self._peak_told = self.vram_budget
 
     def _watch_first_call(self, component: str) -> None:
         if component == self._call_start:
             if not self._call_end_ran:
+                if not self._call_started:
+                    self._measured = {}  # what ran before the call (a component loaded at enable)
                 self._call_started = True
                 return
             on_first_call, self.on_first_call = self.on_first_call, None
-            # Reserved, not allocated: cached blocks too fragmented to reuse count against a device
-            # of the budget's size (and against a cap) as much as tensors do.
-            on_first_call(_device.peak_reserved(self.device))
+            on_first_call(self._measured)
         elif component == self._call_end and self._call_started:
             self._call_end_ran = True
 
@@ -244,13 +267,15 @@ class ResidencyGroup:
     def activate(self, unit: StagedUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once."""
-        if self.on_over_budget is not None and unit.stream is None:
-            self._watch_peak(unit.component)  # once per component call (a block of a streamed one does not check)
+        # Once per component call (a block of a streamed one does not check).
+        measuring = self.on_over_budget is not None and unit.stream is None and self._watch_peak(unit.component)
         switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
         if switched:
             # A resident unit never switches: it may run interleaved with the others (a ControlNet
             # inside the denoising loop) and needs no room made for it.
             self.evict_others(unit.component)
+        if measuring:
+            self._measure_from_here()
         if unit.stream is not None:
             unit.stream.enter(unit)
         elif not unit.stager.loaded:
@@ -271,6 +296,9 @@ class ResidencyGroup:
             return
         for unit in evicted:
             unit.stager.offload()
+        if self.weight_room is not None and component is not None:
+            # Cache above this is in the room the component's activations were planned to take.
+            self.retention.reserved_limit = self.weight_room(component)
         decision = self.retention.at_boundary()
         last = evicted[-1]
         if decision.released:
@@ -282,9 +310,10 @@ class ResidencyGroup:
         return sum(unit.stager.staged_bytes for unit in self.units if unit.stager.loaded)
 
     def _load_ahead(self, component: str) -> None:
-        """Start loading the component after ``component`` in call order, whole, if the capacity
-        holds it beside what is loaded: its copy then runs behind this component's compute."""
-        if self.weight_capacity is None or component not in self.call_order:
+        """Start loading the component after ``component`` in call order, whole, if the room for weights
+        while ``component`` runs holds it beside what is loaded: its copy then runs behind this
+        component's compute."""
+        if self.weight_room is None or component not in self.call_order:
             return
         if any(u.stream is not None for u in self.units_of(component)):
             return  # a streaming component's next blocks need the room the plan gave its window
@@ -292,7 +321,7 @@ class ResidencyGroup:
         following = order[(order.index(component) + 1) % len(order)]
         ahead = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
         needed = sum(u.stager.staged_bytes for u in ahead)
-        if ahead and self.loaded_bytes() + needed <= self.weight_capacity:
+        if ahead and self.loaded_bytes() + needed <= self.weight_room(component):
             logger.debug("Loading %r ahead (%d bytes)", following, needed)
             for unit in ahead:
                 unit.load(ahead=True)

@@ -337,21 +337,30 @@ def test_a_streamed_step_is_timed_with_cuda_events() -> None:
     assert 0 < first and 0 < latest
 
 
-def test_default_reserve_is_lowered_from_the_first_calls_real_peak_and_stays_in_budget() -> None:
-    from diffusers_residency.planner import MIN_RESERVE_BYTES
+@pytest.mark.parametrize("kind", ["flux", "sdxl"])
+def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_budget(kind: str) -> None:
+    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
 
-    from .test_streaming import _streaming_budget
+    from .test_streaming import _component_sizes, _module_components
 
-    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case = PipelineCase(kind, device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
-    # The default reserve (3 GiB) and room for some of the tiny pipeline's weights.
-    budget = _streaming_budget(case, MIN_RESERVE_BYTES)
+    # The default reserve (3 GiB) and room for the measuring plan's weights and half the rest.
+    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
+    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
     case.pipe.enable_pinned_offload(vram_budget=budget)  # resets the peak
     before = case.pipe.residency_plan()
-    assert before.reserve == MIN_RESERVE_BYTES and before["transformer"].policy.value == "streamed", str(before)
+    assert not before.activations and not before.resident_weight_bytes - _trunks(before), str(before)
     for _ in range(3):
         assert torch.equal(case.run(), case.reference)
     after = case.pipe.residency_plan()
-    assert after.reserve < before.reserve, str(after)
+    assert set(after.activations) == {p.name for p in after.components}, str(after)
     assert after.resident_weight_bytes > before.resident_weight_bytes, str(after)
+    assert after.peak_bytes <= budget, str(after)
     assert torch.cuda.max_memory_allocated() <= budget
+
+
+def _trunks(plan) -> int:
+    by_name = {s.name: s for s in plan.sizes}
+    return sum(by_name[p.name].trunk_bytes for p in plan.components if p.policy.value == "streamed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffusers_residency import BudgetTooSmallError, ComponentSizes, plan_residency
-from diffusers_residency.planner import PREFETCH_BLOCKS, Policy, parse_bytes
+from diffusers_residency.planner import PREFETCH_BLOCKS, Policy, default_reserve, parse_bytes
 
 GB = 10**9
 MB = 10**6
@@ -60,7 +60,8 @@ def test_keeping_every_large_block_resident_shrinks_the_window() -> None:
     plan = plan_residency(FLUX, 16 * GB, 1 * GB)
     transformer = plan["transformer"]
     assert set(range(19)) <= transformer.resident_blocks, str(plan)
-    assert transformer.transient_bytes(FLUX[2]) == (1 + PREFETCH_BLOCKS) * 283 * MB
+    staged = sum(FLUX[2].block_bytes[i] for i in transformer.staged_blocks)
+    assert transformer.transient_bytes(FLUX[2]) - staged == (1 + PREFETCH_BLOCKS) * 283 * MB
     _peak_within(plan, 16 * GB, 1 * GB)
 
 
@@ -76,6 +77,64 @@ def test_resident_blocks_of_one_size_are_spread_through_the_order(budget: int, r
         runs = "".join("r" if r else "s" for r in resident).split("s")
         assert max(len(run) for run in runs) <= -(-kept // streamed), (positions, sorted(transformer.resident_blocks))
         assert resident[0], "the first block of a size, which cache hooks always run, is among the resident ones"
+
+
+# SDXL-base in fp16: the UNet's 51 repeated blocks (attention and resnet blocks of three widths)
+# over a trunk, and what each component needs above its weights at 1024x1024: the VAE decodes in
+# float32 at full resolution.
+SDXL = (
+    ComponentSizes("text_encoder", 246 * MB, (14 * MB,) * 12),
+    ComponentSizes("text_encoder_2", 1389 * MB, (40 * MB,) * 32),
+    ComponentSizes("unet", 5135 * MB, (30 * MB,) * 11 + (90 * MB,) * 20 + (140 * MB,) * 20, True),
+    ComponentSizes("vae", 167 * MB, (8 * MB,) * 16),
+)
+SDXL_ACTIVATIONS = {"text_encoder": 100 * MB, "text_encoder_2": 200 * MB, "unet": 1500 * MB, "vae": 5300 * MB}
+
+
+def _moments(plan) -> dict[str, int]:
+    """What the device holds while each component runs, by the plan."""
+    by_name = {s.name: s for s in plan.sizes}
+    return {
+        p.name: plan.resident_weight_bytes + p.transient_bytes(by_name[p.name]) + plan.activation_bytes_of(p.name)
+        for p in plan.components
+    }
+
+
+def test_measured_activations_let_the_denoiser_keep_its_blocks_while_it_runs() -> None:
+    budget = 8 * GB
+    plan = plan_residency(SDXL, budget, default_reserve(budget), activations=SDXL_ACTIVATIONS)
+    unet, sizes = plan["unet"], SDXL[2]
+    assert unet.policy is Policy.STREAMED, str(plan)
+    # Nothing of the UNet moves at every step: what does not stay across calls (the VAE's decode
+    # needs that room) stays while the UNet runs, loaded once per call.
+    assert unet.resident_blocks | unet.staged_blocks == frozenset(range(len(sizes.block_bytes))), str(plan)
+    assert unet.staged_blocks, str(plan)
+    assert max(_moments(plan).values()) == plan.peak_bytes <= budget, (_moments(plan), str(plan))
+    # The VAE's moment is what bounds the resident bytes: one more UNet block would not fit it.
+    smallest_staged = min(sizes.block_bytes[i] for i in unet.staged_blocks)
+    assert _moments(plan)["vae"] + smallest_staged > budget, (_moments(plan), str(plan))
+
+
+def test_one_reserve_for_every_component_streams_the_denoiser_at_every_step() -> None:
+    # The same budget with the VAE's need reserved for everyone: the UNet has to stream blocks at
+    # every step, which per-component activations avoid.
+    budget = 8 * GB
+    plan = plan_residency(SDXL, budget, SDXL_ACTIVATIONS["vae"])
+    unet = plan["unet"]
+    assert len(unet.resident_blocks) + len(unet.staged_blocks) < len(SDXL[2].block_bytes), str(plan)
+    assert plan.peak_bytes <= budget
+
+
+def test_the_measuring_plan_keeps_the_least_on_the_device() -> None:
+    plan = plan_residency(FLUX, 16 * GB, 3 * GB, least=True)
+    for component in plan.components:
+        assert not component.resident_blocks and not component.staged_blocks, str(plan)
+        assert component.policy in (Policy.STREAMED, Policy.STAGED), str(plan)
+    assert not plan.keeps_everything
+    assert plan_residency(FLUX, 80 * GB, 4 * GB).keeps_everything
+    # A fixed resident component stays so.
+    fixed = plan_residency(FLUX, 16 * GB, 3 * GB, fixed={"vae": Policy.RESIDENT}, least=True)
+    assert fixed["vae"].policy is Policy.RESIDENT
 
 
 def test_budget_too_small_says_what_is_needed() -> None:
