@@ -135,7 +135,9 @@ class StagingHook(ModelHook):
     @_not_compiled
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self.group.activate(self.unit)
-        if args or kwargs:
+        # A block's inputs come from its component's forward, whose hook moved the call's inputs
+        # already: walking them again at every block costs more than many a block computes.
+        if (args or kwargs) and self.unit.stream is None:
             device = self.group.device
             return send_to_device(args, device), send_to_device(kwargs, device)
         return args, kwargs

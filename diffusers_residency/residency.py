@@ -144,16 +144,16 @@ class ResidencyGroup:
     ) -> None:
         """Call ``on_over_budget(component, overshoot)`` when the device's peak allocated memory has
         gone past ``vram_budget`` (further than it had been told of before) while ``component`` ran,
-        seen when a component starts. The peak is reset here, so that an earlier workload's peak
+        seen when another component starts. The peak is reset here, so that an earlier workload's peak
         (the pipeline run resident before, say) neither counts against the budget nor hides an
         overshoot below it.
 
         With ``on_first_call``, the first whole call is measured: from ``call_start`` to
         ``call_start`` again after ``call_end`` ran (named, not taken from the first activation,
         which may come from outside a call: a component loaded at enable or at wake). The peak is
-        reset each time another component starts, and what each one needed above the weights (its
-        peak less the weight bytes loaded when it ended: the call's tensors, its activations) is
-        told once, as ``on_first_call({component: bytes})``, when the next call starts. A call that
+        reset (and the allocator's cache emptied) each time another component starts, and what each
+        one needed above the weights (its reserved peak less the weight bytes loaded when it ended:
+        the call's tensors, its activations, the allocator's fragmentation) is told once, as ``on_first_call({component: bytes})``, when the next call starts. A call that
         skips either end (prompt embeddings passed in, latents as output) does not count. Not after
         an overshoot, which is told on its own."""
         self.vram_budget = vram_budget
@@ -191,13 +191,19 @@ class ResidencyGroup:
         if self.on_first_call is None or component == ran:
             return False
         if ran is not None:
-            self._measured[ran] = max(self._measured.get(ran, 0), peak - self.loaded_bytes())
+            # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
+            # count against the budget's cap as much as tensors do; a plan made from allocated
+            # peaks hit the cap (and the allocator's synchronising retries) on the H200.
+            need = (_device.peak_reserved(self.device) or peak) - self.loaded_bytes()
+            self._measured[ran] = max(self._measured.get(ran, 0), need)
         self._watch_first_call(component)
         return self.on_first_call is not None
 
     def _measure_from_here(self) -> None:
         # Only while measuring: each component's own peak, from what is left once the others are
-        # evicted. (After, peaks are left to whoever reads them, a benchmark say.)
+        # evicted, their cache given back so that it counts for no one. (After, peaks are left to
+        # whoever reads them, a benchmark say.)
+        _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
         self._peak_told = self.vram_budget
 
@@ -267,8 +273,14 @@ class ResidencyGroup:
     def activate(self, unit: StagedUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once."""
-        # Once per component call (a block of a streamed one does not check).
-        measuring = self.on_over_budget is not None and unit.stream is None and self._watch_peak(unit.component)
+        # When another component starts (not at every step of the same one, nor at every block: reading
+        # the allocator's statistics builds a dict of them all).
+        measuring = (
+            self.on_over_budget is not None
+            and unit.stream is None
+            and unit.component != self._running
+            and self._watch_peak(unit.component)
+        )
         switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
         if switched:
             # A resident unit never switches: it may run interleaved with the others (a ControlNet
