@@ -26,6 +26,7 @@ from .planner import (
     BudgetTooSmallError,
     ComponentSizes,
     ResidencyPlan,
+    StepTiming,
     default_reserve,
     format_bytes,
     parse_bytes,
@@ -182,31 +183,56 @@ def _planner(
     sizes = _component_sizes(pipe, modules)
     chosen = _policies(pipe, modules, components)
     if budget is None:
-        return lambda activations, pinned, whole=(), least=False: plan_as_given(sizes, chosen)
+        return lambda activations, pinned, whole=(), timings=None, least=False: plan_as_given(sizes, chosen)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
     budget_bytes, reserve = budget
 
     def plan(
-        activations: Mapping[str, int], pinned: Mapping[str, Policy], whole: Collection[str] = (), least: bool = False
+        activations: Mapping[str, int],
+        pinned: Mapping[str, Policy],
+        whole: Collection[str] = (),
+        timings: Mapping[str, StepTiming] | None = None,
+        least: bool = False,
     ) -> ResidencyPlan:
         # A component with no block hooks shows the planner no blocks: it cannot stream.
         planned = [replace(s, block_bytes=()) if s.name in whole else s for s in sizes]
-        return plan_residency(planned, budget_bytes, reserve, {**fixed, **pinned}, activations, least=least)
+        return plan_residency(
+            planned, budget_bytes, reserve, {**fixed, **pinned}, activations, timings=timings, least=least
+        )
 
     return plan
 
 
-def _replan_in_place(state: PipelineResidency, activations: Mapping[str, int]) -> ResidencyPlan:
-    """The plan for ``activations`` on the hooks in place: components that stream keep streaming
-    (their blocks have hooks of their own; with every block resident, one is as good as resident),
-    the others may move between staged and resident, not to streaming (they have no block hooks).
+def _replan_in_place(
+    state: PipelineResidency, activations: Mapping[str, int], timings: Mapping[str, StepTiming] | None = None
+) -> ResidencyPlan:
+    """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
+    components that stream keep streaming (their blocks have hooks of their own; with every block
+    resident, one is as good as resident), the others may move between staged and resident, not to
+    streaming (they have no block hooks).
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
     whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
-    return state.replan(activations, streaming, whole)
+    return state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
+
+
+def _step_timings(state: PipelineResidency) -> dict[str, StepTiming]:
+    """What the last call measured of each streamed per-step component's step: its blocks' compute
+    seconds per block byte (the step the report shows, latest), and its loads' seconds per byte."""
+    rows = {row.name: row for row in report_for(state.group).components}
+    timings = {}
+    for sizes in state.plan.sizes:
+        row = rows.get(sizes.name) if sizes.per_step and state.plan[sizes.name].policy is Policy.STREAMED else None
+        if row is None or row.step_compute_seconds is None or not row.loaded_bytes or row.load_seconds <= 0:
+            continue
+        timings[sizes.name] = StepTiming(
+            compute_per_byte=row.step_compute_seconds[1] / sum(sizes.block_bytes),
+            load_per_byte=row.load_seconds / row.loaded_bytes,
+        )
+    return timings
 
 
 def _plan_summary(plan: ResidencyPlan) -> str:
@@ -245,7 +271,8 @@ def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int) -
 
 def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
     """The first call ran with the least on the device and measured what each component needed
-    above the weights. Plan for those figures, each with a margin, and apply the plan.
+    above the weights, and how long a step of a streamed per-step component computes and loads.
+    Plan for those figures, each need with a margin, and apply the plan.
 
     Measured, not guessed: what a call needs varies across components far more than across calls
     (an SDXL VAE decoding at 1024x1024 in float32 needs about 5 GB, its UNet a fraction of that),
@@ -254,7 +281,7 @@ def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) ->
     margin = int(plan.budget * RESERVE_MARGIN)
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
     try:
-        new_plan = _replan_in_place(state, activations)
+        new_plan = _replan_in_place(state, activations, _step_timings(state))
     except BudgetTooSmallError:
         logger.warning(
             "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "

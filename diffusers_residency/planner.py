@@ -24,6 +24,11 @@ reserve stands in for them.
    the bus, see :func:`_resident_block_choices`: the largest ones (the window's slots are as large
    as the largest streamed block), spread evenly through the order (the copy stream then has work
    while each resident block computes).
+   Once a first call has timed a step of the per-step component (compute, and loads, per byte),
+   the choice is the one whose step a simulation of the two streams finishes first: resident bytes
+   alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
+   double-stream block resident, then 38 single-stream blocks to stream behind a third of the
+   compute), slower than fewer resident bytes spread out. See :func:`simulated_step_seconds`.
 4. A per-step component that streams keeps, while it runs, as many of its other blocks as its own
    moment of the call has room for (*staged* blocks): loaded when first reached, dropped only when
    another component runs, so they move once per call instead of once per step. Resident blocks
@@ -161,6 +166,50 @@ def _window_bytes(block_bytes: Sequence[int], kept: frozenset[int], prefetch_blo
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """Seconds per byte a streamed per-step component's blocks take to compute (the device time of a
+    step over its block bytes) and to load (host-to-device), as a call measured them."""
+
+    compute_per_byte: float
+    load_per_byte: float
+
+
+def simulated_step_seconds(
+    block_bytes: Sequence[int], kept: frozenset[int], prefetch_blocks: int, timing: StepTiming
+) -> float:
+    """One denoising step of a streamed component, simulated on its two streams: blocks compute in
+    order, each for its bytes times ``compute_per_byte``; a streamed block computes once its load is
+    done. Loads run one at a time, issued as the block stream issues them (at a block's entry, the
+    window's next streamed blocks), and each starts only once the compute queued before it is done
+    (the copy stream waits for it, see ``_device.TimedCopy``). Blocks in ``kept`` never load.
+    Three passes are run and the middle one timed: the window wraps into the next step."""
+    count = len(block_bytes)
+    streamed = [t for t in range(3 * count) if t % count not in kept]
+    if not streamed:
+        return sum(block_bytes) * timing.compute_per_byte
+    load_done: dict[int, float] = {}
+    compute_done = copy_done = 0.0
+    pass_ends = []
+    issued = 0  # occurrences streamed[:issued] have their loads issued
+    after = 0  # streamed[after] is the first streamed occurrence past the current one
+    for t in range(3 * count):
+        i = t % count
+        while after < len(streamed) and streamed[after] <= t:
+            after += 1
+        # At the entry of occurrence t: its own load if not issued yet, then the window's.
+        window_end = min(len(streamed), after + prefetch_blocks + (i in kept))
+        while issued < window_end:
+            u = streamed[issued]
+            copy_done = max(copy_done, compute_done) + block_bytes[u % count] * timing.load_per_byte
+            load_done[u] = copy_done
+            issued += 1
+        compute_done = max(compute_done, load_done.get(t, 0.0)) + block_bytes[i] * timing.compute_per_byte
+        if i == count - 1:
+            pass_ends.append(compute_done)
+    return pass_ends[1] - pass_ends[0]
+
+
+@dataclass(frozen=True)
 class ResidencyPlan:
     """A plan for every component, and the figures it was made from: ``activations`` are the bytes
     each component was measured to need above the weights while it runs (a call's tensors, the
@@ -171,6 +220,7 @@ class ResidencyPlan:
     components: tuple[ComponentPlan, ...]
     sizes: tuple[ComponentSizes, ...] = field(repr=False, default=())
     activations: Mapping[str, int] = field(default_factory=dict)
+    timings: Mapping[str, StepTiming] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> ComponentPlan:
         for plan in self.components:
@@ -248,11 +298,15 @@ class ResidencyPlan:
             head += f", peak with activations {format_bytes(self.peak_bytes)}, " + (
                 "activations measured" if measured else f"activation reserve {format_bytes(self.reserve)} where not measured"
             )
+        if self.timings:
+            head += f", resident blocks of {', '.join(self.timings)} chosen from a timed step"
         return "\n".join([head, *table])
 
 
 class BudgetTooSmallError(ValueError):
     pass
+
+
 
 
 def _resident(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) -> int:
@@ -362,12 +416,15 @@ def plan_residency(
     fixed: Mapping[str, Policy] | None = None,
     activations: Mapping[str, int] | None = None,
     *,
+    timings: Mapping[str, StepTiming] | None = None,
     least: bool = False,
 ) -> ResidencyPlan:
     """Plan every component for ``budget`` bytes of device memory. ``activations`` are the bytes each
     component needs above the weights while it runs; ``reserve`` stands in for a component they do
     not name. ``fixed`` pins a component's policy (a user's choice, or a component that must stay
     resident); a fixed ``streamed`` component still gets its resident blocks chosen here.
+    ``timings``: per-step components' measured step (see :class:`StepTiming`); with one, its
+    resident blocks are chosen for the shortest simulated step rather than for the most bytes.
 
     With ``least``, every component that is not fixed keeps the least it can on the device (streamed
     with no resident block, or staged): the plan under which a call's activations can be measured,
@@ -377,6 +434,7 @@ def plan_residency(
     """
     fixed = _checked(sizes, fixed or {})
     activations = dict(activations or {})
+    timings = dict(timings or {})
     by_name = {s.name: s for s in sizes}
 
     def need(name: str) -> int:
@@ -386,7 +444,7 @@ def plan_residency(
         return _call_peak(list(plans.values()), sizes, need) <= budget
 
     def finish(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
-        return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes), activations)
+        return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes), activations, timings)
 
     def most(s: ComponentSizes) -> ComponentPlan:
         # A fixed streamed component at its most: every block resident.
@@ -420,7 +478,7 @@ def plan_residency(
             trial = {**plans, s.name: ComponentPlan(s.name, Policy.RESIDENT)}
             if fits(trial):
                 plans = trial
-        plans = _grow_streamed(plans, by_name, fits)
+        plans = _grow_streamed(plans, by_name, fits, timings)
     return finish(_stage_blocks(plans, by_name, fits))
 
 
@@ -428,17 +486,30 @@ def _grow_streamed(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
     fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan]:
-    """Give each streamed component, per-step ones first, the most resident block bytes that fit."""
+    """Give each streamed component, per-step ones first, the resident blocks that fit: the most
+    bytes, or with a timing the shortest simulated step (the most bytes among equals)."""
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
-        plan = replace(plans[name], staged_blocks=frozenset())
-        for resident, _, _ in _resident_block_choices(by_name[name], plan.prefetch_blocks):
-            trial = {**plans, name: replace(plan, resident_blocks=resident)}
-            if fits(trial):
-                plans = trial
-                break
+        sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
+        fitting = (
+            {**plans, name: replace(plan, resident_blocks=resident)}
+            for resident, _, _ in _resident_block_choices(sizes, plan.prefetch_blocks)
+        )
+        fitting = (trial for trial in fitting if fits(trial))
+        timing = timings.get(name)
+        if timing is None:
+            plans = next(fitting, plans)
+        else:
+            plans = min(
+                fitting,
+                key=lambda trial: simulated_step_seconds(
+                    sizes.block_bytes, trial[name].resident_blocks, plan.prefetch_blocks, timing
+                ),
+                default=plans,
+            )
     return plans
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from diffusers_residency import BudgetTooSmallError, ComponentSizes, plan_residency
-from diffusers_residency.planner import PREFETCH_BLOCKS, Policy, default_reserve, parse_bytes
+from diffusers_residency.planner import (
+    PREFETCH_BLOCKS,
+    Policy,
+    StepTiming,
+    default_reserve,
+    parse_bytes,
+    simulated_step_seconds,
+)
 
 GB = 10**9
 MB = 10**6
@@ -135,6 +142,35 @@ def test_the_measuring_plan_keeps_the_least_on_the_device() -> None:
     # A fixed resident component stays so.
     fixed = plan_residency(FLUX, 16 * GB, 3 * GB, fixed={"vae": Policy.RESIDENT}, least=True)
     assert fixed["vae"].policy is Policy.RESIDENT
+
+
+def test_a_simulated_step_is_bound_by_the_bus_or_the_compute() -> None:
+    blocks = FLUX[2].block_bytes
+    timing = StepTiming(compute_per_byte=0.18 / sum(blocks), load_per_byte=1 / 55e9)
+    assert simulated_step_seconds(blocks, frozenset(), PREFETCH_BLOCKS, timing) == pytest.approx(sum(blocks) / 55e9)
+    assert simulated_step_seconds(blocks, frozenset(range(57)), PREFETCH_BLOCKS, timing) == pytest.approx(0.18)
+    # Every double-stream block resident: the bus idles through them, then cannot keep up.
+    doubles = simulated_step_seconds(blocks, frozenset(range(19)), PREFETCH_BLOCKS, timing)
+    assert doubles > sum(blocks[19:]) / 55e9 + 0.05
+
+
+def test_a_timed_step_chooses_resident_blocks_that_keep_the_bus_busy() -> None:
+    # Planned by bytes, a 16 GB budget with 1.3 GB for activations keeps every double-stream block
+    # resident in one run (measured on the H200: 2.837 s/call, against 2.501 s/call for fewer
+    # resident bytes spread out). Timed, the plan spreads them.
+    blocks = FLUX[2].block_bytes
+    timing = StepTiming(compute_per_byte=0.171 / sum(blocks), load_per_byte=1 / 54.5e9)
+    by_bytes = plan_residency(FLUX, 16 * GB, 1300 * MB)
+    timed = plan_residency(FLUX, 16 * GB, 1300 * MB, timings={"transformer": timing})
+    assert by_bytes["transformer"].resident_blocks >= frozenset(range(19)), str(by_bytes)
+
+    def step(plan) -> float:
+        kept = plan["transformer"].resident_blocks | plan["transformer"].staged_blocks
+        return simulated_step_seconds(blocks, kept, PREFETCH_BLOCKS, timing)
+
+    assert step(timed) < step(by_bytes) - 0.05, (str(timed), str(by_bytes))
+    assert timed.peak_bytes <= 16 * GB and timed.timings == {"transformer": timing}
+    assert "chosen from a timed step" in str(timed)
 
 
 def test_budget_too_small_says_what_is_needed() -> None:

@@ -591,3 +591,22 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
     assert not any(block.stager.loaded for block in staged), "the VAE's turn evicted them"
     assert max(loaded_while_decoding) + measured(vae_need)["vae"] <= budget
     assert_no_meta_or_foreign_device(case.pipe)
+
+
+def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = _run(flux, 3)
+    budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    group = pipeline_state(flux.pipe).group
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
+    assert torch.equal(_run(flux, 3), reference)  # measures, a step timed among them
+    assert torch.equal(_run(flux, 3), reference)
+    plan = flux.pipe.residency_plan()
+    timing = plan.timings["transformer"]
+    assert timing.compute_per_byte > 0 and timing.load_per_byte > 0, str(plan)
+    assert set(plan.timings) == {"transformer"}, "only the per-step component"
+    assert "chosen from a timed step" in str(plan)
+    # An overshoot later plans with the same timing.
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 10**6)
+    assert torch.equal(_run(flux, 3), reference)
+    assert flux.pipe.residency_plan() is not plan and flux.pipe.residency_plan().timings == plan.timings
