@@ -355,7 +355,8 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
     state.plan = plan
     group = state.group
     group.weight_room = None if plan.budget is None else plan.weight_room
-    group.retention.reserved_limit = None if plan.budget is None else plan.budget - plan.reserve
+    if plan.budget is None:
+        group.retention.reserved_limit = None  # under a budget, set at each switch (evict_others)
     if plan.budget is None:
         group.unwatch_budget()
     elif group.vram_budget != plan.budget:
@@ -432,7 +433,12 @@ def enable_pinned_offload(
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
     replan = _planner(pipe, modules, components, budget)
     plan = replan({}, {})
-    measuring = budget is not None and activation_reserve is None and not plan.keeps_everything
+    sequence = [name for name in _offload_sequence(pipe) if name in modules]
+    # A call is told apart from the next only by its first component starting after its last ran:
+    # with one component in the sequence, no call would ever end, so nothing is measured.
+    measuring = (
+        budget is not None and activation_reserve is None and not plan.keeps_everything and len(set(sequence)) > 1
+    )
     if measuring:
         plan = replan({}, {}, least=True)
 
@@ -465,7 +471,6 @@ def enable_pinned_offload(
             else:
                 hooks[name] = attach_staging_hook(module, group, name=name, policy=component.policy)
             attached[id(module)] = name
-        sequence = [name for name in _offload_sequence(pipe) if name in modules]
         state = PipelineResidency(
             group=group,
             hooks=hooks,

@@ -30,10 +30,11 @@ reserve stands in for them.
    double-stream block resident, then 38 single-stream blocks to stream behind a third of the
    compute), slower than fewer resident bytes spread out. See :func:`simulated_step_seconds`.
 4. A per-step component that streams keeps, while it runs, as many of its other blocks as its own
-   moment of the call has room for (*staged* blocks): loaded when first reached, dropped only when
-   another component runs, so they move once per call instead of once per step. Resident blocks
-   are bounded by the other components' moments too (an SDXL UNet's resident blocks are on the
-   device while the VAE decodes); staged blocks only by their own component's.
+   moment of the call has room for (*staged* blocks): loaded when first reached, dropped when a
+   component that is not resident starts, so they move once per call instead of once per step.
+   Resident blocks are bounded by the other components' moments too (an SDXL UNet's resident
+   blocks are on the device while the VAE decodes); staged blocks by their own component's, and
+   by those of resident components, which evict nothing when they start.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ class ComponentPlan:
     """Where one component's weights live. For a streamed component, ``resident_blocks``: the
     positions (in definition order) of the blocks that stay on the device across calls;
     ``staged_blocks``: those kept only while the component runs (loaded when first reached in a
-    call, dropped when another component runs); ``prefetch_blocks``: how many of the other,
-    streamed, blocks load ahead of the one running."""
+    call, dropped when a component that is not resident starts); ``prefetch_blocks``: how many of
+    the other, streamed, blocks load ahead of the one running."""
 
     name: str
     policy: Policy
@@ -185,7 +186,8 @@ def simulated_step_seconds(
     Three passes are run and the middle one timed: the window wraps into the next step."""
     count = len(block_bytes)
     streamed = [t for t in range(3 * count) if t % count not in kept]
-    if not streamed:
+    if len(streamed) <= 3 * (prefetch_blocks + 1):
+        # A window as large as every streamed block keeps them all: after the first pass, none loads.
         return sum(block_bytes) * timing.compute_per_byte
     load_done: dict[int, float] = {}
     compute_done = copy_done = 0.0
@@ -321,10 +323,21 @@ def _transient(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) 
 
 def _call_peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes], activations: Callable[[str], int]) -> int:
     """The most on the device at any moment of a call: what stays, plus the running component's
-    transient weights and activations, at its largest."""
+    transient weights and activations, at its largest.
+
+    A resident component evicts nothing when it starts (it may run interleaved with others, a
+    ControlNet inside the denoising loop), so while it runs the transient weights of whichever
+    component ran before it may still be there: its moment counts the largest of them."""
     by_name = {s.name: s for s in sizes}
-    moments = (p.transient_bytes(by_name[p.name]) + activations(p.name) for p in plans)
-    return _resident(plans, sizes) + max(moments, default=0)
+    transient = {p.name: p.transient_bytes(by_name[p.name]) for p in plans}
+
+    def moment(plan: ComponentPlan) -> int:
+        if plan.policy is Policy.RESIDENT:
+            left = max((nbytes for name, nbytes in transient.items() if name != plan.name), default=0)
+            return left + activations(plan.name)
+        return transient[plan.name] + activations(plan.name)
+
+    return _resident(plans, sizes) + max(map(moment, plans), default=0)
 
 
 def _streamed(sizes: ComponentSizes) -> ComponentPlan:
@@ -489,7 +502,8 @@ def _grow_streamed(
     timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan]:
     """Give each streamed component, per-step ones first, the resident blocks that fit: the most
-    bytes, or with a timing the shortest simulated step (the most bytes among equals)."""
+    bytes, or with a timing the shortest simulated step (the most bytes among equals), its staged
+    blocks (see :func:`_stage_blocks`) counted as kept."""
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
@@ -503,14 +517,23 @@ def _grow_streamed(
         if timing is None:
             plans = next(fitting, plans)
         else:
-            plans = min(
-                fitting,
-                key=lambda trial: simulated_step_seconds(
-                    sizes.block_bytes, trial[name].resident_blocks, plan.prefetch_blocks, timing
-                ),
-                default=plans,
-            )
+            seconds = functools.partial(_step_seconds, name=name, by_name=by_name, fits=fits, timing=timing)
+            plans = min(fitting, key=seconds, default=plans)
     return plans
+
+
+def _step_seconds(
+    plans: dict[str, ComponentPlan],
+    *,
+    name: str,
+    by_name: Mapping[str, ComponentSizes],
+    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    timing: StepTiming,
+) -> float:
+    """Component ``name``'s simulated step under ``plans``, with the staged blocks they leave room for."""
+    plan = _stage_blocks(plans, by_name, fits)[name]
+    kept = plan.resident_blocks | plan.staged_blocks
+    return simulated_step_seconds(by_name[name].block_bytes, kept, plan.prefetch_blocks, timing)
 
 
 def _stage_blocks(

@@ -116,11 +116,9 @@ class ResidencyGroup:
         # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_room: Callable[[str], int] | None = None
-        # The VRAM budget watched at each switch, what to tell when the device's peak goes over
-        # it, and the highest peak already told of (peaks only grow until someone resets them).
+        # The VRAM budget watched at each switch, and what to tell when the device's peak goes over it.
         self.vram_budget: int | None = None
         self.on_over_budget: Callable[[str, int], None] | None = None
-        self._peak_told = 0
         # The component whose call is under way (resident ones included): the peak seen when
         # another one starts is that one's.
         self._running: str | None = None
@@ -143,8 +141,8 @@ class ResidencyGroup:
         call_end: str | None = None,
     ) -> None:
         """Call ``on_over_budget(component, overshoot)`` when the device's peak allocated memory has
-        gone past ``vram_budget`` (further than it had been told of before) while ``component`` ran,
-        seen when another component starts. The peak is reset here, so that an earlier workload's peak
+        gone past ``vram_budget`` while ``component`` ran, seen when another component starts; the
+        peak statistics are reset after each, so that the next overshoot shows. The peak is reset here, so that an earlier workload's peak
         (the pipeline run resident before, say) neither counts against the budget nor hides an
         overshoot below it.
 
@@ -154,11 +152,10 @@ class ResidencyGroup:
         reset (and the allocator's cache emptied) each time another component starts, and what each
         one needed above the weights (its reserved peak less the weight bytes loaded when it ended:
         the call's tensors, its activations, the allocator's fragmentation) is told once, as ``on_first_call({component: bytes})``, when the next call starts. A call that
-        skips either end (prompt embeddings passed in, latents as output) does not count. Not after
-        an overshoot, which is told on its own."""
+        skips either end (prompt embeddings passed in, latents as output) does not count. While
+        measuring, a peak over the budget is measured, not told."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
-        self._peak_told = vram_budget
         self.on_first_call = on_first_call
         self._measured = {}
         self._running = None
@@ -184,11 +181,15 @@ class ResidencyGroup:
         if peak is None:
             return False
         ran, self._running = self._running, component
-        if peak > self._peak_told:
-            self._peak_told = peak
-            self.on_first_call = None
-            self.on_over_budget(ran or component, peak - self.vram_budget)
-        if self.on_first_call is None or component == ran:
+        if self.on_first_call is None:
+            if peak > self.vram_budget:
+                self.on_over_budget(ran or component, peak - self.vram_budget)
+                # Planned for: from here on a peak over the budget is a new one (a component
+                # outgrowing the room it was just given, or another going over by less).
+                _device.reset_peak_allocated(self.device)
+            return False
+        # While measuring, a peak over the budget is measured like any other.
+        if component == ran:
             return False
         if ran is not None:
             # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
@@ -205,7 +206,6 @@ class ResidencyGroup:
         # whoever reads them, a benchmark say.)
         _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
-        self._peak_told = self.vram_budget
 
     def _watch_first_call(self, component: str) -> None:
         if component == self._call_start:

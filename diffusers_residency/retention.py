@@ -59,11 +59,10 @@ class RetentionBudget:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # Under a VRAM budget, the most the allocator may hold at a boundary: the budget less the
-        # activation reserve. Cache above it sits in the room the next component's activations were
-        # planned to take. Left there, the allocator would free it only on failing to allocate under
-        # a cap, synchronising mid-call, and the first call's reserved peak, from which the reserve
-        # is learned, would count one component's freed activations beside the next one's.
+        # Under a VRAM budget, the most the allocator may hold at a boundary: the budget less what
+        # the component starting needs above its weights (set at each switch). Cache above it sits
+        # in the room that component's activations were planned to take. Left there, the allocator
+        # would free it only on failing to allocate under a cap, synchronising mid-call.
         self.reserved_limit: int | None = None
         self.staged_bytes = 0
         self.observed_cached_peak = 0

@@ -132,6 +132,16 @@ def test_one_reserve_for_every_component_streams_the_denoiser_at_every_step() ->
     assert plan.peak_bytes <= budget
 
 
+def test_a_resident_component_runs_beside_what_the_one_before_it_left() -> None:
+    # A resident VAE evicts nothing when it starts: the UNet's staged blocks and window are still
+    # on the device while it decodes, and its moment of the call counts them.
+    budget = 8 * GB
+    plan = plan_residency(SDXL, budget, default_reserve(budget), {"vae": Policy.RESIDENT}, SDXL_ACTIVATIONS)
+    unet_transient = plan.transient_bytes_of("unet")
+    assert unet_transient > 0, str(plan)
+    assert plan.resident_weight_bytes + unet_transient + SDXL_ACTIVATIONS["vae"] <= plan.peak_bytes <= budget, str(plan)
+
+
 def test_the_measuring_plan_keeps_the_least_on_the_device() -> None:
     plan = plan_residency(FLUX, 16 * GB, 3 * GB, least=True)
     for component in plan.components:
@@ -149,6 +159,9 @@ def test_a_simulated_step_is_bound_by_the_bus_or_the_compute() -> None:
     timing = StepTiming(compute_per_byte=0.18 / sum(blocks), load_per_byte=1 / 55e9)
     assert simulated_step_seconds(blocks, frozenset(), PREFETCH_BLOCKS, timing) == pytest.approx(sum(blocks) / 55e9)
     assert simulated_step_seconds(blocks, frozenset(range(57)), PREFETCH_BLOCKS, timing) == pytest.approx(0.18)
+    # A window as large as every streamed block holds them all: after the first pass none loads.
+    few = frozenset(range(57 - PREFETCH_BLOCKS - 1))
+    assert simulated_step_seconds(blocks, few, PREFETCH_BLOCKS, timing) == pytest.approx(0.18)
     # Every double-stream block resident: the bus idles through them, then cannot keep up.
     doubles = simulated_step_seconds(blocks, frozenset(range(19)), PREFETCH_BLOCKS, timing)
     assert doubles > sum(blocks[19:]) / 55e9 + 0.05

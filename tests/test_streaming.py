@@ -253,6 +253,7 @@ def test_a_peak_over_the_budget_gives_that_component_more_room_out_of_resident_b
     decoded = []
     flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: decoded.append(True))  # decode() is no forward
     monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 300_000 if decoded else 0)
+    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: decoded.clear())
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_plan() is before, "seen when the next component starts"
     assert torch.equal(flux.run(), flux.reference)
@@ -351,6 +352,43 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     assert len(told) == 1, "calls that never reach the VAE are not whole calls"
 
 
+def test_an_overshoot_while_measuring_is_measured_and_later_ones_are_each_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    peaks = {"unet": 150, "vae": 150}
+    running: list[str] = []
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: peaks.get(running[-1], 10) if running else 10)
+    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: running.append("reset"))
+    group = ResidencyGroup("cpu")
+    told: list[dict[str, int]] = []
+    overshoots: list[tuple[str, int]] = []
+    group.watch_budget(
+        100, lambda *over: overshoots.append(over), on_first_call=told.append, call_start="text_encoder", call_end="vae"
+    )
+
+    def call(peaks_now: dict[str, int]) -> None:
+        peaks.clear()
+        peaks.update(peaks_now)
+        for component in ("text_encoder", "unet", "vae"):
+            group._watch_peak(component)
+            running.append(component)
+
+    call({"unet": 150})  # the measuring call: the UNet goes over
+    call({})
+    assert told == [{"text_encoder": 10, "unet": 150, "vae": 10}] and overshoots == [], "measured, not told"
+    call({"vae": 150})
+    call({"unet": 130})  # less over than the VAE was: told all the same
+    assert overshoots == [("vae", 50), ("unet", 30)]
+
+
+def test_a_pipeline_of_one_component_in_its_sequence_is_not_measured(flux: PipelineCase) -> None:
+    flux.pipe.model_cpu_offload_seq = "transformer"  # no call would ever be seen to end
+    # Components outside the sequence are kept resident.
+    budget = _streaming_budget(flux, MIN_RESERVE_BYTES, {n: "resident" for n in ("text_encoder", "text_encoder_2", "vae")})
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert not pipeline_state(flux.pipe).measuring
+    assert flux.pipe.residency_plan()["transformer"].resident_blocks, "planned with the reserve, not for measuring"
+    assert torch.equal(flux.run(), flux.reference)
+
+
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "wan"])
 def test_every_streamable_component_of_other_pipelines_streams_exactly(kind: str) -> None:
     case = PipelineCase(kind)
@@ -423,10 +461,11 @@ def test_turning_the_budget_off_stops_watching_it(flux: PipelineCase, monkeypatc
     streamed = {"transformer": "streamed"}
     flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=10**7, activation_reserve=RESERVE)
     group = pipeline_state(flux.pipe).group
-    assert group.retention.reserved_limit == 10**7 - RESERVE
+    assert torch.equal(flux.run(), flux.reference)
+    assert group.weight_room("transformer") == 10**7 - RESERVE
     flux.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=None)
     assert pipeline_state(flux.pipe).group is group, "same setup: masters kept"
-    assert group.retention.reserved_limit is None
+    assert group.weight_room is None and group.retention.reserved_limit is None
     monkeypatch.setattr(_device, "peak_allocated", lambda device: 10**9)  # far over the old budget
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_plan().budget is None
