@@ -142,18 +142,19 @@ class ResidencyGroup:
     ) -> None:
         """Call ``on_over_budget(component, overshoot)`` when the device's peak allocated memory has
         gone past ``vram_budget`` while ``component`` ran, seen when another component starts; the
-        peak statistics are reset after each, so that the next overshoot shows. The peak is reset here, so that an earlier workload's peak
-        (the pipeline run resident before, say) neither counts against the budget nor hides an
-        overshoot below it.
+        peak statistics are reset after each, so that the next overshoot shows. They are reset here
+        too, so that an earlier workload's peak (the pipeline run resident before, say) neither
+        counts against the budget nor hides an overshoot below it.
 
         With ``on_first_call``, the first whole call is measured: from ``call_start`` to
         ``call_start`` again after ``call_end`` ran (named, not taken from the first activation,
         which may come from outside a call: a component loaded at enable or at wake). The peak is
-        reset (and the allocator's cache emptied) each time another component starts, and what each
-        one needed above the weights (its reserved peak less the weight bytes loaded when it ended:
-        the call's tensors, its activations, the allocator's fragmentation) is told once, as ``on_first_call({component: bytes})``, when the next call starts. A call that
-        skips either end (prompt embeddings passed in, latents as output) does not count. While
-        measuring, a peak over the budget is measured, not told."""
+        reset (and the allocator's cache emptied) each time another component starts, and what
+        each one needed above the weights (its reserved peak less the weight bytes loaded when it
+        ended: the call's tensors, its activations, the allocator's fragmentation) is told once, as
+        ``on_first_call({component: bytes})``, when the next call starts. A call that skips either
+        end (prompt embeddings passed in, latents as output) does not count. While measuring, a
+        peak over the budget is measured, not told."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self.on_first_call = on_first_call
@@ -202,8 +203,8 @@ class ResidencyGroup:
 
     def _measure_from_here(self) -> None:
         # Only while measuring: each component's own peak, from what is left once the others are
-        # evicted, their cache given back so that it counts for no one. (After, peaks are left to
-        # whoever reads them, a benchmark say.)
+        # evicted, their cache given back so that it counts for no one. (After, peaks are reset
+        # only when an overshoot is told, and otherwise left to whoever reads them, a benchmark say.)
         _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
 
