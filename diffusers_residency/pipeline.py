@@ -280,20 +280,21 @@ def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) ->
     plan = state.plan
     margin = int(plan.budget * RESERVE_MARGIN)
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
+    needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
     try:
         new_plan = _replan_in_place(state, activations, _step_timings(state))
     except BudgetTooSmallError:
         logger.warning(
             "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "
             "measuring plan stays (the least on the device). Raise vram_budget.",
-            ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items()),
+            needs,
             format_bytes(plan.budget),
         )
         return
     _apply_policies(state, new_plan)
     logger.info(
         "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
-        ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items()),
+        needs,
         format_bytes(plan.budget),
         _plan_summary(new_plan),
     )
