@@ -107,7 +107,8 @@ class StagingHook(ModelHook):
     call, so the staging call stays outside the graph. The module's ``to()`` refuses a move to any device but the execution device or the
     CPU (the weights live on host masters and the device copy is the hook's business), and dtype casts
     (``vae.to(dtype=torch.float32)``, as SDXL does inside its call) go through the masters: they are
-    cast on the host and retaken as new masters.
+    cast on the host and retaken as new masters (a cast back reuses the masters it had: see
+    :meth:`~diffusers_residency.staging.ModuleStager.convert`).
     """
 
     def __init__(self, group: ResidencyGroup, unit: StagedUnit) -> None:
@@ -211,10 +212,7 @@ class StagingHook(ModelHook):
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
-        self.unit.stager.offload()
-        result = original_apply(fn, recurse)
-        self.unit.stager.retake_masters()
-        return result
+        return self.unit.stager.convert(lambda convert: original_apply(convert, recurse), fn)
 
 
 def attach_staging_hook(

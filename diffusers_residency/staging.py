@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ from . import _device, host_memory
 from .retention import RetentionBudget
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,24 @@ def _fills_storage(group: StorageGroup) -> bool:
     )
 
 
+# Integer dtypes by item size: comparing tensors through them compares bits, not values (0.0 and
+# -0.0 differ, a NaN equals itself).
+_BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(kept: torch.Tensor, fresh: torch.Tensor) -> bool:
+    """Whether ``kept`` can stand for ``fresh``: same dtype and layout, and the same bits throughout."""
+    if kept.dtype != fresh.dtype or kept.shape != fresh.shape or kept.stride() != fresh.stride():
+        return False
+    bits = _BITS_BY_ITEMSIZE.get(kept.dtype.itemsize)
+    return bits is not None and torch.equal(kept.view(bits), fresh.view(bits))
+
+
+def _conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """Where a converted tensor came from (its bytes' address and layout), and the dtype it went to."""
+    return (source.data_ptr(), source.dtype, tuple(source.shape), source.stride(), dtype)
+
+
 class ModuleStager:
     """Load a module (or a group of modules) onto a device on demand, from immutable host masters.
 
@@ -336,6 +357,10 @@ class ModuleStager:
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         self._groups = _snapshot(self.tensors(), self.pin_budget)
+        # Masters the last conversion (see convert()) left, and a view of each tensor it converted,
+        # on both sides, by where it came from: the way back finds its master among them.
+        self._kept_groups: tuple[StorageGroup, ...] = ()
+        self._kept_conversions: dict[tuple, torch.Tensor] = {}
         self._claim_tensors()
         self.rebind_masters()
         self._release_replaced_host_memory()
@@ -364,9 +389,10 @@ class ModuleStager:
         return all(group.pinned for group in self._groups)
 
     def host_bytes(self) -> dict[str, int]:
-        """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file."""
+        """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file;
+        masters kept from before the last conversion (see :meth:`convert`) included."""
         held = {"pinned": 0, "pageable": 0, "mapped": 0}
-        for group in self._groups:
+        for group in self._groups + self._kept_groups:
             kind = "mapped" if group.mapped else "pinned" if group.pinned else "pageable"
             held[kind] += group.nbytes
         return held
@@ -564,13 +590,72 @@ class ModuleStager:
         refuse_meta_tensors(self.modules, "The module")
         self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
-        self._groups = _snapshot(self.tensors(), self.pin_budget, self._groups)
+        self._groups = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
         self._claim_tensors()
         self.rebind_masters()
         self._release_replaced_host_memory()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
+
+    def convert(
+        self, apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T], fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> T:
+        """Run a conversion of the modules (``apply``: ``nn.Module._apply``, ``fn``: what ``.to(dtype)``
+        or ``.half()`` gives it) over the masters, and take its results as the new masters.
+
+        Pipelines cast a component and back inside every call: SDXL upcasts its VAE to float32 to
+        decode and casts it back to float16. Taking every result as a new master page-locked fresh
+        host memory twice a call, which took longer than the VAE's decode itself on the H200
+        machine (page-locking costs about 0.5 s per GiB there). So the masters from before the last
+        conversion are kept, and a result with the same bits as one of them (the float16 weights,
+        on the way back) is bound to it instead. Each result is still computed and compared, never
+        assumed: a master written in place since (a LoRA fused into it) fails the comparison, and
+        the fresh result is taken.
+        """
+        self.offload()
+        before = self._groups
+        own = {id(b.target): (b, group.master) for group in before for b in group.bindings}
+        converted: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view of the source, converted tensor)
+
+        def reusing(tensor: torch.Tensor) -> torch.Tensor:
+            result = fn(tensor)
+            bound = own.get(id(tensor))
+            if bound is None or not isinstance(result, torch.Tensor) or result is tensor or result.device.type != "cpu":
+                return result  # not this stager's (a block's, staged on its own), or not converted
+            kept = self._kept_conversions.get(_conversion_key(tensor, result.dtype))
+            if kept is not None and _same_bits(kept, result):
+                result = kept
+            binding, master = bound
+            with torch.inference_mode(False):
+                source = binding.view_over(master)
+            # The module keeps a parameter and takes its new data; a buffer is replaced.
+            converted.append((source, tensor if isinstance(tensor, nn.Parameter) else result))
+            return result
+
+        result = apply(reusing)
+        if not converted:
+            return result  # a cast to the dtype it has: what was kept still stands
+        self.retake_masters()
+        bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
+        kept_conversions = {}
+        for source, target in converted:
+            if id(target) not in bound:
+                continue
+            binding, master = bound[id(target)]
+            with torch.inference_mode(False):
+                now = binding.view_over(master)
+            kept_conversions[_conversion_key(source, now.dtype)] = now
+            kept_conversions[_conversion_key(now, source.dtype)] = source
+        masters = {id(group.master) for group in self._groups}
+        self._kept_groups = tuple(group for group in before if id(group.master) not in masters)
+        self._kept_conversions = kept_conversions
+        return result
+
+    def forget_conversions(self) -> None:
+        """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
+        self._kept_groups = ()
+        self._kept_conversions = {}
 
     def map_masters(self, sources: Mapping[int, torch.Tensor]) -> int:
         """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.
@@ -583,6 +668,7 @@ class ModuleStager:
         """
         self._require_offloaded("map_masters()")
         self._copy.wait()  # the masters released here may still be read by the last load
+        self.forget_conversions()
         released = 0
         groups = []
         for group in self._groups:
@@ -646,6 +732,7 @@ class ModuleStager:
         self.offload()
         self.unmap_masters(pin=False)
         self._copy.wait()
+        self.forget_conversions()
         # Unlock the masters now rather than whenever the stager is collected: the tensors keep
         # the memory, pageable again, as it was before the stager pinned it.
         self._groups = tuple(

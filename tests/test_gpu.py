@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from diffusers_residency import _device
 from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import PipelineCase, assert_weights_equal, staging_hooks
@@ -58,7 +59,7 @@ def param_devices(pipe) -> dict[str, set[torch.device]]:
     [("flux", torch.bfloat16, "cpu"), ("sdxl", torch.float16, "cuda")],
     ids=["flux-bf16-from-host", "sdxl-fp16-from-device"],
 )
-def test_cuda_output_equals_resident(kind: str, dtype: torch.dtype, start: str) -> None:
+def test_cuda_output_equals_resident(kind: str, dtype: torch.dtype, start: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case = PipelineCase(kind, device="cuda", dtype=dtype)  # the reference runs resident on CUDA
     if kind == "sdxl":
         # The VAE upcast to fp32 and back inside the call is the path under test.
@@ -77,6 +78,12 @@ def test_cuda_output_equals_resident(kind: str, dtype: torch.dtype, start: str) 
     assert torch.equal(case.run(), case.reference), "second call differs from resident"
     report = case.pipe.residency_report()
     assert all(c.loads >= 2 and c.load_gbps for c in report.components if c.policy == "staged"), str(report)
+    if kind == "sdxl":
+        registered = []
+        register = _device.register_host_memory
+        monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered.append(args) or register(*args))
+        assert torch.equal(case.run(), case.reference), "third call differs from resident"
+        assert not registered, "the VAE's upcast and cast back bind the masters the call before took"
 
     case.pipe.disable_pinned_offload()
     assert param_devices(case.pipe) == devices_before

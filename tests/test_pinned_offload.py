@@ -126,6 +126,42 @@ def test_dtype_cast_inside_pipeline_moves_the_masters(flux: PipelineCase) -> Non
     assert_weights_equal(before, flux.state())
 
 
+@pytest.mark.parametrize("vae", ["staged", "streamed"])
+def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCase, vae: str) -> None:
+    """SDXL casts its VAE up and back at every call: the second round trip binds the masters the
+    first one took (no new host memory to page-lock), and a master written in place in between is
+    converted afresh, not taken from what was kept."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": vae}, vram_budget=None)
+    assert torch.equal(flux.run(), flux.reference)
+    module = flux.pipe.vae
+
+    def addresses() -> dict[str, int]:
+        return {name: tensor.data_ptr() for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
+
+    module.to(dtype=torch.float64)
+    wide = addresses()
+    module.to(dtype=torch.float32)
+    narrow = addresses()
+    module.to(dtype=torch.float32)  # converts nothing, and forgets nothing
+    assert torch.equal(flux.run(), flux.reference)
+    module.to(dtype=torch.float64)
+    assert addresses() == wide, "the float64 masters of the first upcast are bound again"
+    module.to(dtype=torch.float32)
+    assert addresses() == narrow, "and the float32 ones on the way back"
+
+    weight = module.decoder.conv_out.weight  # offloaded by the cast: written into its master
+    with torch.no_grad():
+        weight.neg_()
+    written = weight.detach().clone()
+    module.to(dtype=torch.float64)
+    assert torch.equal(weight, written.double()), "a master changed since is converted afresh"
+    assert addresses().items() - wide.items() == {("decoder.conv_out.weight", weight.data_ptr())}
+    with torch.no_grad():
+        weight.neg_()  # exact: the weights are as they were
+    module.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_model_cpu_offload_after_ours_replaces_ours(flux: PipelineCase) -> None:
     before = flux.state()
     flux.pipe.enable_pinned_offload(device="cpu")
