@@ -146,8 +146,9 @@ def refuse_staged_elsewhere(
 
 def _snapshot(
     tensors: Iterable[torch.Tensor], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
-) -> tuple[StorageGroup, ...]:
-    """Group every tensor by storage and take one host master per storage.
+) -> tuple[tuple[StorageGroup, ...], bool]:
+    """Group every tensor by storage and take one host master per storage; also say whether a host
+    storage was copied into a master (its memory goes back to malloc once the tensors are rebound).
 
     A host storage becomes its own master, page-locked in place when ``pin_budget`` (bytes, None for
     no pinning) allows; a device storage, or a host storage whose pages could not be locked in
@@ -196,6 +197,9 @@ def _snapshot(
         copies = host_memory.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], 0, pin=False)
         masters = dict(zip(to_copy, copies))
 
+    copied_host = any(
+        wholes[i].device.type == "cpu" and master.data.data_ptr() != wholes[i].data_ptr() for i, master in masters.items()
+    )
     groups = []
     for index, (source, bindings) in enumerate(grouped.values()):
         if index in settled:
@@ -214,7 +218,7 @@ def _snapshot(
                 pin=master.pin,
             )
         )
-    return tuple(groups)
+    return tuple(groups), copied_host
 
 
 def _pinned_masters(
@@ -356,14 +360,15 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
-        self._groups = _snapshot(self.tensors(), self.pin_budget)
+        self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget)
         # Masters the last conversion (see convert()) left, and a view of each tensor it converted,
         # on both sides, by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
         self._kept_conversions: dict[tuple, torch.Tensor] = {}
         self._claim_tensors()
         self.rebind_masters()
-        self._release_replaced_host_memory()
+        if copied_host:  # their originals were freed by the rebinding just done
+            _device.release_freed_host_heap()
         if retention is not None:
             retention.grow(self.staged_bytes)
 
@@ -590,10 +595,12 @@ class ModuleStager:
         refuse_meta_tensors(self.modules, "The module")
         self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
-        self._groups = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
+        self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
         self._claim_tensors()
         self.rebind_masters()
-        self._release_replaced_host_memory()
+        if copied_host:
+            # A trim walks all of malloc's heap (milliseconds): only when copies left holes in it.
+            _device.release_freed_host_heap()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
@@ -710,11 +717,6 @@ class ModuleStager:
             groups[i] = replace(groups[i], master=master.data, mapped=False, pinned=master.pinned, pin=master.pin)
         self._groups = tuple(groups)
         self.rebind_masters()
-
-    def _release_replaced_host_memory(self) -> None:
-        # Host weights copied into pinned masters were freed by the rebinding just done.
-        if self.pin_budget is not None:
-            _device.release_freed_host_heap()
 
     def _claim_tensors(self) -> None:
         me = weakref.ref(self)
