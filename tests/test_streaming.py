@@ -182,6 +182,32 @@ def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase
     detach_staging_hook(flux.pipe.transformer)
 
 
+def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase) -> None:
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(flux.pipe.transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=2)
+    blocks = group.units_of("transformer")[1:]
+    for block in blocks[1:4]:
+        block.policy = Policy.STAGED
+    blocks[0].stream.replan()
+    loaded_while_running: dict[str, list[str]] = {}
+
+    def record(unit):
+        def hook(*_):
+            loaded = [b.name for b in blocks if b.policy is Policy.STAGED and b.stager.loaded]
+            loaded_while_running.setdefault(unit.name, loaded)
+
+        return hook
+
+    for unit in blocks:
+        unit.module.register_forward_hook(record(unit))
+    assert torch.equal(flux.run(), flux.reference)
+    names = [b.name for b in blocks]
+    assert loaded_while_running[names[0]] == names[1:3], "the two staged blocks after a resident one load ahead"
+    assert loaded_while_running[names[1]] == names[1:4], "and the one after those as the first of them runs"
+    assert all(b.stager.loads == 1 for b in blocks[1:4]), "staged blocks load once, and stay while their component runs"
+    detach_staging_hook(flux.pipe.transformer)
+
+
 def _count_device_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Spy on the one point where stagers allocate device storage: the sizes allocated, in order."""
     sizes: list[int] = []
