@@ -159,22 +159,28 @@ def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
     assert torch.equal(flux.run(), flux.reference)
 
 
-def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase) -> None:
-    # A running resident block holds no slot of the window, so the window's 1 + 2 slots all load ahead.
-    group = ResidencyGroup("cpu")
-    attach_block_streaming(flux.pipe.transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=2)
-    blocks = group.units_of("transformer")[1:]
+def _record_loaded_while_running(blocks: list, policy: Policy) -> dict[str, list[str]]:
+    """Record, as each block's forward ends the first time, which blocks of ``policy`` are loaded."""
     loaded_while_running: dict[str, list[str]] = {}
 
     def record(unit):
         def hook(*_):
-            loaded = [b.name for b in blocks if b.policy is Policy.STREAMED and b.stager.loaded]
+            loaded = [b.name for b in blocks if b.policy is policy and b.stager.loaded]
             loaded_while_running.setdefault(unit.name, loaded)
 
         return hook
 
     for unit in blocks:
         unit.module.register_forward_hook(record(unit))
+    return loaded_while_running
+
+
+def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase) -> None:
+    # A running resident block holds no slot of the window, so the window's 1 + 2 slots all load ahead.
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(flux.pipe.transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=2)
+    blocks = group.units_of("transformer")[1:]
+    loaded_while_running = _record_loaded_while_running(blocks, Policy.STREAMED)
     assert torch.equal(flux.run(), flux.reference)
     names = [b.name for b in blocks]
     assert loaded_while_running[names[0]] == names[1:4], "three streamed blocks ahead of a resident one"
@@ -189,17 +195,7 @@ def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase)
     for block in blocks[1:4]:
         block.policy = Policy.STAGED
     blocks[0].stream.replan()
-    loaded_while_running: dict[str, list[str]] = {}
-
-    def record(unit):
-        def hook(*_):
-            loaded = [b.name for b in blocks if b.policy is Policy.STAGED and b.stager.loaded]
-            loaded_while_running.setdefault(unit.name, loaded)
-
-        return hook
-
-    for unit in blocks:
-        unit.module.register_forward_hook(record(unit))
+    loaded_while_running = _record_loaded_while_running(blocks, Policy.STAGED)
     assert torch.equal(flux.run(), flux.reference)
     names = [b.name for b in blocks]
     assert loaded_while_running[names[0]] == names[1:3], "the two staged blocks after a resident one load ahead"
