@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Loads since the last conversion after which the next load lets go of the masters kept from before
+# it (see ModuleStager.convert). A component cast and cast back inside each call (SDXL's VAE) loads
+# once between its casts; one that loads again and again without a cast was cast for good, and would
+# hold its old masters (and page-locked memory under the pin budget) forever.
+LOADS_KEEPING_CONVERSIONS = 2
+
 
 @dataclass(frozen=True)
 class TensorBinding:
@@ -365,6 +371,7 @@ class ModuleStager:
         # on both sides, by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
         self._kept_conversions: dict[tuple, torch.Tensor] = {}
+        self._loads_at_conversion = 0
         self._claim_tensors()
         self.rebind_masters()
         if copied_host:  # their originals were freed by the rebinding just done
@@ -480,6 +487,8 @@ class ModuleStager:
             if not ahead:
                 self.ready()
             return
+        if self._kept_groups and self.loads - self._loads_at_conversion >= LOADS_KEEPING_CONVERSIONS:
+            self.forget_conversions()
         self._load(ahead, slots)
 
     def ready(self) -> None:
@@ -596,10 +605,14 @@ class ModuleStager:
         self._copy.wait()  # masters dropped here may be unlocked and freed
         before = self.staged_bytes
         self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
+        active = {id(group.master) for group in self._groups}
+        self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         self._claim_tensors()
         self.rebind_masters()
         if copied_host:
-            # A trim walks all of malloc's heap (milliseconds): only when copies left holes in it.
+            # A trim walks all of malloc's heap (milliseconds): only when copies into masters freed
+            # the originals. (Conversion results dropped for kept masters leave holes too, of the
+            # same sizes at every call, which the next call's conversions fill.)
             _device.release_freed_host_heap()
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
@@ -613,23 +626,27 @@ class ModuleStager:
 
         Pipelines cast a component and back inside every call: SDXL upcasts its VAE to float32 to
         decode and casts it back to float16. Taking every result as a new master page-locked fresh
-        host memory twice a call, which took longer than the VAE's decode itself on the H200
-        machine (page-locking costs about 0.5 s per GiB there). So the masters from before the last
-        conversion are kept, and a result with the same bits as one of them (the float16 weights,
-        on the way back) is bound to it instead. Each result is still computed and compared, never
-        assumed: a master written in place since (a LoRA fused into it) fails the comparison, and
-        the fresh result is taken.
+        host memory twice a call, at about 0.5 s per GiB on the H200 machine. So the masters from
+        before the last conversion are kept, and a result with the same bits as one of them (the
+        float16 weights, on the way back) is bound to it instead. Each result is still computed and
+        compared, never assumed: a master written in place since (a LoRA fused into it) fails the
+        comparison, and the fresh result is taken.
         """
         self.offload()
         before = self._groups
-        own = {id(b.target): (b, group.master) for group in before for b in group.bindings}
+        # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
+        # not storages of their own: bound to one, the weights would keep the file as their master.
+        own = {id(b.target): (b, group.master) for group in before if not group.mapped for b in group.bindings}
         converted: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view of the source, converted tensor)
 
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
             result = fn(tensor)
             bound = own.get(id(tensor))
             if bound is None or not isinstance(result, torch.Tensor) or result is tensor or result.device.type != "cpu":
-                return result  # not this stager's (a block's, staged on its own), or not converted
+                # Not a host copy of one of this stager's tensors: a block's (staged on its own), a
+                # DTensor (its shard is what is bound), a mapped master's, a tensor the conversion
+                # left as it was, or one it moved to a device. Taken by retake_masters as it comes.
+                return result
             kept = self._kept_conversions.get(_conversion_key(tensor, result.dtype))
             if kept is not None and _same_bits(kept, result):
                 result = kept
@@ -641,9 +658,9 @@ class ModuleStager:
             return result
 
         result = apply(reusing)
-        if not converted:
-            return result  # a cast to the dtype it has: what was kept still stands
         self.retake_masters()
+        if not converted:
+            return result  # nothing to keep from this one (a cast to the dtype it has): what was kept stands
         bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
         kept_conversions = {}
         for source, target in converted:
@@ -655,8 +672,9 @@ class ModuleStager:
             kept_conversions[_conversion_key(source, now.dtype)] = now
             kept_conversions[_conversion_key(now, source.dtype)] = source
         masters = {id(group.master) for group in self._groups}
-        self._kept_groups = tuple(group for group in before if id(group.master) not in masters)
+        self._kept_groups = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         self._kept_conversions = kept_conversions
+        self._loads_at_conversion = self.loads
         return result
 
     def forget_conversions(self) -> None:

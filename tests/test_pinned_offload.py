@@ -162,6 +162,21 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_a_cast_for_good_lets_the_masters_it_had_go(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    module = flux.pipe.vae
+    module.to(dtype=torch.float64)
+    vae = flux.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.staged_bytes * 3 // 2, "kept for a cast back: float32 and float64 masters"
+    latents = torch.randn(1, module.config.latent_channels, 4, 4, dtype=torch.float64)
+    for _ in range(3):  # loaded, used and offloaded again, never cast back
+        with torch.inference_mode():
+            module.decode(latents)
+        flux.pipe.sleep(offload=["vae"])
+    vae = flux.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.staged_bytes, "only the float64 masters are left"
+
+
 def test_model_cpu_offload_after_ours_replaces_ours(flux: PipelineCase) -> None:
     before = flux.state()
     flux.pipe.enable_pinned_offload(device="cpu")

@@ -77,6 +77,22 @@ def test_level_2_maps_masters_to_the_checkpoint_and_reloads_exactly(flux: Pipeli
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: PipelineCase) -> None:
+    """SDXL casts its VAE inside the call, before the VAE runs (and wakes): the cast back must not
+    bind the weights to the checkpoint file's mapping, which would then be their master for good."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=2)
+    flux.pipe.vae.to(dtype=torch.float64)
+    flux.pipe.vae.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_report()["vae"].mapped_bytes == 0
+    flux.pipe.sleep(level=2)
+    vae = flux.pipe.residency_report()["vae"]
+    assert vae.mapped_bytes >= 0.95 * vae.staged_bytes, "level 2 frees the VAE's masters again"
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_level_2_without_checkpoint_files_is_refused_before_anything_sleeps(flux: PipelineCase, tmp_path) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.pipe.register_to_config(_name_or_path=str(tmp_path))

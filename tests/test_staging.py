@@ -142,6 +142,22 @@ def test_dtensor_is_staged_through_its_local_shard(single_process_group) -> None
     assert torch.equal(module.weight.full_tensor(), expected)
 
 
+def test_a_conversion_of_a_dtensor_takes_masters_for_its_new_shard(single_process_group) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module = nn.Linear(4, 3, bias=False)
+    expected = module.weight.detach().double()
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]))
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    staged = stager.staged_bytes
+    stager.convert(lambda convert: nn.Module._apply(module, convert), lambda tensor: tensor.to(torch.float64))
+    assert stager.masters_current() and stager.staged_bytes == 2 * staged
+    stager.load()
+    stager.offload()
+    assert torch.equal(module.weight.full_tensor(), expected)
+
+
 def test_map_masters_takes_only_byte_identical_whole_storages() -> None:
     module = nn.Module()
     module.same = nn.Parameter(torch.arange(6, dtype=torch.float32), requires_grad=False)
