@@ -124,11 +124,11 @@ class BlockStream:
         count = len(order)
         ahead = []
         for step in range(1, count):
+            if len(ahead) >= depth:
+                break
             candidate = order[(position + step) % count]
             if candidate.policy is policy:
                 ahead.append(candidate)
-                if len(ahead) == depth:
-                    break
         return tuple(ahead)
 
     def replan(self) -> None:

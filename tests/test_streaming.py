@@ -188,6 +188,16 @@ def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase
     detach_staging_hook(flux.pipe.transformer)
 
 
+def test_no_prefetch_loads_each_streamed_block_alone(flux: PipelineCase) -> None:
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=0)
+    blocks = group.units_of("transformer")[1:]
+    loaded_while_running = _record_loaded_while_running(blocks, Policy.STREAMED)
+    assert torch.equal(flux.run(), flux.reference)
+    assert all(loaded_while_running[b.name] == [b.name] for b in blocks), str(loaded_while_running)
+    detach_staging_hook(flux.pipe.transformer)
+
+
 def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase) -> None:
     group = ResidencyGroup("cpu")
     attach_block_streaming(flux.pipe.transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=2)
