@@ -30,10 +30,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Loads since the last conversion after which the next load lets go of the masters kept from before
-# it (see ModuleStager.convert). A component cast and cast back inside each call (SDXL's VAE) loads
-# once between its casts; one that loads again and again without a cast was cast for good, and would
-# hold its old masters (and page-locked memory under the pin budget) forever.
+# When a stager lets go of the masters kept from before its last conversion (see
+# ModuleStager.convert): at a load, once it has loaded this many times since, and more than twice as
+# often as it ever did between two conversions. A component cast and cast back inside each call
+# (SDXL's VAE) loads about as often between its casts at every call: once, or once per tile or
+# slice, or once per preview decode between calls. One that goes on loading without a cast was cast
+# for good, and would hold its old masters (and page-locked memory under the pin budget) forever.
 LOADS_KEEPING_CONVERSIONS = 2
 
 
@@ -371,7 +373,8 @@ class ModuleStager:
         # on both sides, by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
         self._kept_conversions: dict[tuple, torch.Tensor] = {}
-        self._loads_at_conversion = 0
+        self._loads_at_conversion: int | None = None
+        self._most_loads_between_conversions = 0
         self._claim_tensors()
         self.rebind_masters()
         if copied_host:  # their originals were freed by the rebinding just done
@@ -487,7 +490,9 @@ class ModuleStager:
             if not ahead:
                 self.ready()
             return
-        if self._kept_groups and self.loads - self._loads_at_conversion >= LOADS_KEEPING_CONVERSIONS:
+        if self._kept_groups and self._loads_since_conversion() >= max(
+            LOADS_KEEPING_CONVERSIONS, 2 * self._most_loads_between_conversions + 1
+        ):
             self.forget_conversions()
         self._load(ahead, slots)
 
@@ -674,8 +679,13 @@ class ModuleStager:
         masters = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         self._kept_conversions = kept_conversions
+        if self._loads_at_conversion is not None:
+            self._most_loads_between_conversions = max(self._most_loads_between_conversions, self._loads_since_conversion())
         self._loads_at_conversion = self.loads
         return result
+
+    def _loads_since_conversion(self) -> int:
+        return self.loads - (self._loads_at_conversion or 0)
 
     def forget_conversions(self) -> None:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""

@@ -162,19 +162,40 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
     assert torch.equal(flux.run(), flux.reference)
 
 
+def _decode_in_float64(flux: PipelineCase, times: int) -> None:
+    """Load the VAE ``times`` times (a decode each, then offloaded), without casting it."""
+    latents = torch.randn(1, flux.pipe.vae.config.latent_channels, 4, 4, dtype=torch.float64)
+    for _ in range(times):
+        with torch.inference_mode():
+            flux.pipe.vae.decode(latents)
+        flux.pipe.sleep(offload=["vae"])
+
+
 def test_a_cast_for_good_lets_the_masters_it_had_go(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
-    module = flux.pipe.vae
-    module.to(dtype=torch.float64)
+    flux.pipe.vae.to(dtype=torch.float64)
     vae = flux.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.staged_bytes * 3 // 2, "kept for a cast back: float32 and float64 masters"
-    latents = torch.randn(1, module.config.latent_channels, 4, 4, dtype=torch.float64)
-    for _ in range(3):  # loaded, used and offloaded again, never cast back
-        with torch.inference_mode():
-            module.decode(latents)
-        flux.pipe.sleep(offload=["vae"])
+    _decode_in_float64(flux, 3)
     vae = flux.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.staged_bytes, "only the float64 masters are left"
+
+
+def test_a_component_used_several_times_between_its_casts_keeps_its_masters(flux: PipelineCase) -> None:
+    """A VAE decoding in tiles, or a preview decoded at every step, loads several times between two
+    casts; from the second round on, its casts find the masters of the round before."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    module = flux.pipe.vae
+    rounds = []
+    for _ in range(3):
+        module.to(dtype=torch.float64)
+        wide = {name: p.data_ptr() for name, p in module.named_parameters()}
+        _decode_in_float64(flux, 3)
+        module.to(dtype=torch.float32)
+        rounds.append((wide, {name: p.data_ptr() for name, p in module.named_parameters()}))
+    assert rounds[0][0] == rounds[1][0] == rounds[2][0], "the float64 masters of the first round throughout"
+    assert rounds[1][1] == rounds[2][1], "the float32 ones from the end of the first round on"
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_model_cpu_offload_after_ours_replaces_ours(flux: PipelineCase) -> None:
