@@ -116,9 +116,11 @@ class ResidencyGroup:
         # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_room: Callable[[str], int] | None = None
-        # The VRAM budget watched at each switch, and what to tell when the device's peak goes over it.
+        # The VRAM budget watched at each switch, and what to tell when a component was short of room.
         self.vram_budget: int | None = None
-        self.on_over_budget: Callable[[str, int], None] | None = None
+        self.on_over_budget: Callable[[str, int, bool], None] | None = None
+        # The allocator's count of out-of-memory retries when last read (see _watch_peak).
+        self._retries_seen: int | None = None
         # The component whose call is under way (resident ones included): the peak seen when
         # another one starts is that one's.
         self._running: str | None = None
@@ -134,15 +136,19 @@ class ResidencyGroup:
     def watch_budget(
         self,
         vram_budget: int,
-        on_over_budget: Callable[[str, int], None],
+        on_over_budget: Callable[[str, int, bool], None],
         *,
         on_first_call: Callable[[dict[str, int]], None] | None = None,
         call_start: str | None = None,
         call_end: str | None = None,
     ) -> None:
-        """Call ``on_over_budget(component, overshoot)`` when the device's peak allocated memory has
-        gone past ``vram_budget`` while ``component`` ran, seen when another component starts; the
-        peak statistics are reset after each, so that the next overshoot shows. They are reset here
+        """Call ``on_over_budget(component, overshoot, retried)`` when ``component`` was short of room,
+        seen when another component starts: the device's peak allocated memory went ``overshoot``
+        bytes past ``vram_budget`` while it ran, or (``retried``) the caching allocator ran out under
+        a cap on the process (``set_per_process_memory_fraction``, a smaller GPU) and freed its cache
+        to retry. Under a cap the peak never passes the budget: the retries, each a device
+        synchronisation in the middle of the component's work, are the only sign. The peak
+        statistics are reset after each, so that the next overshoot shows. They are reset here
         too, so that an earlier workload's peak (the pipeline run resident before, say) neither
         counts against the budget nor hides an overshoot below it.
 
@@ -154,7 +160,7 @@ class ResidencyGroup:
         ended: the call's tensors, its activations, the allocator's fragmentation) is told once, as
         ``on_first_call({component: bytes})``, when the next call starts. A call that skips either
         end (prompt embeddings passed in, latents as output) does not count. While measuring, a
-        peak over the budget is measured, not told."""
+        peak over the budget is measured, not told, and retries are not told either."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self.on_first_call = on_first_call
@@ -167,6 +173,7 @@ class ResidencyGroup:
             # Cache an earlier workload left behind would take room the call is measured to need.
             _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
+        self._retries_seen = _device.allocator_retries(self.device)
 
     def unwatch_budget(self) -> None:
         self.vram_budget = None
@@ -182,9 +189,12 @@ class ResidencyGroup:
         if peak is None:
             return False
         ran, self._running = self._running, component
+        retries, seen = _device.allocator_retries(self.device), self._retries_seen
+        self._retries_seen = retries
         if self.on_first_call is None:
-            if peak > self.vram_budget:
-                self.on_over_budget(ran or component, peak - self.vram_budget)
+            retried = retries is not None and seen is not None and retries > seen
+            if peak > self.vram_budget or retried:
+                self.on_over_budget(ran or component, max(0, peak - self.vram_budget), retried)
                 # Planned for: from here on a peak over the budget is a new one (a component
                 # outgrowing the room it was just given, or another going over by less).
                 _device.reset_peak_allocated(self.device)
