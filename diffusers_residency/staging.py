@@ -253,6 +253,10 @@ def _pinned_masters(
     return masters
 
 
+# Bound tensors, each with its view over a backing: ordinary tensors, and inference tensors.
+_Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
 class DeviceSlots:
     """Device storages that one component's streamed blocks load into, handed from the block dropped
     to the block loading next.
@@ -304,17 +308,32 @@ def _fills_storage(group: StorageGroup) -> bool:
     )
 
 
-# Integer dtypes by item size: comparing tensors through them compares bits, not values (0.0 and
-# -0.0 differ, a NaN equals itself).
-_BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Integer dtypes by item size, widest first: comparing tensors through them compares bits, not
+# values (0.0 and -0.0 differ, a NaN equals itself).
+_BITS_BY_ITEMSIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _as_bits(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors (of one dtype and layout) as integers of their bits: for contiguous ones, the
+    widest integers that tile all their bytes. ``torch.equal`` on the host takes about as long per
+    element whatever its width, so float16 weights compared as 8-byte words take a quarter of the
+    time they take as 2-byte ones (SDXL's VAE casts compare 0.5 GB at each call)."""
+    if all(t.is_contiguous() for t in tensors):
+        flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        for size, bits in _BITS_BY_ITEMSIZE.items():
+            if all(f.numel() % size == 0 and f.storage_offset() % size == 0 for f in flat):
+                return tuple(f.view(bits) for f in flat)
+    bits = _BITS_BY_ITEMSIZE[tensors[0].dtype.itemsize]
+    return tuple(t.view(bits) for t in tensors)
 
 
 def _same_bits(kept: torch.Tensor, fresh: torch.Tensor) -> bool:
     """Whether ``kept`` can stand for ``fresh``: same dtype and layout, and the same bits throughout."""
     if kept.dtype != fresh.dtype or kept.shape != fresh.shape or kept.stride() != fresh.stride():
         return False
-    bits = _BITS_BY_ITEMSIZE.get(kept.dtype.itemsize)
-    return bits is not None and torch.equal(kept.view(bits), fresh.view(bits))
+    if kept.dtype.itemsize not in _BITS_BY_ITEMSIZE:
+        return False
+    return torch.equal(*_as_bits(kept, fresh))
 
 
 def _conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -368,6 +387,9 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
+        # The masters' views, and the groups they were made for (see _master_views).
+        self._master_views_of: tuple[StorageGroup, ...] | None = None
+        self._master_views_cache: _Views = ([], [])
         self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget)
         # Masters the last conversion (see convert()) left, and a view of each tensor it converted,
         # on both sides, by where it came from: the way back finds its master among them.
@@ -412,30 +434,57 @@ class ModuleStager:
             held[kind] += group.nbytes
         return held
 
-    def _bind(self, backings: Iterable[torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
-        # A view must match its target's inference-ness. Ordinary parameters get ordinary views even
-        # when the pipeline runs under inference mode: inference tensors would be refused by autograd
-        # and by in-place updates (LoRA fusing) once the call is over. Tensors that already are
-        # inference tensors (diffusers' own offload moved them under inference mode) need inference
-        # views, or their next view or slice fails on a missing version counter.
-        deferred = []
+    def _views_over(self, backings: Iterable[torch.Tensor]) -> _Views:
+        """Every bound tensor with its view over its group's backing, ordinary tensors and inference
+        tensors apart.
+
+        A view must match its target's inference-ness. Ordinary parameters get ordinary views even
+        when the pipeline runs under inference mode: inference tensors would be refused by autograd
+        and by in-place updates (LoRA fusing) once the call is over. Tensors that already are
+        inference tensors (diffusers' own offload moved them under inference mode) need inference
+        views, or their next view or slice fails on a missing version counter."""
+        ordinary, inference = [], []
         with torch.inference_mode(False):
             for backing, group in zip(backings, self._groups):
                 for binding in group.bindings:
-                    if id(binding.target) in keep:
-                        continue
                     if binding.inference:
-                        deferred.append((backing, binding))
+                        inference.append((binding, backing))
                     else:
-                        binding.target.data = binding.view_over(backing)
-        if deferred:
+                        ordinary.append((binding.target, binding.view_over(backing)))
+        if inference:
             with torch.inference_mode():
-                for backing, binding in deferred:
-                    binding.target.data = binding.view_over(backing)
+                inference = [(binding.target, binding.view_over(backing)) for binding, backing in inference]
+        return ordinary, inference
+
+    @staticmethod
+    def _assign(views: _Views, keep: frozenset[int] = frozenset()) -> None:
+        ordinary, inference = views
+        with torch.inference_mode(False):
+            for target, view in ordinary:
+                if id(target) not in keep:
+                    target.data = view
+        if inference:
+            with torch.inference_mode():
+                for target, view in inference:
+                    if id(target) not in keep:
+                        target.data = view
+
+    def _bind(self, backings: Iterable[torch.Tensor]) -> None:
+        self._assign(self._views_over(backings))
+
+    def _master_views(self) -> _Views:
+        """The views over the masters, made once per set of masters: an offload rebinds every tensor
+        (every block that streams, at every step), and making a view costs many times what binding
+        one does. Binding shares the view's storage and copies its shape; the view itself is never
+        changed, so it serves every offload until the masters change."""
+        if self._master_views_of is not self._groups:
+            self._master_views_cache = self._views_over(group.master for group in self._groups)
+            self._master_views_of = self._groups
+        return self._master_views_cache
 
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
-        self._bind(group.master for group in self._groups)
+        self._assign(self._master_views())
         self._device_storages = []
         self._loaded_addresses = ()
         self.loaded = False
@@ -549,7 +598,7 @@ class ModuleStager:
         # `.data`) are the module's weights now, and rebinding them to their masters would undo
         # that: keep them, bind the rest, and take masters for them (a copy of those alone).
         logger.info("%d tensors were replaced while loaded; taking masters for them", len(replaced))
-        self._bind((group.master for group in self._groups), keep=replaced)
+        self._assign(self._master_views(), keep=replaced)
         self._loaded_addresses = ()
         self.loaded = False
         self.retake_masters()
@@ -582,13 +631,14 @@ class ModuleStager:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
         storage, dtype and layout it had then."""
         for group in self._groups:
+            address = group.master.data_ptr()
             for binding in group.bindings:
                 tensor = binding.target
                 if (
-                    tensor.dtype != binding.dtype
-                    or tuple(tensor.shape) != binding.shape
-                    or tuple(tensor.stride()) != binding.stride
-                    or tensor.data_ptr() != group.master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
+                    tensor.data_ptr() != address + binding.storage_offset * binding.dtype.itemsize
+                    or tensor.dtype != binding.dtype
+                    or tensor.shape != binding.shape
+                    or tensor.stride() != binding.stride
                 ):
                     return False
         return self._holds_only_bound_tensors()
@@ -603,11 +653,23 @@ class ModuleStager:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
         upcast, a device move, new parameters). Expects the stager offloaded; a no-op if nothing changed.
         Storages still on their masters keep them, page-locked as they were."""
+        let_go = self._retake()
+        if let_go:
+            self._wait_before_letting_go(let_go)
+
+    def _wait_before_letting_go(self, groups: tuple[StorageGroup, ...]) -> None:
+        # The last load may still be copying from these masters, and letting them go may unlock and
+        # free them. (Held by ``groups`` until this returns.)
+        self._copy.wait()
+
+    def _retake(self) -> tuple[StorageGroup, ...]:
+        """:meth:`retake_masters`, returning the groups whose masters it let go, for the caller to
+        wait for copies still reading them (see :meth:`_wait_before_letting_go`) before dropping them."""
         self._require_offloaded("retake_masters()")
         if self.masters_current():
-            return
+            return ()
         refuse_meta_tensors(self.modules, "The module")
-        self._copy.wait()  # masters dropped here may be unlocked and freed
+        old = self._groups
         before = self.staged_bytes
         self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
         active = {id(group.master) for group in self._groups}
@@ -622,6 +684,7 @@ class ModuleStager:
         if self.retention is not None:
             self.retention.resize(before, self.staged_bytes)
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
+        return tuple(group for group in old if id(group.master) not in active)
 
     def convert(
         self, apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T], fn: Callable[[torch.Tensor], torch.Tensor]
@@ -662,10 +725,14 @@ class ModuleStager:
             converted.append((source, tensor if isinstance(tensor, nn.Parameter) else result))
             return result
 
+        kept_before = self._kept_groups
         result = apply(reusing)
-        self.retake_masters()
+        let_go = self._retake()
         if not converted:
-            return result  # nothing to keep from this one (a cast to the dtype it has): what was kept stands
+            # Nothing to keep from this one (a cast to the dtype it has): what was kept stands.
+            if let_go:
+                self._wait_before_letting_go(let_go)
+            return result
         bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
         kept_conversions = {}
         for source, target in converted:
@@ -679,6 +746,12 @@ class ModuleStager:
         masters = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         self._kept_conversions = kept_conversions
+        # Kept masters are not let go: a cast and its way back wait for no copy (the device may
+        # still be loading the blocks that ran just before the cast; the host converts meanwhile).
+        held = masters | {id(group.master) for group in self._kept_groups}
+        dropped = tuple(group for group in before + kept_before if id(group.master) not in held)
+        if dropped:
+            self._wait_before_letting_go(dropped)
         if self._loads_at_conversion is not None:
             self._most_loads_between_conversions = max(self._most_loads_between_conversions, self._loads_since_conversion())
         self._loads_at_conversion = self.loads
@@ -768,6 +841,7 @@ class ModuleStager:
         self._groups = tuple(
             replace(group, pinned=group.pinned and group.pin is None, pin=None) for group in self._groups
         )
+        self._master_views_of, self._master_views_cache = None, ([], [])
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None

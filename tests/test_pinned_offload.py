@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import diffusers_residency
+from diffusers_residency import ModuleStager
 from diffusers_residency.bench.builders import PIPELINE_KINDS
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, staging_hooks
@@ -159,6 +160,33 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
     with torch.no_grad():
         weight.neg_()  # exact: the weights are as they were
     module.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_round_trip_on_kept_masters_waits_for_no_copy(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for the copies still reading a master is needed only before letting it go: SDXL's
+    VAE casts, once their masters are kept, let none go, and must not stall the host behind the
+    device's queue (the CPU has no copy to wait for: the waits are counted where they are made)."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "staged"}, vram_budget=None)
+    module = flux.pipe.vae
+    waits: list[int] = []
+    wait = ModuleStager._wait_before_letting_go
+    monkeypatch.setattr(
+        ModuleStager, "_wait_before_letting_go", lambda stager, groups: (waits.append(len(groups)), wait(stager, groups))
+    )
+    for _ in range(2):
+        module.to(dtype=torch.float64)
+        module.to(dtype=torch.float32)
+    assert waits == []
+    weight = module.decoder.conv_out.weight
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float64)  # conv_out's float64 master from before is stale: let go
+    assert waits == [1]
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float32)  # and its float32 master, written since it was kept
+    assert waits == [1, 1]
     assert torch.equal(flux.run(), flux.reference)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import ModuleStager
-from diffusers_residency.staging import DeviceSlots
+from diffusers_residency.staging import DeviceSlots, _same_bits
 
 CPU = torch.device("cpu")
 
@@ -211,3 +211,24 @@ def test_only_a_load_into_slots_holds_its_storage_beyond_the_bound_tensors() -> 
     assert len(stager._device_storages) == len(stager._layout())
     stager.offload()
     assert stager._device_storages == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16, torch.float64])
+def test_kept_masters_stand_for_a_conversion_only_with_the_same_bits_throughout(dtype: torch.dtype) -> None:
+    # Compared as the widest words that tile the bytes: a difference must still show in the last
+    # element of an odd count and at offsets no word is aligned to; bits, not values, are compared.
+    storage = torch.randn(46, dtype=torch.float64).to(dtype)
+    for offset, count in ((0, 37), (1, 37), (3, 8), (1, 1)):
+        kept = storage[offset : offset + count]
+        assert _same_bits(kept, kept.clone())
+        for position in {0, count - 1}:
+            fresh = kept.clone()
+            fresh[position] = fresh[position] * 2 + 1
+            assert not _same_bits(kept, fresh), (offset, count, position)
+            zero, negative_zero = kept.clone(), kept.clone()
+            zero[position], negative_zero[position] = 0.0, -0.0
+            assert not _same_bits(zero, negative_zero), (offset, count, position)
+    nan = torch.full((5,), float("nan"), dtype=dtype)
+    assert _same_bits(nan, nan.clone()), "a NaN stands for the same NaN"
+    assert not _same_bits(storage[:4], storage[:8:2]), "another layout"
+    assert not _same_bits(storage[:4], storage[:4].to(torch.float64 if dtype != torch.float64 else torch.float32))
