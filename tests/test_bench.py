@@ -9,7 +9,14 @@ import types
 import pytest
 import torch
 
-from diffusers_residency.bench.__main__ import _runs, environment_line, format_table, judged_by_compile_spread, main
+from diffusers_residency.bench.__main__ import (
+    _runs,
+    environment_line,
+    format_round_ratios,
+    format_table,
+    judged_by_compile_spread,
+    main,
+)
 from diffusers_residency.bench.modes import (
     MMGP_INSTALL,
     MODES,
@@ -94,8 +101,8 @@ def test_compiled_modes_are_judged_by_how_far_two_compiles_of_resident_are_apart
     assert [r.matches_resident for r in judged] == [None, True, True, False]
 
 
-def _names(runs: list[tuple[Mode, int | None]]) -> list[tuple[str, int | None]]:
-    return [(mode.name, budget) for mode, budget in runs]
+def _names(runs: list[tuple[Mode, int | None, int]]) -> list[tuple[str, int | None]]:
+    return [(mode.name, budget) for mode, budget, _ in runs]
 
 
 def test_a_mode_that_cannot_be_undone_runs_after_every_other_mode(capsys) -> None:
@@ -111,6 +118,27 @@ def test_a_mode_that_cannot_be_undone_runs_after_every_other_mode(capsys) -> Non
 
     assert _names(_runs("resident,mmgp", "unlimited", None)) == [("resident", None), ("mmgp", None)]
     assert capsys.readouterr().err == "", "no note when it already runs last"
+
+
+def test_rounds_repeat_the_modes_in_turn_and_take_each_ratio_within_its_round() -> None:
+    runs = _runs("resident,pinned@8GB,mmgp@8GB", "unlimited", None, rounds=2)
+    assert [(mode.name, budget, r) for mode, budget, r in runs] == [
+        ("resident", None, 1), ("pinned", 8 * 10**9, 1), ("resident", None, 2), ("pinned", 8 * 10**9, 2), ("mmgp", 8 * 10**9, 1),
+    ], "a mode that cannot be undone still runs once, last"  # fmt: skip
+    # The machine slows down between the rounds: each ratio is against the resident of its round.
+    results = [
+        ModeResult("resident", 1.0, 1, 1.0, None, round=1),
+        ModeResult("pinned", 1.2, 1, 1.0, True, budget_bytes=8 * 10**9, round=1),
+        ModeResult("resident", 2.0, 1, 1.0, True, round=2),
+        ModeResult("pinned", 2.2, 1, 1.0, True, budget_bytes=8 * 10**9, round=2),
+    ]
+    rows = [row.split(" | ")[:4] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
+    assert [row[3] for row in rows] == ["1.00", "1.20", "1.00", "1.10"]
+    assert rows[3][0] == "| pinned (round 2)"
+    assert format_round_ratios(results) == "- pinned @ 8.00 GB: 1.20, 1.10 (median 1.15)"
+    assert format_round_ratios(results[:2]) == "", "nothing to add for one round"
+    with pytest.raises(SystemExit, match="--rounds must be 1 or more"):
+        _runs("resident", "unlimited", None, rounds=0)
 
 
 @pytest.mark.parametrize(

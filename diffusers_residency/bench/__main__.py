@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +64,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per mode")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the modes this many times over, in turn, each ratio to resident taken within its round "
+        "(a machine whose speed drifts between modes skews a ratio taken across them)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the package's decisions")
     return parser.parse_args(argv)
@@ -72,14 +80,16 @@ def _budget(text: str) -> int | None:
     return None if text.strip().lower() in ("unlimited", "none", "") else parse_bytes(text, "budget")
 
 
-def _label(mode: Mode, budget: int | None) -> str:
-    return f"{mode.name} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
+def _label(mode: str, budget: int | None) -> str:
+    return f"{mode} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
 
 
-def _runs(modes: str, budgets: str, activation_reserve: str | None) -> list[tuple[Mode, int | None]]:
-    """(mode, budget) pairs in the order they run: budget by budget, modes in the order given; a
-    mode named ``mode@budget`` runs at that budget only. A mode that cannot be undone runs last,
-    and only once."""
+def _runs(modes: str, budgets: str, activation_reserve: str | None, rounds: int = 1) -> list[tuple[Mode, int | None, int]]:
+    """(mode, budget, round) in the order they run: budget by budget, modes in the order given,
+    all of it ``rounds`` times over; a mode named ``mode@budget`` runs at that budget only. A mode
+    that cannot be undone runs last, and only once."""
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be 1 or more, not {rounds}")
     every = [_budget(b) for b in budgets.split(",")]
     specs: list[tuple[Mode, list[int | None]]] = []
     for spec in modes.split(","):
@@ -93,12 +103,13 @@ def _runs(modes: str, budgets: str, activation_reserve: str | None) -> list[tupl
     final = [run for run in runs if not run[0].undoable]
     if len(final) > 1:
         raise SystemExit(
-            f"{', '.join(_label(*run) for run in final)}: a mode that cannot be undone runs once per "
+            f"{', '.join(_label(mode.name, cap) for mode, cap in final)}: a mode that cannot be undone runs once per "
             f"process, after the others; name one budget for it, e.g. --modes ...,{final[0][0].name}@16GB"
         )
     if final and runs[-1][0].undoable:
         print(f"note: {final[0][0].name} cannot be undone, so it runs after the other modes", file=sys.stderr)
-    return [run for run in runs if run[0].undoable] + final
+    undoable = [run for run in runs if run[0].undoable]
+    return [(mode, cap, r) for r in range(1, rounds + 1) for mode, cap in undoable] + [(*run, 1) for run in final]
 
 
 def _gb(value: int | None) -> str:
@@ -115,23 +126,35 @@ def _agreement(result: ModeResult) -> str:
     return f"{verdict}, {detail}"
 
 
+def _resident_by_round(results: list[ModeResult]) -> dict[int, float]:
+    """The first resident time of each round: what that round's ratios are taken against."""
+    resident: dict[int, float] = {}
+    for r in results:
+        if r.mode == "resident" and not r.error:
+            resident.setdefault(r.round, r.seconds_per_call)
+    return resident
+
+
 def format_table(results: list[ModeResult], weight_bytes: int) -> str:
-    resident = next((r.seconds_per_call for r in results if r.mode == "resident" and not r.error), None)
+    resident_by_round = _resident_by_round(results)
+    several = any(r.round > 1 for r in results)
     header = (
         "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "peak reserved GB", "within budget", "alloc retries", "setup s",
         "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "equal to resident",
     )  # fmt: skip
     rows = []
     for r in results:
+        mode = f"{r.mode} (round {r.round})" if several else r.mode
         budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
         within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
             reserved = _gb(r.peak_reserved_bytes)
-            rows.append((r.mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), reserved, *("-",) * (len(header) - 6)))
+            rows.append((mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), reserved, *("-",) * (len(header) - 6)))
             continue
+        resident = resident_by_round.get(r.round)
         rows.append(
             (
-                r.mode,
+                mode,
                 budget,
                 f"{r.seconds_per_call:.3f}",
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
@@ -150,6 +173,21 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def format_round_ratios(results: list[ModeResult]) -> str:
+    """Each mode's ratio to resident in every round, and their median: empty for a single round."""
+    if not any(r.round > 1 for r in results):
+        return ""
+    resident_by_round = _resident_by_round(results)
+    ratios: dict[str, list[float]] = {}
+    for r in results:
+        if r.mode != "resident" and not r.error and r.round in resident_by_round:
+            ratios.setdefault(_label(r.mode, r.budget_bytes), []).append(r.seconds_per_call / resident_by_round[r.round])
+    return "\n".join(
+        f"- {label}: {', '.join(f'{x:.2f}' for x in values)} (median {statistics.median(values):.2f})"
+        for label, values in ratios.items()
+    )
 
 
 def judged_by_compile_spread(results: list[ModeResult]) -> tuple[list[ModeResult], float | None]:
@@ -218,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
-    runs = _runs(args.modes, args.budgets, args.activation_reserve)
+    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds)
     if runs[0][0].name != "resident":
         print("note: without 'resident' first, outputs are not checked against a reference", file=sys.stderr)
 
@@ -241,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ModeResult] = []
     reference = None
     progress = tqdm(runs, desc="bench", unit="mode", file=sys.stderr)
-    for mode, budget in progress:
-        label = _label(mode, budget)
+    for mode, budget, round_ in progress:
+        label = _label(mode.name, budget) + (f" (round {round_})" if args.rounds > 1 else "")
         progress.set_postfix_str(label)
         result, output = run_mode(
             pipe,
@@ -257,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if mode.name == "resident" and reference is None and output is not None:
             reference = output
-        results.append(result)
+        results.append(replace(result, round=round_))
         progress.write(f"{label}: {result.error or f'{result.seconds_per_call:.3f} s/call'}")
 
     setting = (
@@ -272,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Compiled again, the resident pipeline differs from its first compile by up to {spread:.1e}: "
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
     print(format_table(results, weight_bytes))
+    ratios = format_round_ratios(results)
+    if ratios:
+        print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
     if args.compile:
         print(f"\nwith the denoiser compiled ({args.compile}, {args.compile_backend}):\n")
         print(format_compile_table(results))
-    for result in results:
+    latest = {(r.mode, r.budget_bytes): r for r in results}  # of each mode and budget, its last round
+    for result in latest.values():
         if result.plan:
             budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"
             print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")

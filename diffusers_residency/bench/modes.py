@@ -239,6 +239,9 @@ class ModeResult:
     # compiled mode, whether that is within COMPILED_TOLERANCE.
     max_abs_diff: float | None = None
     within_tolerance: bool | None = None
+    # Which pass over the modes it was measured in (see --rounds): its ratio to resident is taken
+    # against the resident mode of the same round.
+    round: int = 1
 
     @property
     def matches_resident(self) -> bool | None:
