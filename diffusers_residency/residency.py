@@ -193,6 +193,12 @@ class ResidencyGroup:
         self._retries_seen = retries
         if self.on_first_call is None:
             retried = retries is not None and seen is not None and retries > seen
+            if retried and ran is not None and self.retention.kept_over_limit == ran:
+                # The cache kept over its room as it started did not fit its activations: give it
+                # back before it from now on, rather than plan it more room first.
+                self.retention.release_over_limit_before.add(ran)
+                logger.info("The allocator retried while %r ran with the cache kept: releasing it before %r from now on", ran, ran)
+                retried = False
             if peak > self.vram_budget or retried:
                 self.on_over_budget(ran or component, max(0, peak - self.vram_budget), retried)
                 # Planned for: from here on a peak over the budget is a new one (a component
@@ -314,6 +320,7 @@ class ResidencyGroup:
         back."""
         self.active_component = component
         self.switches += 1
+        self.retention.kept_over_limit = None
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return
@@ -322,7 +329,7 @@ class ResidencyGroup:
         if self.weight_room is not None and component is not None:
             # Cache above this is in the room the component's activations were planned to take.
             self.retention.reserved_limit = self.weight_room(component)
-        decision = self.retention.at_boundary()
+        decision = self.retention.at_boundary(component)
         last = evicted[-1]
         if decision.released:
             last.releases += 1

@@ -52,18 +52,29 @@ class RetentionBudget:
     The budget is the larger of the staged bytes times :data:`STAGED_BYTES_MULTIPLIER` and the
     largest cached figure observed at a boundary times :data:`OBSERVED_PEAK_MARGIN`, capped at
     :data:`MAX_CAPACITY_FRACTION` of the device. Stagers grow it when they attach and shrink it when
-    they detach. A boundary keeps the cache while it is within budget, at least
-    :data:`MIN_FREE_FRACTION` of the device is free, and the allocator holds no more than
-    ``reserved_limit``; missing telemetry releases, as does any failure path (``release()``).
+    they detach. A boundary keeps the cache while it is within budget and at least
+    :data:`MIN_FREE_FRACTION` of the device is free; cache over ``reserved_limit`` is released
+    only before the components in ``release_over_limit_before``. Missing telemetry releases, as
+    does any failure path (``release()``).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # Under a VRAM budget, the most the allocator may hold at a boundary: the budget less what
         # the component starting needs above its weights (set at each switch). Cache above it sits
-        # in the room that component's activations were planned to take. Left there, the allocator
-        # would free it only on failing to allocate under a cap, synchronising mid-call.
+        # in the room that component's activations were planned to take. It is kept all the same
+        # until that component is seen to need it back (see release_over_limit_before): the
+        # allocator reuses a dropped block's memory for the next component's activations wherever
+        # its free blocks fit them (any size, with expandable segments), and a release costs a
+        # device synchronisation and, for the next loads and activations, all that memory mapped
+        # again (SDXL at 8 GB: some 80 ms a call on the H200 machine). Where the free blocks do not
+        # fit, the allocator fails under a cap, frees its cache and retries, synchronising mid-call.
         self.reserved_limit: int | None = None
+        # Components the cache over reserved_limit is released for as they start: the allocator
+        # retried while they ran after a boundary that kept it (see kept_over_limit).
+        self.release_over_limit_before: set[str] = set()
+        # The component the last boundary kept cache over reserved_limit for, if any.
+        self.kept_over_limit: str | None = None
         self.staged_bytes = 0
         self.observed_cached_peak = 0
         self.releases = 0
@@ -84,7 +95,7 @@ class RetentionBudget:
         learned = int(self.observed_cached_peak * OBSERVED_PEAK_MARGIN)
         return min(max(seed, learned), int(total * MAX_CAPACITY_FRACTION))
 
-    def _decide(self) -> RetentionDecision:
+    def _decide(self, starting: str | None) -> RetentionDecision:
         try:
             memory = _device.read_memory_telemetry(self.device)
         except Exception as exc:  # a backend whose allocator does not report
@@ -96,17 +107,23 @@ class RetentionBudget:
         budget = self.budget_for(memory.total)
         figures = dict(cached=memory.cached, budget=budget, free=memory.free, total=memory.total)
         self.observed_cached_peak = max(self.observed_cached_peak, memory.cached)
-        if self.reserved_limit is not None and memory.reserved > self.reserved_limit and memory.cached:
+        over_limit = self.reserved_limit is not None and memory.reserved > self.reserved_limit and memory.cached > 0
+        if over_limit and (starting is None or starting in self.release_over_limit_before):
             return RetentionDecision(released=True, reason="over-vram-budget", **figures)
         if memory.cached > budget:
             return RetentionDecision(released=True, reason="cached-over-budget", **figures)
         if memory.free < memory.total * MIN_FREE_FRACTION:
             return RetentionDecision(released=True, reason="low-free-memory", **figures)
+        if over_limit:
+            self.kept_over_limit = starting
+            return RetentionDecision(released=False, reason="over-vram-budget-kept", **figures)
         return RetentionDecision(released=False, reason="within-budget", **figures)
 
-    def at_boundary(self) -> RetentionDecision:
-        """Decide, at a component boundary, whether to release the cache, and do it."""
-        decision = self._decide()
+    def at_boundary(self, starting: str | None = None) -> RetentionDecision:
+        """Decide, at a component boundary, whether to release the cache, and do it. ``starting``:
+        the component about to run, whose room ``reserved_limit`` leaves."""
+        self.kept_over_limit = None
+        decision = self._decide(starting)
         self._apply(decision)
         return decision
 

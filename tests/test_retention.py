@@ -70,17 +70,30 @@ def test_low_free_memory_releases(figures: dict) -> None:
     assert budget.releases == 1
 
 
-def test_cache_in_the_room_a_vram_budget_keeps_for_activations_is_released(figures: dict) -> None:
+def test_cache_in_the_room_a_vram_budget_keeps_for_activations_is_kept_until_it_is_needed_back(figures: dict) -> None:
     budget = RetentionBudget(DEVICE)
     budget.grow(5 * GB)  # a retention budget of 10 GB would keep 3 GB
     budget.reserved_limit = 12 * GB
     figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=9 * GB)
-    assert not budget.at_boundary().released, "9 + 3 GB held: at the limit, not over it"
+    decision = budget.at_boundary("vae")
+    assert not decision.released and decision.reason == "within-budget", "9 + 3 GB held: at the limit, not over it"
+    assert budget.kept_over_limit is None
+    # Over the limit: kept (the allocator reuses it for the activations where it fits), and said so.
     figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
-    assert budget.at_boundary().reason == "over-vram-budget"
-    assert figures["empty_cache_calls"] == 1
+    decision = budget.at_boundary("vae")
+    assert not decision.released and decision.reason == "over-vram-budget-kept"
+    assert budget.kept_over_limit == "vae" and figures["empty_cache_calls"] == 0
+    # Once the component was seen to need it back, it is released before it starts.
+    budget.release_over_limit_before.add("vae")
+    assert budget.at_boundary("vae").reason == "over-vram-budget"
+    assert budget.kept_over_limit is None and figures["empty_cache_calls"] == 1
+    assert budget.at_boundary("unet").reason == "over-vram-budget-kept", "another component's boundary keeps it"
+    assert budget.at_boundary().reason == "over-vram-budget", "a boundary into no named component releases"
     figures["telemetry"] = telemetry(cached=0, free=50 * GB, allocated=13 * GB)
-    assert not budget.at_boundary().released, "tensors alone over the limit: no cache to give back"
+    assert not budget.at_boundary("vae").released, "tensors alone over the limit: no cache to give back"
+    # Released for another reason, it is not counted as kept.
+    figures["telemetry"] = telemetry(cached=20 * GB, free=50 * GB, allocated=10 * GB)
+    assert budget.at_boundary("unet").reason == "cached-over-budget" and budget.kept_over_limit is None
 
 
 @pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])

@@ -463,6 +463,30 @@ def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.Monke
     assert len(told) == 1 and shortfalls == [("vae", 0, True)]
 
 
+def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_planning_more_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    retries = [0]
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 10)
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    group = ResidencyGroup("cpu")
+    shortfalls: list[tuple[str, int, bool]] = []
+    group.watch_budget(100, lambda *short: shortfalls.append(short))
+
+    def call(kept_for_vae: bool) -> None:
+        for component in ("text_encoder", "unet", "vae"):
+            group._watch_peak(component)
+            # What the boundary into the component decided (a CPU has no cache to keep).
+            group.retention.kept_over_limit = component if kept_for_vae and component == "vae" else None
+            retries[0] += component == "vae"
+
+    call(kept_for_vae=True)
+    call(kept_for_vae=False)  # the retries of the first call show as this one starts
+    assert group.retention.release_over_limit_before == {"vae"} and shortfalls == []
+    call(kept_for_vae=False)
+    assert shortfalls == [("vae", 0, True)], "released, and still short: more room"
+
+
 def test_a_pipeline_of_one_component_in_its_sequence_is_not_measured(flux: PipelineCase) -> None:
     flux.pipe.model_cpu_offload_seq = "transformer"  # no call would ever be seen to end
     # Components outside the sequence are kept resident.
