@@ -91,13 +91,40 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of the modules, each object once, but those of ``exclude`` (blocks
-    that a stager of their own streams, when ``modules`` is their component's trunk)."""
+    """Every parameter and buffer of the modules, each object once, in ``parameters()`` then
+    ``buffers()`` order, but those of ``exclude`` (blocks that a stager of their own streams, when
+    ``modules`` is their component's trunk).
+
+    The walk stops at excluded modules rather than going through them and dropping what it finds:
+    a streamed component's trunk is walked at each of its loads and casts, and its blocks hold
+    nearly all of its tensors. They are read once, to leave out a tensor the rest also reaches (a
+    weight tied between the trunk and a block)."""
+    exclude = tuple(exclude)
     seen: set[int] = {id(t) for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in exclude)}
-    for tensor in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in modules):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            yield tensor
+    excluded = {id(m) for m in exclude}
+    for module in modules:
+        tree = _modules_outside(module, excluded)
+        for members in (lambda m: m._parameters.values(), lambda m: m._buffers.values()):
+            for submodule in tree:
+                for tensor in members(submodule):
+                    if tensor is not None and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        yield tensor
+
+
+def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
+    """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
+    ones and what lies below them."""
+    if id(root) in excluded:
+        return []
+    found, visited, stack = [], {id(root)}, [root]
+    while stack:
+        module = stack.pop()
+        found.append(module)
+        children = [c for c in module._modules.values() if c is not None and id(c) not in excluded and id(c) not in visited]
+        visited.update(id(c) for c in children)
+        stack.extend(reversed(children))
+    return found
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -627,9 +654,9 @@ class ModuleStager:
         self.offload()
         self._copy.wait()
 
-    def masters_current(self) -> bool:
+    def masters_current(self, tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
-        storage, dtype and layout it had then."""
+        storage, dtype and layout it had then (``tensors``: the modules' tensors, if already listed)."""
         for group in self._groups:
             address = group.master.data_ptr()
             for binding in group.bindings:
@@ -641,13 +668,13 @@ class ModuleStager:
                     or tensor.stride() != binding.stride
                 ):
                     return False
-        return self._holds_only_bound_tensors()
+        return self._holds_only_bound_tensors(tensors)
 
-    def _holds_only_bound_tensors(self) -> bool:
+    def _holds_only_bound_tensors(self, tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether the modules' tensors are exactly the ones the masters were taken for (none added,
         none replaced by another object)."""
         bound = {id(binding.target) for group in self._groups for binding in group.bindings}
-        return bound == {id(local_tensor(t)) for t in self.tensors()}
+        return bound == {id(local_tensor(t)) for t in (self.tensors() if tensors is None else tensors)}
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
@@ -666,12 +693,14 @@ class ModuleStager:
         """:meth:`retake_masters`, returning the groups whose masters it let go, for the caller to
         wait for copies still reading them (see :meth:`_wait_before_letting_go`) before dropping them."""
         self._require_offloaded("retake_masters()")
-        if self.masters_current():
+        tensors = list(self.tensors())  # walked once: a cast retakes the masters of every block
+        if self.masters_current(tensors):
             return ()
-        refuse_meta_tensors(self.modules, "The module")
+        if any(local_tensor(t).is_meta for t in tensors):
+            refuse_meta_tensors(self.modules, "The module")
         old = self._groups
         before = self.staged_bytes
-        self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget, self._groups + self._kept_groups)
+        self._groups, copied_host = _snapshot(tensors, self.pin_budget, self._groups + self._kept_groups)
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         self._claim_tensors()
@@ -705,7 +734,8 @@ class ModuleStager:
         # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
         # not storages of their own: bound to one, the weights would keep the file as their master.
         own = {id(b.target): (b, group.master) for group in before if not group.mapped for b in group.bindings}
-        converted: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view of the source, converted tensor)
+        # (where the source was bound, its master, the tensor that takes the result)
+        converted: list[tuple[TensorBinding, torch.Tensor, torch.Tensor]] = []
 
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
             result = fn(tensor)
@@ -718,11 +748,8 @@ class ModuleStager:
             kept = self._kept_conversions.get(_conversion_key(tensor, result.dtype))
             if kept is not None and _same_bits(kept, result):
                 result = kept
-            binding, master = bound
-            with torch.inference_mode(False):
-                source = binding.view_over(master)
             # The module keeps a parameter and takes its new data; a buffer is replaced.
-            converted.append((source, tensor if isinstance(tensor, nn.Parameter) else result))
+            converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else result))
             return result
 
         kept_before = self._kept_groups
@@ -735,14 +762,14 @@ class ModuleStager:
             return result
         bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
         kept_conversions = {}
-        for source, target in converted:
-            if id(target) not in bound:
-                continue
-            binding, master = bound[id(target)]
-            with torch.inference_mode(False):
-                now = binding.view_over(master)
-            kept_conversions[_conversion_key(source, now.dtype)] = now
-            kept_conversions[_conversion_key(now, source.dtype)] = source
+        with torch.inference_mode(False):
+            for source_binding, source_master, target in converted:
+                if id(target) not in bound:
+                    continue
+                binding, master = bound[id(target)]
+                source, now = source_binding.view_over(source_master), binding.view_over(master)
+                kept_conversions[_conversion_key(source, now.dtype)] = now
+                kept_conversions[_conversion_key(now, source.dtype)] = source
         masters = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         self._kept_conversions = kept_conversions
