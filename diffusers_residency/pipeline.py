@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -68,6 +68,8 @@ class PipelineResidency:
     # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
     call_start: str | None = None
     call_end: str | None = None
+    # Per component, the calls it was planned more room in for allocator retries (see _learn_overshoot).
+    retry_replans: dict[str, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -247,11 +249,17 @@ def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int, r
     """``component`` needed more room than the plan gave it: the device's peak went ``overshoot``
     bytes over the budget while it ran, or (``retried``) the allocator ran out under a cap and had
     to free its cache and synchronise to go on. Count that, with a margin, and plan again. A retry
-    says nothing of how much was missing: the margin alone is added, once per call that retries,
-    until none does (SDXL's VAE decoding at 1024x1024 under an 8 GB cap retried twice a call,
-    some 45 ms, with its measured need planned to the byte)."""
+    says nothing of how much was missing: the margin alone is added, doubled at each call of the
+    component that retries again, until none does. (SDXL's VAE decoding at 1024x1024 under an 8 GB
+    cap retried twice a call, some 45 ms, with its measured need planned to the byte; it took three
+    margins, so three calls with retries at one margin each, two when they double.)"""
     plan = state.plan
-    need = plan.activation_bytes_of(component) + overshoot + int(plan.budget * RESERVE_MARGIN)
+    margin = int(plan.budget * RESERVE_MARGIN)
+    if retried and not overshoot:
+        times = state.retry_replans.get(component, 0)
+        margin <<= times
+        state.retry_replans[component] = times + 1
+    need = plan.activation_bytes_of(component) + overshoot + margin
     what = (
         f"Peak device memory went {format_bytes(overshoot)} over vram_budget"
         if overshoot
