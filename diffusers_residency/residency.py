@@ -193,11 +193,17 @@ class ResidencyGroup:
         self._retries_seen = retries
         if self.on_first_call is None:
             retried = retries is not None and seen is not None and retries > seen
-            if retried and ran is not None and self.retention.kept_over_limit == ran:
-                # The cache kept over its room as it started did not fit its activations: give it
-                # back before it from now on, rather than plan it more room first.
-                self.retention.release_over_limit_before.add(ran)
-                logger.info("The allocator retried while %r ran with the cache kept: releasing it before %r from now on", ran, ran)
+            kept_for = self.retention.kept_over_limit
+            if retried and kept_for is not None:
+                # The cache kept over the room of the component it was kept for did not fit what
+                # ran since: give it back there from now on, rather than plan more room first.
+                self.retention.release_over_limit_before.add(kept_for)
+                self.retention.kept_over_limit = None
+                logger.info(
+                    "The allocator retried while %r ran, with the cache kept as %r started: releasing it there from now on",
+                    ran,
+                    kept_for,
+                )
                 retried = False
             if peak > self.vram_budget or retried:
                 self.on_over_budget(ran or component, max(0, peak - self.vram_budget), retried)
@@ -320,7 +326,6 @@ class ResidencyGroup:
         back."""
         self.active_component = component
         self.switches += 1
-        self.retention.kept_over_limit = None
         evicted = [u for u in self.units if u.component != component and u.evictable and u.stager.loaded]
         if not evicted:
             return

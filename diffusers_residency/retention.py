@@ -71,9 +71,12 @@ class RetentionBudget:
         # fit, the allocator fails under a cap, frees its cache and retries, synchronising mid-call.
         self.reserved_limit: int | None = None
         # Components the cache over reserved_limit is released for as they start: the allocator
-        # retried while they ran after a boundary that kept it (see kept_over_limit).
+        # retried after the boundary into them kept it (see kept_over_limit).
         self.release_over_limit_before: set[str] = set()
-        # The component the last boundary kept cache over reserved_limit for, if any.
+        # The component the last boundary that evicted anything kept cache over reserved_limit
+        # for, if it did. Switches that evict nothing leave it: the cache kept there is still
+        # held while the components after it run (FLUX.1 at 30 GB: kept as the transformer
+        # starts, among the T5's dropped blocks, it left the VAE short after it).
         self.kept_over_limit: str | None = None
         self.staged_bytes = 0
         self.observed_cached_peak = 0

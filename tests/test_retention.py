@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from diffusers_residency import RetentionBudget, _device
+from diffusers_residency import ResidencyGroup, RetentionBudget, _device, attach_staging_hook
 from diffusers_residency._device import MemoryTelemetry
 
 GB = 10**9
@@ -114,3 +115,27 @@ def test_grow_and_shrink_move_the_seed(figures: dict) -> None:
     assert budget.budget_for(100 * GB) == 4 * GB
     budget.resize(2 * GB, 4 * GB)
     assert budget.budget_for(100 * GB) == 8 * GB
+
+
+def test_a_switch_that_evicts_nothing_leaves_the_cache_kept_counted_for_the_boundary_before(figures: dict) -> None:
+    # FLUX.1 at 30 GB: the cache kept as the transformer starts (the T5's dropped blocks) is still
+    # held while the VAE runs, the switch to which evicts nothing (the transformer's blocks stay).
+    group = ResidencyGroup("cpu")
+    modules = {name: nn.Linear(4, 4) for name in ("t5", "transformer", "vae")}
+    for name, module in modules.items():
+        attach_staging_hook(module, group, name=name, policy="staged" if name == "t5" else "resident")
+    group.weight_room = lambda component: 12 * GB
+    group.retention.grow(5 * GB)  # a retention budget of 10 GB: the 3 GB are over the limit only
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
+    x = torch.ones(1, 4)
+    modules["t5"](x)
+    group.evict_others("transformer")  # what a streamed component's switch does
+    assert group.retention.kept_over_limit == "transformer" and figures["empty_cache_calls"] == 0
+    group.evict_others("vae")  # nothing left to evict
+    assert group.retention.kept_over_limit == "transformer", "still the cache kept at the transformer's boundary"
+    modules["t5"](x)
+    group.evict_others("transformer")
+    group.retention.release_over_limit_before.add("transformer")
+    modules["t5"](x)
+    group.evict_others("transformer")
+    assert group.retention.kept_over_limit is None and figures["empty_cache_calls"] == 1

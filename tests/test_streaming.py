@@ -463,9 +463,12 @@ def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.Monke
     assert len(told) == 1 and shortfalls == [("vae", 0, True)]
 
 
+@pytest.mark.parametrize("kept_for", ["vae", "transformer"])
 def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_planning_more_room(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kept_for: str
 ) -> None:
+    # Kept as the VAE starts, or earlier, as the transformer does (the switch to the VAE evicting
+    # nothing): the retries while the VAE runs release the cache at that boundary from then on.
     retries = [0]
     monkeypatch.setattr(_device, "peak_allocated", lambda device: 10)
     monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
@@ -473,17 +476,18 @@ def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_pl
     shortfalls: list[tuple[str, int, bool]] = []
     group.watch_budget(100, lambda *short: shortfalls.append(short))
 
-    def call(kept_for_vae: bool) -> None:
-        for component in ("text_encoder", "unet", "vae"):
+    def call(keeps: bool) -> None:
+        for component in ("text_encoder", "transformer", "vae"):
             group._watch_peak(component)
             # What the boundary into the component decided (a CPU has no cache to keep).
-            group.retention.kept_over_limit = component if kept_for_vae and component == "vae" else None
+            if component == kept_for:
+                group.retention.kept_over_limit = kept_for if keeps else None
             retries[0] += component == "vae"
 
-    call(kept_for_vae=True)
-    call(kept_for_vae=False)  # the retries of the first call show as this one starts
-    assert group.retention.release_over_limit_before == {"vae"} and shortfalls == []
-    call(kept_for_vae=False)
+    call(keeps=True)
+    call(keeps=False)  # the retries of the first call show as this one starts
+    assert group.retention.release_over_limit_before == {kept_for} and shortfalls == []
+    call(keeps=False)
     assert shortfalls == [("vae", 0, True)], "released, and still short: more room"
 
 
