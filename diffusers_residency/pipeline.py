@@ -68,8 +68,10 @@ class PipelineResidency:
     # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
     call_start: str | None = None
     call_end: str | None = None
-    # Per component, the calls it was planned more room in for allocator retries (see _learn_overshoot).
+    # Per component, the calls it was planned more room in for allocator retries, and the
+    # components no plan could give more room to for them (see _learn_overshoot).
     retry_replans: dict[str, int] = field(default_factory=dict)
+    retries_left_alone: set[str] = field(default_factory=set)
 
     @property
     def active(self) -> bool:
@@ -250,24 +252,37 @@ def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int, r
     bytes over the budget while it ran, or (``retried``) the allocator ran out under a cap and had
     to free its cache and synchronise to go on. Count that, with a margin, and plan again. A retry
     says nothing of how much was missing: the margin alone is added, doubled at each call of the
-    component that retries again, until none does. (SDXL's VAE decoding at 1024x1024 under an 8 GB
-    cap retried twice a call, some 45 ms, with its measured need planned to the byte; it took three
-    margins, so three calls with retries at one margin each, two when they double.)"""
+    component that retries again (one margin once the doubled one finds no room), until none does.
+    (SDXL's VAE decoding at 1024x1024 under an 8 GB cap retried twice a call, some 45 ms, with its
+    measured need planned to the byte; it took three margins, so three calls with retries at one
+    margin each, two when they double.) Retries that no plan has room for are warned about once,
+    then left alone: they come at every call."""
     plan = state.plan
     margin = int(plan.budget * RESERVE_MARGIN)
+    margins = [margin]
     if retried and not overshoot:
+        if component in state.retries_left_alone:
+            return
         times = state.retry_replans.get(component, 0)
-        margin <<= times
         state.retry_replans[component] = times + 1
-    need = plan.activation_bytes_of(component) + overshoot + margin
+        # Doubled while the room lasts, then one margin at a time.
+        margins = [margin << times, margin] if times else margins
     what = (
         f"Peak device memory went {format_bytes(overshoot)} over vram_budget"
         if overshoot
         else "The allocator ran out of room under its cap and retried"
     )
-    try:
-        new_plan = _replan_in_place(state, {**plan.activations, component: need})
-    except BudgetTooSmallError:
+    for margin in margins:
+        need = plan.activation_bytes_of(component) + overshoot + margin
+        try:
+            new_plan = _replan_in_place(state, {**plan.activations, component: need})
+            break
+        except BudgetTooSmallError:
+            continue
+    else:
+        if retried and not overshoot:
+            # Told once: the same retries come at every call, and nothing can be done about them.
+            state.retries_left_alone.add(component)
         logger.warning(
             "%s while %r ran, and no plan leaves it more room; raise vram_budget (%s).",
             what,

@@ -444,6 +444,27 @@ def test_allocator_retries_under_a_cap_give_that_component_more_room(
     assert flux.pipe.residency_plan() is settled
 
 
+def test_retries_no_plan_has_room_for_are_told_once(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = 2 * 10**6 + RESERVE
+    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+    retries = [0]
+    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: retries.__setitem__(0, retries[0] + 1))
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 0)
+    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    plans = []
+    for _ in range(24):  # more than the room lasts, a margin at a time
+        assert torch.equal(flux.run(), flux.reference)
+        plans.append(flux.pipe.residency_plan())
+    assert caplog.text.count("no plan leaves it more room") == 1
+    assert plans[-1] is plans[-2], "left alone"
+    assert plans[-1].peak_bytes <= budget
+    margins = [(b.activation_bytes_of("vae") - a.activation_bytes_of("vae")) // int(budget * RESERVE_MARGIN) for a, b in zip(plans, plans[1:])]
+    assert margins[:3] == [1, 2, 4] and 1 in margins[3:], f"doubled, then one at a time: {margins}"
+
+
 def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.MonkeyPatch) -> None:
     retries = [0]
     monkeypatch.setattr(_device, "peak_allocated", lambda device: 10)
