@@ -67,7 +67,7 @@ class RetentionBudget:
         # allocator reuses a dropped block's memory for the next component's activations wherever
         # its free blocks fit them (any size, with expandable segments), and a release costs a
         # device synchronisation and, for the next loads and activations, all that memory mapped
-        # again (SDXL at 8 GB: some 80 ms a call on the H200 machine). Where the free blocks do not
+        # again (SDXL at 8 GB ran visibly slower that way on the H200 machine). Where the free blocks do not
         # fit, the allocator fails under a cap, frees its cache and retries, synchronising mid-call.
         self.reserved_limit: int | None = None
         # Components the cache over reserved_limit is released for as they start: the allocator
