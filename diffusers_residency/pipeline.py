@@ -478,6 +478,10 @@ def enable_pinned_offload(
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan
         previous.measuring = measuring
+        # What retries taught was for the budget and plan before: learned again for these.
+        previous.retry_replans.clear()
+        previous.retries_left_alone.clear()
+        previous.group.retention.release_over_limit_before.clear()
         previous.group.unwatch_budget()  # watched again for the new plan, the peak reset
         _apply_policies(previous, plan)
         _load_excluded(pipe, previous)

@@ -119,8 +119,10 @@ class ResidencyGroup:
         # The VRAM budget watched at each switch, and what to tell when a component was short of room.
         self.vram_budget: int | None = None
         self.on_over_budget: Callable[[str, int, bool], None] | None = None
-        # The allocator's count of out-of-memory retries when last read (see _watch_peak).
+        # The allocator's count of out-of-memory retries when last read, and the components that
+        # retried since the call began (see _watch_peak).
         self._retries_seen: int | None = None
+        self._retried: dict[str, None] = {}
         # The component whose call is under way (resident ones included): the peak seen when
         # another one starts is that one's.
         self._running: str | None = None
@@ -174,6 +176,7 @@ class ResidencyGroup:
             _device.empty_cache(self.device)
         _device.reset_peak_allocated(self.device)
         self._retries_seen = _device.allocator_retries(self.device)
+        self._retried = {}
 
     def unwatch_budget(self) -> None:
         self.vram_budget = None
@@ -192,24 +195,32 @@ class ResidencyGroup:
         retries, seen = _device.allocator_retries(self.device), self._retries_seen
         self._retries_seen = retries
         if self.on_first_call is None:
-            retried = retries is not None and seen is not None and retries > seen
             kept_for = self.retention.kept_over_limit
-            if retried and kept_for is not None:
-                # The cache kept over the room of the component it was kept for did not fit what
-                # ran since: give it back there from now on, rather than plan more room first.
-                self.retention.release_over_limit_before.add(kept_for)
-                self.retention.kept_over_limit = None
-                logger.info(
-                    "The allocator retried while %r ran, with the cache kept as %r started: releasing it there from now on",
-                    ran,
-                    kept_for,
-                )
-                retried = False
-            if peak > self.vram_budget or retried:
-                self.on_over_budget(ran or component, max(0, peak - self.vram_budget), retried)
+            if retries is not None and seen is not None and retries > seen:
+                if kept_for is not None:
+                    # The cache kept over the room of the component it was kept for did not fit
+                    # what ran since: give it back there from now on, rather than plan more room.
+                    self.retention.release_over_limit_before.add(kept_for)
+                    self.retention.kept_over_limit = None
+                    logger.info(
+                        "The allocator retried while %r ran, with the cache kept as %r started: releasing it there from now on",
+                        ran,
+                        kept_for,
+                    )
+                else:
+                    self._retried[ran or component] = None
+            if peak > self.vram_budget:
+                self.on_over_budget(ran or component, peak - self.vram_budget, False)
                 # Planned for: from here on a peak over the budget is a new one (a component
                 # outgrowing the room it was just given, or another going over by less).
                 _device.reset_peak_allocated(self.device)
+            # Retries are told once a call, as the next one starts: a component that runs
+            # between the steps of another (a resident ControlNet) switches at every step, and
+            # the plan made for the first retries applies only at the next switch that evicts.
+            if self._retried and (self._call_start is None or component == self._call_start):
+                retried, self._retried = self._retried, {}
+                for short in retried:
+                    self.on_over_budget(short, 0, True)
             return False
         # While measuring, a peak over the budget is measured like any other.
         if component == ran:

@@ -460,9 +460,39 @@ def test_retries_no_plan_has_room_for_are_told_once(
         plans.append(flux.pipe.residency_plan())
     assert caplog.text.count("no plan leaves it more room") == 1
     assert plans[-1] is plans[-2], "left alone"
+    # Enabled again (a budget raised, say, or the same one): what retries taught is learned anew.
+    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    state = pipeline_state(flux.pipe)
+    assert state.retry_replans == {} and state.retries_left_alone == set()
+    assert state.group.retention.release_over_limit_before == set()
+    before = flux.pipe.residency_plan()
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan().activation_bytes_of("vae") > before.activation_bytes_of("vae")
     assert plans[-1].peak_bytes <= budget
     margins = [(b.activation_bytes_of("vae") - a.activation_bytes_of("vae")) // int(budget * RESERVE_MARGIN) for a, b in zip(plans, plans[1:])]
     assert margins[:3] == [1, 2, 4] and 1 in margins[3:], f"doubled, then one at a time: {margins}"
+
+
+def test_retries_are_told_once_a_call_when_another_component_runs_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A resident ControlNet runs between the UNet's steps: the UNet starts again at every step, and
+    # its retries must not plan it more room (doubled, in retries' case) at every one of them.
+    retries = [0]
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 10)
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    group = ResidencyGroup("cpu")
+    shortfalls: list[tuple[str, int, bool]] = []
+    group.watch_budget(100, lambda *short: shortfalls.append(short), call_start="text_encoder", call_end="vae")
+    for _ in range(2):
+        group._watch_peak("text_encoder")
+        for _step in range(5):
+            group._watch_peak("controlnet")
+            group._watch_peak("unet")
+            retries[0] += 1
+        group._watch_peak("vae")
+    assert shortfalls == [("unet", 0, True)], "the first call's, told as the second began"
+    group._watch_peak("text_encoder")
+    assert shortfalls == [("unet", 0, True)] * 2
 
 
 def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.MonkeyPatch) -> None:
