@@ -115,15 +115,16 @@ def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = 
 def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
     """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
     ones and what lies below them."""
-    if id(root) in excluded:
-        return []
-    found, visited, stack = [], {id(root)}, [root]
+    found, visited, stack = [], set(), [root]
     while stack:
         module = stack.pop()
+        # Marked when reached, as named_modules() does: a module shared by two parents comes
+        # where the walk first reaches it, not where it was first seen as a child.
+        if id(module) in visited or id(module) in excluded:
+            continue
+        visited.add(id(module))
         found.append(module)
-        children = [c for c in module._modules.values() if c is not None and id(c) not in excluded and id(c) not in visited]
-        visited.update(id(c) for c in children)
-        stack.extend(reversed(children))
+        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
     return found
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import ModuleStager
-from diffusers_residency.staging import DeviceSlots, _same_bits
+from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
 
 CPU = torch.device("cpu")
 
@@ -232,3 +232,18 @@ def test_kept_masters_stand_for_a_conversion_only_with_the_same_bits_throughout(
     assert _same_bits(nan, nan.clone()), "a NaN stands for the same NaN"
     assert not _same_bits(storage[:4], storage[:8:2]), "another layout"
     assert not _same_bits(storage[:4], storage[:4].to(torch.float64 if dtype != torch.float64 else torch.float32))
+
+
+def test_module_tensors_come_in_parameters_then_buffers_order_with_shared_and_excluded_modules() -> None:
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.BatchNorm1d(2))
+    root = nn.Module()
+    root.a = inner
+    root.b = shared  # reached again, after its first place inside `a`
+    root.c = nn.Sequential(nn.Linear(2, 2), None, nn.LayerNorm(2))
+    root.c[0].weight = shared.weight  # tied into an excluded block: left out
+    expected = [id(t) for t in (*root.parameters(), *root.buffers())]
+    assert [id(t) for t in module_tensors((root,))] == expected
+    outside_c = [t for t in (*root.parameters(), *root.buffers()) if all(t is not u for u in (*root.c.parameters(), *root.c.buffers()))]
+    assert [id(t) for t in module_tensors((root,), exclude=(root.c,))] == [id(t) for t in outside_c]
+    assert list(module_tensors((root.c,), exclude=(root.c,))) == []
