@@ -123,8 +123,8 @@ def test_a_mode_that_cannot_be_undone_runs_after_every_other_mode(capsys) -> Non
 def test_rounds_repeat_the_modes_in_turn_and_take_each_ratio_within_its_round() -> None:
     runs = _runs("resident,pinned@8GB,mmgp@8GB", "unlimited", None, rounds=2)
     assert [(mode.name, budget, r) for mode, budget, r in runs] == [
-        ("resident", None, 1), ("pinned", 8 * 10**9, 1), ("resident", None, 2), ("pinned", 8 * 10**9, 2), ("mmgp", 8 * 10**9, 1),
-    ], "a mode that cannot be undone still runs once, last"  # fmt: skip
+        ("resident", None, 1), ("pinned", 8 * 10**9, 1), ("resident", None, 2), ("pinned", 8 * 10**9, 2), ("mmgp", 8 * 10**9, 2),
+    ], "a mode that cannot be undone still runs once, last, in the last round"  # fmt: skip
     # The machine slows down between the rounds: each ratio is against the resident of its round.
     results = [
         ModeResult("resident", 1.0, 1, 1.0, None, round=1),

@@ -109,7 +109,8 @@ def _runs(modes: str, budgets: str, activation_reserve: str | None, rounds: int 
     if final and runs[-1][0].undoable:
         print(f"note: {final[0][0].name} cannot be undone, so it runs after the other modes", file=sys.stderr)
     undoable = [run for run in runs if run[0].undoable]
-    return [(mode, cap, r) for r in range(1, rounds + 1) for mode, cap in undoable] + [(*run, 1) for run in final]
+    # One that cannot be undone runs after the last round: its ratio is taken against that round's resident.
+    return [(mode, cap, r) for r in range(1, rounds + 1) for mode, cap in undoable] + [(*run, rounds) for run in final]
 
 
 def _gb(value: int | None) -> str:
