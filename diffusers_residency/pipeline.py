@@ -260,7 +260,7 @@ def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int, r
     plan = state.plan
     margin = int(plan.budget * RESERVE_MARGIN)
     margins = [margin]
-    if retried and not overshoot:
+    if retried:
         if component in state.retries_left_alone:
             return
         times = state.retry_replans.get(component, 0)
@@ -280,7 +280,7 @@ def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int, r
         except BudgetTooSmallError:
             continue
     else:
-        if retried and not overshoot:
+        if retried:
             # Told once: the same retries come at every call, and nothing can be done about them.
             state.retries_left_alone.add(component)
         logger.warning(

@@ -63,12 +63,13 @@ class RetentionBudget:
         # Under a VRAM budget, the most the allocator may hold at a boundary: the budget less what
         # the component starting needs above its weights (set at each switch). Cache above it sits
         # in the room that component's activations were planned to take. It is kept all the same
-        # until that component is seen to need it back (see release_over_limit_before): the
-        # allocator reuses a dropped block's memory for the next component's activations wherever
-        # its free blocks fit them (any size, with expandable segments), and a release costs a
-        # device synchronisation and, for the next loads and activations, all that memory mapped
-        # again (SDXL at 8 GB ran visibly slower that way on the H200 machine). Where the free blocks do not
-        # fit, the allocator fails under a cap, frees its cache and retries, synchronising mid-call.
+        # until the allocator is seen to need it back (see release_over_limit_before): it reuses a
+        # dropped block's memory for the next component's activations wherever its free blocks
+        # fit them (any size, with expandable segments), and a release costs a device
+        # synchronisation and, for the next loads and activations, all that memory mapped again
+        # (SDXL at 8 GB ran visibly slower that way on the H200 machine). Where the free blocks
+        # do not fit, the allocator fails under a cap, frees its cache and retries, synchronising
+        # mid-call.
         self.reserved_limit: int | None = None
         # Components the cache over reserved_limit is released for as they start: the allocator
         # retried after the boundary into them kept it (see kept_over_limit).
