@@ -411,19 +411,28 @@ def test_an_overshoot_while_measuring_is_measured_and_later_ones_are_each_told(m
     assert overshoots == [("vae", 50, False), ("unet", 30, False)]
 
 
+_RETRY_COMPONENTS = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
+
+
+def _retrying_in_the_vae(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, per_decode: int) -> int:
+    """Enable under a budget that holds all the weights, with the allocator's retry count rising
+    ``per_decode`` at each VAE decode, as a CUDA allocator's does when the VAE's activations find
+    no room under a cap (the CPU has no such allocator: the count is injected). Returns the budget."""
+    budget = 2 * 10**6 + RESERVE
+    retries = [0]
+    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: retries.__setitem__(0, retries[0] + per_decode))
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: 0)
+    flux.pipe.enable_pinned_offload("cpu", components=_RETRY_COMPONENTS, vram_budget=budget, activation_reserve=RESERVE)
+    return budget
+
+
 def test_allocator_retries_under_a_cap_give_that_component_more_room(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Under a cap on the process the peak never passes the budget: the allocator frees its cache
-    # and retries instead. The CPU has no such allocator; its retry count is injected, rising while
-    # the VAE decodes, as a CUDA allocator's does when the VAE's activations find no room.
-    budget = 2 * 10**6 + RESERVE
-    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
-    retries = [0]
-    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: retries.__setitem__(0, retries[0] + 2))
-    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
-    monkeypatch.setattr(_device, "peak_allocated", lambda device: 0)
-    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    # and retries instead.
+    budget = _retrying_in_the_vae(flux, monkeypatch, per_decode=2)
     before = flux.pipe.residency_plan()
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_plan() is before, "seen when the next component starts"
@@ -447,13 +456,7 @@ def test_allocator_retries_under_a_cap_give_that_component_more_room(
 def test_retries_no_plan_has_room_for_are_told_once(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    budget = 2 * 10**6 + RESERVE
-    components = {"transformer": "streamed", "text_encoder_2": "streamed", "text_encoder": "resident", "vae": "resident"}
-    retries = [0]
-    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: retries.__setitem__(0, retries[0] + 1))
-    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
-    monkeypatch.setattr(_device, "peak_allocated", lambda device: 0)
-    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    budget = _retrying_in_the_vae(flux, monkeypatch, per_decode=1)
     plans = []
     for _ in range(24):  # more than the room lasts, a margin at a time
         assert torch.equal(flux.run(), flux.reference)
@@ -461,7 +464,7 @@ def test_retries_no_plan_has_room_for_are_told_once(
     assert caplog.text.count("no plan leaves it more room") == 1
     assert plans[-1] is plans[-2], "left alone"
     # Enabled again (a budget raised, say, or the same one): what retries taught is learned anew.
-    flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget, activation_reserve=RESERVE)
+    flux.pipe.enable_pinned_offload("cpu", components=_RETRY_COMPONENTS, vram_budget=budget, activation_reserve=RESERVE)
     state = pipeline_state(flux.pipe)
     assert state.retry_replans == {} and state.retries_left_alone == set()
     assert state.group.retention.release_over_limit_before == set()
