@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
+import time
 from collections.abc import Collection
 from typing import Any, Callable
 
@@ -212,7 +213,17 @@ class StagingHook(ModelHook):
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
-        return self.unit.stager.convert(lambda convert: original_apply(convert, recurse), fn)
+        convert = self.unit.stager.convert
+        if self.group.casting:
+            # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
+            return convert(lambda apply: original_apply(apply, recurse), fn)
+        started = time.perf_counter()
+        self.group.casting = True
+        try:
+            return convert(lambda apply: original_apply(apply, recurse), fn)
+        finally:
+            self.group.casting = False
+            self.unit.host_seconds += time.perf_counter() - started
 
 
 def attach_staging_hook(

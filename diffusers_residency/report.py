@@ -29,6 +29,8 @@ class ComponentReport:
     load_seconds: float
     releases: int
     retains: int
+    # Host time spent by the package's hooks (see StagedUnit.host_seconds), over all calls so far.
+    host_seconds: float = 0.0
     # A streamed component's compute seconds per step: the first step timed and the latest (see
     # BlockStream). Beside its loads per step it says whether the bus or the compute sets the pace.
     step_compute_seconds: tuple[float, float] | None = None
@@ -70,7 +72,7 @@ class ResidencyReport:
     def __str__(self) -> str:
         header = (
             "component", "policy", "state", "GB", "device GB", "pinned GB", "pageable GB", "mapped GB",
-            "loads", "load s", "GB/s", "releases", "retains", "compute s/step (first, latest)",
+            "loads", "load s", "GB/s", "host s", "releases", "retains", "compute s/step (first, latest)",
         )  # fmt: skip
         rows = [
             (
@@ -81,6 +83,7 @@ class ResidencyReport:
                 str(c.loads),
                 f"{c.load_seconds:.3f}",
                 "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
+                f"{c.host_seconds:.3f}",
                 str(c.releases),
                 str(c.retains),
                 "-" if c.step_compute_seconds is None else "{:.3f}, {:.3f}".format(*c.step_compute_seconds),
@@ -112,6 +115,7 @@ def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
         load_seconds=sum(u.stager.load_seconds for u in units),
         releases=sum(u.releases for u in units),
         retains=sum(u.retains for u in units),
+        host_seconds=sum(u.host_seconds for u in units),
         step_compute_seconds=next((u.stream.step_compute_seconds() for u in units if u.stream is not None), None),
     )
 

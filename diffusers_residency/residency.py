@@ -13,6 +13,7 @@ With a weight capacity from the plan, the next component in call order loads ahe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -49,6 +50,10 @@ class StagedUnit:
     # 0 awake; 1 asleep with host masters; 2 asleep with masters mapped from checkpoint files.
     sleep_level: int = 0
     load_on_wake: bool = False
+    # Host time the package spent for this unit: making it ready at each forward (evictions, loads
+    # issued, replans) and casting its weights. A pipeline whose host issues kernels more slowly
+    # than the device runs them pays this in full, whatever the bus does.
+    host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.component = self.component or self.name
@@ -111,6 +116,9 @@ class ResidencyGroup:
         # Times evict_others handed the device to a component: a block stream times a step only
         # between two (see BlockStream).
         self.switches = 0
+        # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
+        # hooks leave the timing to the outermost one (see StagedUnit.host_seconds).
+        self.casting = False
         # Components in call order, and the most weight bytes the group may hold while a given
         # component runs: together they let the next component load ahead while the current one
         # computes. No room, no loading ahead.
@@ -307,6 +315,13 @@ class ResidencyGroup:
     def activate(self, unit: StagedUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once."""
+        started = time.perf_counter()
+        try:
+            self._activate(unit)
+        finally:
+            unit.host_seconds += time.perf_counter() - started
+
+    def _activate(self, unit: StagedUnit) -> None:
         # When another component starts (not at every step of the same one, nor at every block: reading
         # the allocator's statistics builds a dict of them all).
         measuring = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
@@ -815,3 +817,25 @@ def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: Pipeline
     monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 10**6)
     assert torch.equal(_run(flux, 3), reference)
     assert flux.pipe.residency_plan() is not plan and flux.pipe.residency_plan().timings == plan.timings
+
+
+def test_host_time_in_the_hooks_is_reported_and_a_cast_through_blocks_counts_once() -> None:
+    case = PipelineCase("sdxl")
+    case.pipe.enable_pinned_offload("cpu", components={"vae": "streamed"}, vram_budget=None)
+    assert torch.equal(case.run(), case.reference)
+    report = case.pipe.residency_report()
+    assert all(c.host_seconds > 0 for c in report.components), str(report)
+    assert "host s" in str(report)
+    vae = case.pipe.vae
+    assert len(pipeline_state(case.pipe).group.units_of("vae")) > 1, "the VAE streams its blocks"
+
+    before = report["vae"].host_seconds
+    started = time.perf_counter()
+    vae.to(torch.float64)
+    vae.to(torch.float32)
+    elapsed = time.perf_counter() - started
+    # nn.Module._apply recurses from the trunk into every block, each with a hook of its own: timed
+    # at every level, the blocks' time would count twice.
+    added = case.pipe.residency_report()["vae"].host_seconds - before
+    assert 0 < added <= elapsed, (added, elapsed)
+    assert torch.equal(case.run(), case.reference)

@@ -141,7 +141,7 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
     several = any(r.round > 1 for r in results)
     header = (
         "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "peak reserved GB", "within budget", "alloc retries", "setup s",
-        "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "equal to resident",
+        "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "hooks' host s/call", "equal to resident",
     )  # fmt: skip
     rows = []
     for r in results:
@@ -168,6 +168,7 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
                 "-" if r.host_rss_bytes is None else f"{r.host_rss_bytes / weight_bytes:.2f}",
                 _gb(r.loaded_bytes_per_call),
                 "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
+                "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
                 _agreement(r),
             )
         )

@@ -232,6 +232,9 @@ class ModeResult:
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
+    # Host time in the package's hooks per timed call (residency_report()'s `host s`): on a call
+    # whose host is slower than its device, this adds to the call's time whatever the bus does.
+    host_seconds_per_call: float | None = None
     report: str | None = None
     plan: str | None = None
     error: str | None = None
@@ -323,7 +326,7 @@ def run_mode(
         graphs = _graphs() if compile is not None else None
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
-        before = _loaded(pipe) if pinned else None
+        before = _counters(pipe) if pinned else None
         retries = _device.allocator_retries(device)
         timings = []
         for _ in range(calls):
@@ -335,7 +338,7 @@ def run_mode(
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
         graphs = None if graphs is None else _graphs() - graphs
-        loaded, gbps = _traffic(pipe, before, calls) if pinned else (None, None)
+        loaded, gbps, host = _traffic(pipe, before, calls) if pinned else (None, None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
@@ -373,6 +376,7 @@ def run_mode(
         host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
+        host_seconds_per_call=host,
         report=report,
         plan=plan,
         max_abs_diff=diff,
@@ -413,12 +417,19 @@ def _restore_dtypes(pipe: DiffusionPipeline, before: dict[str, set[torch.dtype]]
             pipe.components[name].to(dtype=dtype)
 
 
-def _loaded(pipe: DiffusionPipeline) -> tuple[int, float]:
+def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float]:
+    """Bytes loaded, seconds of loading and host seconds in the package's hooks, so far."""
     components = residency_report(pipe).components
-    return sum(c.loaded_bytes for c in components), sum(c.load_seconds for c in components)
+    return (
+        sum(c.loaded_bytes for c in components),
+        sum(c.load_seconds for c in components),
+        sum(c.host_seconds for c in components),
+    )
 
 
-def _traffic(pipe: DiffusionPipeline, before: tuple[int, float], calls: int) -> tuple[int, float | None]:
-    """Bytes loaded per timed call and the effective host-to-device rate over those loads."""
-    moved, seconds = (now - then for now, then in zip(_loaded(pipe), before))
-    return moved // max(calls, 1), (moved / seconds / 1e9 if seconds > 0 else None)
+def _traffic(pipe: DiffusionPipeline, before: tuple[int, float, float], calls: int) -> tuple[int, float | None, float]:
+    """Per timed call, the bytes loaded and the host seconds in the package's hooks; and the
+    effective host-to-device rate over those loads."""
+    moved, seconds, host = (now - then for now, then in zip(_counters(pipe), before))
+    calls = max(calls, 1)
+    return moved // calls, (moved / seconds / 1e9 if seconds > 0 else None), host / calls
