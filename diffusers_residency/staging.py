@@ -570,6 +570,9 @@ class ModuleStager:
         if self._kept_groups and self._loads_since_conversion() >= max(
             LOADS_KEEPING_CONVERSIONS, 2 * self._most_loads_between_conversions + 1
         ):
+            # No copy still reads the kept masters: the last one that did was queued before the
+            # conversion, and the first load after it waited for that copy to end (TimedCopy.running
+            # collects the previous copy before queueing the next).
             self.forget_conversions()
         self._load(ahead, slots)
 
