@@ -26,6 +26,7 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
+from diffusers_residency.bench.trace import summarise, traced_call
 
 from .helpers import PipelineCase
 
@@ -255,3 +256,79 @@ def test_the_environment_line_names_the_allocator_settings(monkeypatch, variable
     line = environment_line(torch.device("cpu"))
     assert line.startswith(f"torch {torch.__version__}, ")
     assert line.endswith(f"device cpu, {named}")
+
+
+def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path, capsys) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=None)
+    hooked_forward = case.pipe.transformer.__dict__["forward"]  # accelerate's, on the instance
+    before = {name: dict(c.__dict__) for name, c in case.pipe.components.items() if isinstance(c, torch.nn.Module)}
+
+    trace = traced_call(case.pipe, case.run, torch.device("cpu"))
+
+    entries = {c.name: c.entries for c in trace.components}
+    steps = len(case.pipe.scheduler.timesteps)
+    assert entries == {"text_encoder": 1, "text_encoder_2": 1, "transformer": steps, "vae": 1}, entries
+    assert all(c.host_ms > 0 and c.kernel_ms is None for c in trace.components)
+    assert trace.device_busy_ms is None and trace.gaps == ()
+    assert "one call traced" in str(trace)
+    # The ranges were added for that call only.
+    assert case.pipe.transformer.__dict__["forward"] is hooked_forward
+    for name, component in case.pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            assert {k: component.__dict__.get(k) for k in ("forward", "encode", "decode")} == {
+                k: before[name].get(k) for k in ("forward", "encode", "decode")
+            }, name
+    assert torch.equal(case.run(), case.reference)
+
+    assert main(["--modes", "resident,pinned", "--calls", "1", "--trace", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "one more call of the resident mode at unlimited, traced" in out
+    assert "one more call of the pinned mode at unlimited, traced" in out
+    assert all(r["trace"] for r in json.loads((tmp_path / "results.json").read_text())["results"])
+
+
+def _span(cat: str, name: str, ts: int, dur: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_a_trace_with_device_events_counts_kernels_copies_idle_time_and_the_longest_gaps() -> None:
+    # Microseconds, as torch.profiler exports them. Two transformer steps and a VAE decode whose
+    # forward enters its own decode (counted once).
+    events = [
+        _span("user_annotation", "pipeline call", 0, 100_000),
+        _span("user_annotation", "component:transformer", 1_000, 20_000),
+        _span("gpu_user_annotation", "component:transformer", 2_000, 20_000),
+        _span("user_annotation", "component:transformer", 30_000, 20_000),
+        _span("gpu_user_annotation", "component:transformer", 31_000, 20_000),
+        _span("user_annotation", "component:vae", 60_000, 30_000),
+        _span("user_annotation", "component:vae", 61_000, 1_000),
+        _span("gpu_user_annotation", "component:vae", 62_000, 20_000),
+        _span("gpu_user_annotation", "component:vae", 62_500, 500),
+        _span("kernel", "gemm", 2_000, 10_000),
+        _span("kernel", "gemm", 15_000, 7_000),
+        _span("kernel", "gemm", 31_000, 20_000),
+        _span("kernel", "conv", 62_000, 1_000),
+        _span("kernel", "conv", 70_000, 12_000),
+        _span("gpu_memcpy", "Memcpy HtoD", 5_000, 4_000),  # behind a kernel
+        _span("gpu_memcpy", "Memcpy HtoD", 26_000, 2_000),  # between the steps
+        _span("cpu_op", "aten::to", 64_000, 2_000),
+        _span("cpu_op", "aten::view", 65_000, 100),  # too short to name
+    ]
+    trace = summarise(events, 100.0, with_device=True)
+
+    transformer, vae = trace.components
+    assert (transformer.name, transformer.entries, transformer.host_ms) == ("transformer", 2, 40.0)
+    assert (transformer.kernel_ms, transformer.copy_ms, transformer.device_idle_ms) == (37.0, 4.0, 3.0)
+    assert (vae.name, vae.entries, vae.host_ms) == ("vae", 1, 30.0)
+    assert (vae.kernel_ms, vae.copy_ms, vae.device_idle_ms) == (13.0, 0.0, 7.0)
+    assert trace.device_busy_ms == 52.0
+    assert [(g.ms, g.at_ms, g.component) for g in trace.gaps] == [
+        (11.0, 51.0, None),
+        (7.0, 63.0, "vae"),
+        (4.0, 22.0, None),
+        (3.0, 12.0, "transformer"),
+        (3.0, 28.0, None),
+    ]
+    assert trace.gaps[1].host_ops == (("aten::to", 2.0),)
+    assert "7.0 ms at +63.0 ms, host in vae: aten::to 2.0 ms" in str(trace)

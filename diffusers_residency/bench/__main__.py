@@ -71,6 +71,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run the modes this many times over, in turn, each ratio to resident taken within its round "
         "(a machine whose speed drifts between modes skews a ratio taken across them)",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
+        "time went and how long the device waited for it, per component",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the package's decisions")
     return parser.parse_args(argv)
@@ -294,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             reference=reference,
             budget=budget,
             compile=(args.compile, args.compile_backend) if args.compile else None,
+            trace=args.trace,
         )
         if mode.name == "resident" and reference is None and output is not None:
             reference = output
@@ -320,11 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_compile_table(results))
     latest = {(r.mode, r.budget_bytes): r for r in results}  # of each mode and budget, its last round
     for result in latest.values():
+        budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"
         if result.plan:
-            budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"
             print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")
         if result.report:
             print(f"\nresidency_report() after its calls:\n\n```\n{result.report}\n```")
+        if result.trace:
+            print(f"\none more call of the {result.mode} mode at {budget}, traced:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":

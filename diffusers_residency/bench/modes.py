@@ -23,6 +23,7 @@ from diffusers import DiffusionPipeline
 from .. import _device
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
+from .trace import traced_call
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,8 @@ class ModeResult:
     host_seconds_per_call: float | None = None
     report: str | None = None
     plan: str | None = None
+    # With --trace: one more call under the profiler, summed up per component (see .trace).
+    trace: str | None = None
     error: str | None = None
     # The largest elementwise difference from the resident output (0.0 when exact), and, for a
     # compiled mode, whether that is within COMPILED_TOLERANCE.
@@ -297,10 +300,12 @@ def run_mode(
     reference: torch.Tensor | None,
     budget: int | None = None,
     compile: tuple[str, str] | None = None,
+    trace: bool = False,
 ) -> tuple[ModeResult, torch.Tensor | None]:
     """Cap the device at ``budget``, set the mode up (and compile its denoiser, with ``compile`` as
-    ``(how, backend)``), run ``warmup`` then ``calls`` timed calls, tear it down; return the figures
-    and the first output (the reference for the modes after it when this is the resident mode)."""
+    ``(how, backend)``), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more
+    under the profiler, see :mod:`.trace`), tear it down; return the figures and the first output
+    (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
@@ -341,6 +346,7 @@ def run_mode(
         loaded, gbps, host = _traffic(pipe, before, calls) if pinned else (None, None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
+        traced = str(traced_call(pipe, call, device)) if trace else None
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)
@@ -379,6 +385,7 @@ def run_mode(
         host_seconds_per_call=host,
         report=report,
         plan=plan,
+        trace=traced,
         max_abs_diff=diff,
         within_tolerance=close,
     )

@@ -1,0 +1,247 @@
+"""One pipeline call under ``torch.profiler``, summed up per component: where the host's time went
+and how long the device waited for it.
+
+A call whose host issues kernels more slowly than the device runs them is bound by the host: any
+host time spent staging weights (see ``residency_report()``'s ``host s``) shows as the device
+idling. The s/call of the benchmark cannot say where that happens; a trace can. Each component's
+forward (and a VAE's ``decode``) runs inside a profiler range, and for each component the summary
+gives the host time inside its ranges, the device time of its kernels and copies, and the device's
+idle time within them; then the longest stretches the device sat idle during the call, with the
+component the host was in and the host operations that ran meanwhile.
+
+The ranges are added for the traced call only: a ``record_function`` in every forward would cost
+every call something.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .. import _device
+
+# Methods a component is entered through: a VAE decodes through ``decode``, not ``forward``.
+_ENTRY_METHODS = ("forward", "encode", "decode")
+_PREFIX = "component:"
+_CALL = "pipeline call"
+# Device idle stretches shorter than this are launch latency, not the host falling behind.
+_GAP_MIN_US = 1000.0
+_GAPS_SHOWN = 5
+# Host operations shorter than this are not named in a gap (there are thousands a call).
+_OP_MIN_US = 300.0
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class ComponentTrace:
+    """One component's share of the traced call, over all its entries (a denoiser's every step).
+    Device figures are None without an accelerator."""
+
+    name: str
+    entries: int
+    host_ms: float
+    kernel_ms: float | None
+    copy_ms: float | None
+    device_idle_ms: float | None
+
+
+@dataclass(frozen=True)
+class DeviceGap:
+    """A stretch of the call with nothing running on the device."""
+
+    ms: float
+    at_ms: float  # from the start of the call
+    component: str | None  # the component the host was in, if any
+    host_ops: tuple[tuple[str, float], ...]  # the longest host operations meanwhile, with their ms
+
+
+@dataclass(frozen=True)
+class CallTrace:
+    wall_ms: float
+    device_busy_ms: float | None
+    components: tuple[ComponentTrace, ...]
+    gaps: tuple[DeviceGap, ...]
+
+    def __str__(self) -> str:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1f}"
+
+        busy = "" if self.device_busy_ms is None else f", device busy {self.device_busy_ms:.1f} ms"
+        header = ("component", "entries", "host ms", "kernel ms", "copy ms", "device idle ms")
+        rows = [
+            (c.name, str(c.entries), ms(c.host_ms), ms(c.kernel_ms), ms(c.copy_ms), ms(c.device_idle_ms))
+            for c in self.components
+        ]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        lines = [f"one call traced: {self.wall_ms:.1f} ms wall{busy}"]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+        if self.gaps:
+            lines.append(f"longest device idle stretches (over {_GAP_MIN_US / 1000:.0f} ms):")
+        for gap in self.gaps:
+            ops = ", ".join(f"{name} {op_ms:.1f} ms" for name, op_ms in gap.host_ops) or "no long host operation"
+            lines.append(f"  {gap.ms:.1f} ms at +{gap.at_ms:.1f} ms, host in {gap.component or '-'}: {ops}")
+        return "\n".join(lines)
+
+
+def traced_call(pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device) -> CallTrace:
+    """Run ``call`` once under the profiler, with a range around every entry into a component."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with _component_ranges(pipe), profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        with record_function(_CALL):
+            call()
+            _device.synchronize(device)
+        wall_ms = (time.perf_counter() - started) * 1000
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return summarise(events, wall_ms, with_device=device.type == "cuda")
+
+
+@contextmanager
+def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
+    """A profiler range around each entry into each component, for as long as the context lasts.
+
+    The bound methods are wrapped on the instance (where accelerate's hooks put their own forward),
+    and the instance attribute is put back, or removed, afterwards."""
+    replaced: list[tuple[nn.Module, str, object, Callable]] = []
+    for name, component in pipe.components.items():
+        if not isinstance(component, nn.Module):
+            continue
+        for method in _ENTRY_METHODS:
+            original = getattr(component, method, None)
+            if original is None:
+                continue
+            wrapper = _ranged(original, _PREFIX + name)
+            replaced.append((component, method, component.__dict__.get(method), wrapper))
+            setattr(component, method, wrapper)
+    try:
+        yield
+    finally:
+        for component, method, own, wrapper in reversed(replaced):
+            if component.__dict__.get(method) is not wrapper:
+                continue  # replaced again meanwhile: what replaced it stays
+            if own is None:
+                del component.__dict__[method]
+            else:
+                setattr(component, method, own)
+
+
+def _ranged(method: Callable, label: str) -> Callable:
+    def entered(*args, **kwargs):
+        with record_function(label):
+            return method(*args, **kwargs)
+
+    return entered
+
+
+def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallTrace:
+    """Sum a Chrome trace of one call (``torch.profiler``'s export) up per component."""
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    host_ranges = sorted((e for e in spans if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    device_ranges = sorted((e for e in spans if e.get("cat") == "gpu_user_annotation"), key=lambda e: e["ts"])
+    kernels = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") in ("kernel", "gpu_memset"))
+    copies = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "gpu_memcpy")
+    busy = _union([*kernels, *copies])
+
+    # A range appears on the host and, where it queued device work, on the device: the n-th of a
+    # name on one is the n-th on the other.
+    on_device: dict[str, list[dict]] = collections.defaultdict(list)
+    for event in device_ranges:
+        on_device[event["name"]].append(event)
+    seen: collections.Counter[str] = collections.Counter()
+    open_until: dict[str, float] = {}
+    totals: dict[str, list[float]] = {}
+    for event in host_ranges:
+        label = event["name"]
+        if not label.startswith(_PREFIX):
+            continue
+        index = seen[label]
+        seen[label] += 1
+        if event["ts"] < open_until.get(label, float("-inf")):
+            continue  # entered from inside its own range (a VAE's forward calls its decode): counted there
+        open_until[label] = event["ts"] + event["dur"]
+        total = totals.setdefault(label[len(_PREFIX) :], [0, 0.0, 0.0, 0.0, 0.0])
+        total[0] += 1
+        total[1] += event["dur"]
+        matching = on_device[label]
+        if index < len(matching):
+            start, end = matching[index]["ts"], matching[index]["ts"] + matching[index]["dur"]
+            total[2] += _length(_clip(kernels, start, end))
+            total[3] += _length(_clip(copies, start, end))
+            total[4] += (end - start) - _length(_clip(busy, start, end))
+    components = tuple(
+        ComponentTrace(
+            name,
+            entries,
+            host / 1000,
+            kernel / 1000 if with_device else None,
+            copy / 1000 if with_device else None,
+            idle / 1000 if with_device else None,
+        )
+        for name, (entries, host, kernel, copy, idle) in totals.items()
+    )
+    call = next((e for e in host_ranges if e["name"] == _CALL), None)
+    if not with_device or call is None:
+        return CallTrace(wall_ms, None, components, ())
+    start, end = call["ts"], call["ts"] + call["dur"]
+    inside = _clip(busy, start, end)
+    return CallTrace(wall_ms, _length(inside) / 1000, components, _gaps(inside, start, host_ranges, spans))
+
+
+def _gaps(busy: list[Interval], call_start: float, host_ranges: list[dict], spans: list[dict]) -> tuple[DeviceGap, ...]:
+    idle = [(a_end, b_start) for (_, a_end), (b_start, _) in pairwise(busy) if b_start - a_end >= _GAP_MIN_US]
+    ops = [e for e in spans if e.get("cat") == "cpu_op" and e["dur"] >= _OP_MIN_US]
+    gaps = []
+    for start, end in sorted(idle, key=lambda gap: gap[0] - gap[1])[:_GAPS_SHOWN]:
+        within = [
+            e["name"] for e in host_ranges if e["name"].startswith(_PREFIX) and e["ts"] <= start <= e["ts"] + e["dur"]
+        ]
+        overlap: collections.Counter[str] = collections.Counter()
+        for op in ops:
+            shared = min(op["ts"] + op["dur"], end) - max(op["ts"], start)
+            if shared > 0:
+                overlap[op["name"]] += shared
+        gaps.append(
+            DeviceGap(
+                ms=(end - start) / 1000,
+                at_ms=(start - call_start) / 1000,
+                component=within[-1][len(_PREFIX) :] if within else None,
+                host_ops=tuple((name, us / 1000) for name, us in overlap.most_common(3)),
+            )
+        )
+    return tuple(gaps)
+
+
+def _union(intervals) -> list[Interval]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _clip(intervals: list[Interval], start: float, end: float) -> list[Interval]:
+    return [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+
+
+def _length(intervals: list[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
