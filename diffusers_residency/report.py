@@ -29,7 +29,7 @@ class ComponentReport:
     load_seconds: float
     releases: int
     retains: int
-    # Host time spent by the package's hooks (see StagedUnit.host_seconds), over all calls so far.
+    # Host time the package spent on the component (see StagedUnit.host_seconds), over all calls so far.
     host_seconds: float = 0.0
     # A streamed component's compute seconds per step: the first step timed and the latest (see
     # BlockStream). Beside its loads per step it says whether the bus or the compute sets the pace.

@@ -51,8 +51,9 @@ class StagedUnit:
     sleep_level: int = 0
     load_on_wake: bool = False
     # Host time the package spent for this unit: making it ready at each forward (evictions, loads
-    # issued, replans) and casting its weights. A pipeline whose host issues kernels more slowly
-    # than the device runs them pays this in full, whatever the bus does.
+    # issued, replans), at a wake or a move to the device, and casting its weights; waits for the
+    # device in there (a cache release, the previous copy collected) included. A pipeline whose
+    # host issues kernels more slowly than the device runs them pays it nearly in full.
     host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -314,7 +315,8 @@ class ResidencyGroup:
 
     def activate(self, unit: StagedUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
-        takes over. Runs in every ``pre_forward``, so the common case returns at once."""
+        takes over. Runs in every ``pre_forward``, so the common case returns at once (timed: two
+        clock reads, about a quarter of a microsecond)."""
         started = time.perf_counter()
         try:
             self._activate(unit)

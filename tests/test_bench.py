@@ -26,6 +26,7 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
+from diffusers_residency.bench import modes
 from diffusers_residency.bench.trace import summarise, traced_call
 
 from .helpers import PipelineCase
@@ -288,30 +289,45 @@ def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path,
     assert all(r["trace"] for r in json.loads((tmp_path / "results.json").read_text())["results"])
 
 
-def _span(cat: str, name: str, ts: int, dur: int) -> dict:
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+def _span(cat: str, name: str, ts: int, dur: int, correlation: int | None = None) -> dict:
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
 
 
-def test_a_trace_with_device_events_counts_kernels_copies_idle_time_and_the_longest_gaps() -> None:
+def _launch(correlation: int, ts: int, name: str = "cudaLaunchKernel", cat: str = "cuda_runtime") -> dict:
+    """The host's runtime call that queued the device event of the same correlation id."""
+    return _span(cat, name, ts, 5, correlation)
+
+
+def test_a_trace_with_device_events_counts_each_components_work_idle_time_and_the_longest_gaps() -> None:
     # Microseconds, as torch.profiler exports them. Two transformer steps and a VAE decode whose
-    # forward enters its own decode (counted once).
+    # forward enters its own decode (counted once). Device work belongs to the range its launch
+    # was made in, wherever it runs; the profiler's device-side ranges (one per stream) are ignored.
     events = [
         _span("user_annotation", "pipeline call", 0, 100_000),
         _span("user_annotation", "component:transformer", 1_000, 20_000),
-        _span("gpu_user_annotation", "component:transformer", 2_000, 20_000),
         _span("user_annotation", "component:transformer", 30_000, 20_000),
-        _span("gpu_user_annotation", "component:transformer", 31_000, 20_000),
         _span("user_annotation", "component:vae", 60_000, 30_000),
         _span("user_annotation", "component:vae", 61_000, 1_000),
-        _span("gpu_user_annotation", "component:vae", 62_000, 20_000),
-        _span("gpu_user_annotation", "component:vae", 62_500, 500),
-        _span("kernel", "gemm", 2_000, 10_000),
-        _span("kernel", "gemm", 15_000, 7_000),
-        _span("kernel", "gemm", 31_000, 20_000),
-        _span("kernel", "conv", 62_000, 1_000),
-        _span("kernel", "conv", 70_000, 12_000),
-        _span("gpu_memcpy", "Memcpy HtoD", 5_000, 4_000),  # behind a kernel
-        _span("gpu_memcpy", "Memcpy HtoD", 26_000, 2_000),  # between the steps
+        _span("gpu_user_annotation", "component:transformer", 4_000, 1_000),
+        _launch(1, 1_500),
+        _span("kernel", "gemm", 2_000, 10_000, 1),
+        _launch(6, 4_000, "cudaMemcpyAsync"),
+        _span("gpu_memcpy", "Memcpy HtoD", 5_000, 4_000, 6),  # behind a kernel
+        _launch(2, 14_000),
+        _span("kernel", "gemm", 15_000, 7_000, 2),  # runs past the range it was launched in
+        _launch(7, 25_000, "cudaMemcpyAsync"),
+        _span("gpu_memcpy", "Memcpy HtoD", 26_000, 2_000, 7),  # launched between the steps: no component's
+        _launch(3, 30_500),
+        _span("kernel", "gemm", 31_000, 20_000, 3),
+        _launch(8, 31_000, "cuLaunchKernelEx", "cuda_driver"),
+        _span("kernel", "gemm", 51_000, 1_000, 8),
+        _launch(4, 61_500),
+        _span("kernel", "conv", 62_000, 1_000, 4),
+        _launch(5, 65_000),
+        _span("kernel", "conv", 70_000, 12_000, 5),
         _span("cpu_op", "aten::to", 64_000, 2_000),
         _span("cpu_op", "aten::view", 65_000, 100),  # too short to name
     ]
@@ -319,16 +335,46 @@ def test_a_trace_with_device_events_counts_kernels_copies_idle_time_and_the_long
 
     transformer, vae = trace.components
     assert (transformer.name, transformer.entries, transformer.host_ms) == ("transformer", 2, 40.0)
-    assert (transformer.kernel_ms, transformer.copy_ms, transformer.device_idle_ms) == (37.0, 4.0, 3.0)
+    assert (transformer.kernel_ms, transformer.copy_ms, transformer.device_idle_ms) == (38.0, 4.0, 5.0)
     assert (vae.name, vae.entries, vae.host_ms) == ("vae", 1, 30.0)
-    assert (vae.kernel_ms, vae.copy_ms, vae.device_idle_ms) == (13.0, 0.0, 7.0)
-    assert trace.device_busy_ms == 52.0
+    assert (vae.kernel_ms, vae.copy_ms, vae.device_idle_ms) == (13.0, 0.0, 17.0)
+    assert trace.device_busy_ms == 53.0
+    # The call's edges count: the host turning the output into an image after the last kernel.
     assert [(g.ms, g.at_ms, g.component) for g in trace.gaps] == [
-        (11.0, 51.0, None),
+        (18.0, 82.0, "vae"),
+        (10.0, 52.0, None),
         (7.0, 63.0, "vae"),
         (4.0, 22.0, None),
         (3.0, 12.0, "transformer"),
-        (3.0, 28.0, None),
     ]
-    assert trace.gaps[1].host_ops == (("aten::to", 2.0),)
+    assert trace.gaps[2].host_ops == (("aten::to", 2.0),)
     assert "7.0 ms at +63.0 ms, host in vae: aten::to 2.0 ms" in str(trace)
+
+
+def test_a_component_compiled_whole_is_not_ranged_and_not_compiled_again() -> None:
+    case = PipelineCase("flux")
+    case.pipe.transformer.compile(backend="eager")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    case.run()
+    compiled = counters["stats"]["unique_graphs"]
+
+    trace = traced_call(case.pipe, case.run, torch.device("cpu"))
+
+    assert {c.name for c in trace.components} == {"text_encoder", "text_encoder_2", "vae"}
+    assert counters["stats"]["unique_graphs"] == compiled, "the traced call compiled nothing new"
+    assert "forward" not in case.pipe.transformer.__dict__
+
+
+def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch) -> None:
+    case = PipelineCase("flux")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("profiler unavailable")
+
+    monkeypatch.setattr(modes, "traced_call", failing)
+    result, output = run_mode(
+        case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace=True
+    )
+    assert result.error is None and result.seconds_per_call > 0 and output is not None
+    assert result.trace == "no trace: RuntimeError: profiler unavailable"

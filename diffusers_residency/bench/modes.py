@@ -233,8 +233,9 @@ class ModeResult:
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
-    # Host time in the package's hooks per timed call (residency_report()'s `host s`): on a call
-    # whose host is slower than its device, this adds to the call's time whatever the bus does.
+    # Host time in the package's hooks per timed call (residency_report()'s `host s`), waits for
+    # the device inside them included: on a call whose host is slower than its device, it adds to
+    # the call's time nearly in full.
     host_seconds_per_call: float | None = None
     report: str | None = None
     plan: str | None = None
@@ -346,14 +347,14 @@ def run_mode(
         loaded, gbps, host = _traffic(pipe, before, calls) if pinned else (None, None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
-        traced = str(traced_call(pipe, call, device)) if trace else None
+        traced = _trace(pipe, call, device) if trace else None
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)
         if oom or unavailable:
             error = "out of memory" if oom else str(exc)
         else:
-            error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            error = f"failed: {_first_line(exc)}"
         logger.warning("%s %s", mode.name, error, exc_info=not (oom or unavailable))
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         _tear_down(pipe, mode, device, compile, dtypes)
@@ -422,6 +423,20 @@ def _restore_dtypes(pipe: DiffusionPipeline, before: dict[str, set[torch.dtype]]
             (dtype,) = dtypes
             logger.warning("%s was left in %s; cast back to %s for the next mode", name, sorted(map(str, after[name])), dtype)
             pipe.components[name].to(dtype=dtype)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's type and the start of its message's first line (a message may be empty)."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
+
+
+def _trace(pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: torch.device) -> str:
+    """The traced call's summary, or why there is none: a failed trace leaves the timed figures be."""
+    try:
+        return str(traced_call(pipe, call, device))
+    except Exception as exc:
+        logger.warning("tracing a call failed", exc_info=True)
+        return f"no trace: {_first_line(exc)}"
 
 
 def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float]:

@@ -41,6 +41,8 @@ _GAP_MIN_US = 1000.0
 _GAPS_SHOWN = 5
 # Host operations shorter than this are not named in a gap (there are thousands a call).
 _OP_MIN_US = 300.0
+# Device events by what they are counted as.
+_DEVICE_WORK = {"kernel": "kernel", "gpu_memset": "kernel", "gpu_memcpy": "copy"}
 
 Interval = tuple[float, float]
 
@@ -119,12 +121,17 @@ def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
     """A profiler range around each entry into each component, for as long as the context lasts.
 
     The bound methods are wrapped on the instance (where accelerate's hooks put their own forward),
-    and the instance attribute is put back, or removed, afterwards."""
+    and the instance attribute is put back, or removed, afterwards. The forward of a component
+    compiled whole (``module.compile()``) is left alone: dynamo would compile the wrapper anew,
+    compile time in the traced call, and drop the range; that component gets no row."""
     replaced: list[tuple[nn.Module, str, object, Callable]] = []
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
+        compiled_whole = getattr(component, "_compiled_call_impl", None) is not None
         for method in _ENTRY_METHODS:
+            if method == "forward" and compiled_whole:
+                continue
             original = getattr(component, method, None)
             if original is None:
                 continue
@@ -152,67 +159,80 @@ def _ranged(method: Callable, label: str) -> Callable:
 
 
 def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallTrace:
-    """Sum a Chrome trace of one call (``torch.profiler``'s export) up per component."""
+    """Sum a Chrome trace of one call (``torch.profiler``'s export) up per component.
+
+    Device work belongs to the component whose range its launch was made in: a kernel or copy and
+    the runtime call that queued it share a correlation id. (The profiler's device-side ranges
+    cannot stand in: it makes one per stream a range queued work on, and none for a range that
+    queued nothing.) A component's device idle time is the time within its host ranges when
+    nothing ran on the device."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     host_ranges = sorted((e for e in spans if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
-    device_ranges = sorted((e for e in spans if e.get("cat") == "gpu_user_annotation"), key=lambda e: e["ts"])
-    kernels = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") in ("kernel", "gpu_memset"))
-    copies = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "gpu_memcpy")
-    busy = _union([*kernels, *copies])
-
-    # A range appears on the host and, where it queued device work, on the device: the n-th of a
-    # name on one is the n-th on the other.
-    on_device: dict[str, list[dict]] = collections.defaultdict(list)
-    for event in device_ranges:
-        on_device[event["name"]].append(event)
-    seen: collections.Counter[str] = collections.Counter()
-    open_until: dict[str, float] = {}
-    totals: dict[str, list[float]] = {}
+    entries: dict[str, list[Interval]] = {}
     for event in host_ranges:
         label = event["name"]
         if not label.startswith(_PREFIX):
             continue
-        index = seen[label]
-        seen[label] += 1
-        if event["ts"] < open_until.get(label, float("-inf")):
+        ranges = entries.setdefault(label[len(_PREFIX) :], [])
+        if ranges and event["ts"] < ranges[-1][1]:
             continue  # entered from inside its own range (a VAE's forward calls its decode): counted there
-        open_until[label] = event["ts"] + event["dur"]
-        total = totals.setdefault(label[len(_PREFIX) :], [0, 0.0, 0.0, 0.0, 0.0])
-        total[0] += 1
-        total[1] += event["dur"]
-        matching = on_device[label]
-        if index < len(matching):
-            start, end = matching[index]["ts"], matching[index]["ts"] + matching[index]["dur"]
-            total[2] += _length(_clip(kernels, start, end))
-            total[3] += _length(_clip(copies, start, end))
-            total[4] += (end - start) - _length(_clip(busy, start, end))
+        ranges.append((event["ts"], event["ts"] + event["dur"]))
+    device = [e for e in spans if e.get("cat") in _DEVICE_WORK]
+    busy = _union((e["ts"], e["ts"] + e["dur"]) for e in device)
+    launched = {
+        e["args"]["correlation"]: e["ts"]
+        for e in spans
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    work: dict[tuple[str, str], list[Interval]] = collections.defaultdict(list)
+    for event in device:
+        launch = launched.get(event.get("args", {}).get("correlation"))
+        owner = None if launch is None else _owner(entries, launch)
+        if owner is not None:
+            work[owner, _DEVICE_WORK[event["cat"]]].append((event["ts"], event["ts"] + event["dur"]))
+
+    def device_ms(name: str, ranges: list[Interval], kind: str) -> float | None:
+        if not with_device:
+            return None
+        if kind == "idle":
+            return sum((end - start) - _length(_clip(busy, start, end)) for start, end in ranges) / 1000
+        return _length(_union(work[name, kind])) / 1000
+
     components = tuple(
         ComponentTrace(
             name,
-            entries,
-            host / 1000,
-            kernel / 1000 if with_device else None,
-            copy / 1000 if with_device else None,
-            idle / 1000 if with_device else None,
+            len(ranges),
+            _length(ranges) / 1000,
+            device_ms(name, ranges, "kernel"),
+            device_ms(name, ranges, "copy"),
+            device_ms(name, ranges, "idle"),
         )
-        for name, (entries, host, kernel, copy, idle) in totals.items()
+        for name, ranges in entries.items()
     )
     call = next((e for e in host_ranges if e["name"] == _CALL), None)
     if not with_device or call is None:
         return CallTrace(wall_ms, None, components, ())
     start, end = call["ts"], call["ts"] + call["dur"]
     inside = _clip(busy, start, end)
-    return CallTrace(wall_ms, _length(inside) / 1000, components, _gaps(inside, start, host_ranges, spans))
+    return CallTrace(wall_ms, _length(inside) / 1000, components, _gaps(inside, start, end, entries, spans))
 
 
-def _gaps(busy: list[Interval], call_start: float, host_ranges: list[dict], spans: list[dict]) -> tuple[DeviceGap, ...]:
-    idle = [(a_end, b_start) for (_, a_end), (b_start, _) in pairwise(busy) if b_start - a_end >= _GAP_MIN_US]
+def _owner(entries: dict[str, list[Interval]], moment: float) -> str | None:
+    """The component whose range ``moment`` falls in (the innermost, where one calls another)."""
+    found = [(start, name) for name, ranges in entries.items() for start, end in ranges if start <= moment <= end]
+    return max(found)[1] if found else None
+
+
+def _gaps(
+    busy: list[Interval], call_start: float, call_end: float, entries: dict[str, list[Interval]], spans: list[dict]
+) -> tuple[DeviceGap, ...]:
+    # The call's edges count: the host preparing inputs before the first kernel, and turning the
+    # output into an image after the last, are idle device time too.
+    edges = [(call_start, call_start), *busy, (call_end, call_end)]
+    idle = [(a_end, b_start) for (_, a_end), (b_start, _) in pairwise(edges) if b_start - a_end >= _GAP_MIN_US]
     ops = [e for e in spans if e.get("cat") == "cpu_op" and e["dur"] >= _OP_MIN_US]
     gaps = []
     for start, end in sorted(idle, key=lambda gap: gap[0] - gap[1])[:_GAPS_SHOWN]:
-        within = [
-            e["name"] for e in host_ranges if e["name"].startswith(_PREFIX) and e["ts"] <= start <= e["ts"] + e["dur"]
-        ]
         overlap: collections.Counter[str] = collections.Counter()
         for op in ops:
             shared = min(op["ts"] + op["dur"], end) - max(op["ts"], start)
@@ -222,7 +242,7 @@ def _gaps(busy: list[Interval], call_start: float, host_ranges: list[dict], span
             DeviceGap(
                 ms=(end - start) / 1000,
                 at_ms=(start - call_start) / 1000,
-                component=within[-1][len(_PREFIX) :] if within else None,
+                component=_owner(entries, start),
                 host_ops=tuple((name, us / 1000) for name, us in overlap.most_common(3)),
             )
         )
