@@ -122,8 +122,8 @@ def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
 
     The bound methods are wrapped on the instance (where accelerate's hooks put their own forward),
     and the instance attribute is put back, or removed, afterwards. The forward of a component
-    compiled whole (``module.compile()``) is left alone: dynamo would compile the wrapper anew,
-    compile time in the traced call, and drop the range; that component gets no row."""
+    compiled whole (``module.compile()``) is left alone: dynamo would compile the wrapper anew
+    (compile time in the traced call) and drop the range anyway; that component gets no row."""
     replaced: list[tuple[nn.Module, str, object, Callable]] = []
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
