@@ -415,9 +415,9 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
-        # The masters' views, and the groups they were made for (see _master_views).
-        self._master_views_of: tuple[StorageGroup, ...] | None = None
-        self._master_views_cache: _Views = ([], [])
+        # The views over the current and the kept masters, each with the groups it was made for, by
+        # id of those (see _master_views).
+        self._master_views_by: dict[int, tuple[tuple[StorageGroup, ...], _Views]] = {}
         self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget)
         # Masters the last conversion (see convert()) left, and a view of each tensor it converted,
         # on both sides, by where it came from: the way back finds its master among them.
@@ -505,10 +505,15 @@ class ModuleStager:
         (every block that streams, at every step), and making a view costs many times what binding
         one does. Binding shares the view's storage and copies its shape; the view itself is never
         changed, so it serves every offload until the masters change."""
-        if self._master_views_of is not self._groups:
-            self._master_views_cache = self._views_over(group.master for group in self._groups)
-            self._master_views_of = self._groups
-        return self._master_views_cache
+        entry = self._master_views_by.get(id(self._groups))
+        if entry is None or entry[0] is not self._groups:
+            entry = (self._groups, self._views_over(group.master for group in self._groups))
+            # The kept masters' views stay too: a cast and its way back swap the two sets.
+            kept = self._master_views_by.get(id(self._kept_groups))
+            self._master_views_by = {id(self._groups): entry}
+            if kept is not None and kept[0] is self._kept_groups:
+                self._master_views_by[id(self._kept_groups)] = kept
+        return entry[1]
 
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
@@ -661,7 +666,11 @@ class ModuleStager:
     def masters_current(self, tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
         storage, dtype and layout it had then (``tensors``: the modules' tensors, if already listed)."""
-        for group in self._groups:
+        return self._bound_to(self._groups, tensors)
+
+    def _bound_to(self, groups: tuple[StorageGroup, ...], tensors: list[torch.Tensor] | None = None) -> bool:
+        """Whether the modules hold exactly the tensors of ``groups``, each over its group's master."""
+        for group in groups:
             address = group.master.data_ptr()
             for binding in group.bindings:
                 tensor = binding.target
@@ -672,12 +681,15 @@ class ModuleStager:
                     or tensor.stride() != binding.stride
                 ):
                     return False
-        return self._holds_only_bound_tensors(tensors)
+        return self._holds_only_bound_tensors(tensors, groups)
 
-    def _holds_only_bound_tensors(self, tensors: list[torch.Tensor] | None = None) -> bool:
-        """Whether the modules' tensors are exactly the ones the masters were taken for (none added,
-        none replaced by another object)."""
-        bound = {id(binding.target) for group in self._groups for binding in group.bindings}
+    def _holds_only_bound_tensors(
+        self, tensors: list[torch.Tensor] | None = None, groups: tuple[StorageGroup, ...] | None = None
+    ) -> bool:
+        """Whether the modules' tensors are exactly the ones the masters (of ``groups``, else the
+        current ones) were taken for (none added, none replaced by another object)."""
+        groups = self._groups if groups is None else groups
+        bound = {id(binding.target) for group in groups for binding in group.bindings}
         return bound == {id(local_tensor(t)) for t in (self.tensors() if tensors is None else tensors)}
 
     def retake_masters(self) -> None:
@@ -758,6 +770,9 @@ class ModuleStager:
 
         kept_before = self._kept_groups
         result = apply(reusing)
+        if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
+            self._swap_kept_masters()
+            return result
         let_go = self._retake()
         if not converted:
             # Nothing to keep from this one (a cast to the dtype it has): what was kept stands.
@@ -775,7 +790,9 @@ class ModuleStager:
                 kept_conversions[_conversion_key(source, now.dtype)] = now
                 kept_conversions[_conversion_key(now, source.dtype)] = source
         masters = {id(group.master) for group in self._groups}
-        self._kept_groups = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
+        kept = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
+        # All of them (the usual case) is the very tuple their cached master views were made for.
+        self._kept_groups = before if len(kept) == len(before) else kept
         self._kept_conversions = kept_conversions
         # Kept masters are not let go: a cast and its way back wait for no copy (the device may
         # still be loading the blocks that ran just before the cast; the host converts meanwhile).
@@ -783,10 +800,24 @@ class ModuleStager:
         dropped = tuple(group for group in before + kept_before if id(group.master) not in held)
         if dropped:
             self._wait_before_letting_go(dropped)
+        self._count_conversion()
+        return result
+
+    def _swap_kept_masters(self) -> None:
+        """Make the kept masters current and the current ones kept, after a conversion that bound
+        every tensor to a kept master: the second cast of a pair, such as SDXL's VAE going back to
+        float16, or, from the second call on, going up to float32 again. Nothing to group, pin or
+        rebind, no view to make, and no master let go; the kept conversions hold both ways already."""
+        before = self.staged_bytes
+        self._groups, self._kept_groups = self._kept_groups, self._groups
+        if self.retention is not None:
+            self.retention.resize(before, self.staged_bytes)
+        self._count_conversion()
+
+    def _count_conversion(self) -> None:
         if self._loads_at_conversion is not None:
             self._most_loads_between_conversions = max(self._most_loads_between_conversions, self._loads_since_conversion())
         self._loads_at_conversion = self.loads
-        return result
 
     def _loads_since_conversion(self) -> int:
         return self.loads - (self._loads_at_conversion or 0)
@@ -872,7 +903,7 @@ class ModuleStager:
         self._groups = tuple(
             replace(group, pinned=group.pinned and group.pin is None, pin=None) for group in self._groups
         )
-        self._master_views_of, self._master_views_cache = None, ([], [])
+        self._master_views_by = {}
         if self.retention is not None:
             self.retention.shrink(self.staged_bytes)
             self.retention = None

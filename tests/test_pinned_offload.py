@@ -190,6 +190,41 @@ def test_a_round_trip_on_kept_masters_waits_for_no_copy(flux: PipelineCase, monk
     assert torch.equal(flux.run(), flux.reference)
 
 
+@pytest.mark.parametrize("vae", ["staged", "streamed"])
+def test_a_round_trip_on_kept_masters_swaps_them_without_a_new_snapshot(
+    flux: PipelineCase, vae: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once both sides of a cast have masters, a cast binds the other side's and keeps this side's:
+    grouping the tensors by storage and making views over the masters again cost SDXL's VAE host
+    time at both of its casts in every call. A master written in between still takes that path."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": vae}, vram_budget=None)
+    module = flux.pipe.vae
+    module.to(dtype=torch.float64)
+    module.to(dtype=torch.float32)
+    snapshots, views = [], []
+    snapshot, views_over = diffusers_residency.staging._snapshot, ModuleStager._views_over
+    spy_snapshot = lambda *args, **kwargs: (snapshots.append(1), snapshot(*args, **kwargs))[1]  # noqa: E731
+    spy_views = lambda *args, **kwargs: (views.append(1), views_over(*args, **kwargs))[1]  # noqa: E731
+    monkeypatch.setattr(diffusers_residency.staging, "_snapshot", spy_snapshot)
+    monkeypatch.setattr(ModuleStager, "_views_over", spy_views)
+    for _ in range(2):
+        module.to(dtype=torch.float64)
+        for unit in staging_hooks(flux.pipe)["vae"].group.units_of("vae"):
+            unit.stager.rebind_masters()  # offloading again reuses the views of these masters
+        module.to(dtype=torch.float32)
+    assert snapshots == [] and views == []
+
+    weight = module.decoder.conv_out.weight  # offloaded by the cast: written into its master
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float64)
+    assert len(snapshots) == 1, "conv_out's float64 master is stale: the tensors are grouped afresh"
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def _decode_in_float64(flux: PipelineCase, times: int) -> None:
     """Load the VAE ``times`` times (a decode each, then offloaded), without casting it."""
     latents = torch.randn(1, flux.pipe.vae.config.latent_channels, 4, 4, dtype=torch.float64)
