@@ -826,6 +826,8 @@ class ModuleStager:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
         self._kept_groups = ()
         self._kept_conversions = {}
+        # Their views, too: they hold the masters' memory.
+        self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}
 
     def map_masters(self, sources: Mapping[int, torch.Tensor]) -> int:
         """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.

@@ -237,11 +237,18 @@ def _decode_in_float64(flux: PipelineCase, times: int) -> None:
 def test_a_cast_for_good_lets_the_masters_it_had_go(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.pipe.vae.to(dtype=torch.float64)
+    flux.pipe.vae.to(dtype=torch.float32)  # binds the float32 masters kept from before
+    assert torch.equal(flux.run(), flux.reference)  # offloaded after: views over both sets cached
+    flux.pipe.vae.to(dtype=torch.float64)
     vae = flux.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.staged_bytes * 3 // 2, "kept for a cast back: float32 and float64 masters"
-    _decode_in_float64(flux, 3)
+    _decode_in_float64(flux, 4)  # more than twice the loads ever seen between two casts (one)
     vae = flux.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.staged_bytes, "only the float64 masters are left"
+    stager = staging_hooks(flux.pipe)["vae"].unit.stager
+    assert all(groups is stager._groups for groups, _ in stager._master_views_by.values()), (
+        "no view over a master let go is kept: it would keep the master's memory"
+    )
 
 
 def test_a_component_used_several_times_between_its_casts_keeps_its_masters(flux: PipelineCase) -> None:
