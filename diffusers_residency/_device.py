@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # The widest alignment CPU kernels branch on (a cache line; AVX-512 loads).
-_CPU_ALIGNMENT = 64
+CPU_ALIGNMENT = 64
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -55,7 +55,7 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 def host_alignment(host: torch.Tensor) -> int:
     """The tensor's address modulo the widest alignment CPU kernels branch on."""
-    return host.data_ptr() % _CPU_ALIGNMENT
+    return host.data_ptr() % CPU_ALIGNMENT
 
 
 def allocate_device_storage(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
@@ -79,8 +79,8 @@ def allocate_device_storage(nbytes: int, device: torch.device, *, alignment: int
     """
     if is_accelerator(device):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    padded = torch.empty(nbytes + _CPU_ALIGNMENT, dtype=torch.uint8)
-    shift = (alignment - padded.data_ptr()) % _CPU_ALIGNMENT
+    padded = torch.empty(nbytes + CPU_ALIGNMENT, dtype=torch.uint8)
+    shift = (alignment - padded.data_ptr()) % CPU_ALIGNMENT
     return padded[shift : shift + nbytes]
 
 

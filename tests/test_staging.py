@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
-from diffusers_residency import ModuleStager
+from diffusers_residency import ModuleStager, _device
 from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
 
 CPU = torch.device("cpu")
@@ -208,7 +211,7 @@ def test_only_a_load_into_slots_holds_its_storage_beyond_the_bound_tensors() -> 
     assert stager._device_storages == []
     stager.offload()
     stager.load(slots=DeviceSlots())
-    assert len(stager._device_storages) == len(stager._layout())
+    assert len(stager._device_storages) == 1, "the load's one buffer"
     stager.offload()
     assert stager._device_storages == []
 
@@ -247,3 +250,35 @@ def test_module_tensors_come_in_parameters_then_buffers_order_with_shared_and_ex
     outside_c = [t for t in (*root.parameters(), *root.buffers()) if all(t is not u for u in (*root.c.parameters(), *root.c.buffers()))]
     assert [id(t) for t in module_tensors((root,), exclude=(root.c,))] == [id(t) for t in outside_c]
     assert list(module_tensors((root.c,), exclude=(root.c,))) == []
+
+
+def test_a_load_allocates_one_buffer_and_gives_each_storage_its_own_slice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One allocation per load (each a segment and a cudaFree of its own otherwise, at every cache
+    release), yet every weight on a storage of its own, aligned as its master was: safetensors
+    refuses tensors that share a storage, and CPU kernels compute by alignment."""
+    module = SharedStorage()
+    module.other = nn.Linear(5, 3)
+    expected_layouts = layouts(module)
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    allocated: list[int] = []
+    allocate = _device.allocate_device_storage
+
+    def counted(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return allocate(nbytes, device, alignment=alignment)
+
+    monkeypatch.setattr(_device, "allocate_device_storage", counted)
+    stager.load()
+    assert len(allocated) == 1 and allocated[0] >= stager.staged_bytes
+    assert layouts(module) == expected_layouts
+    storages = {id(group.master): group for group in stager._groups}
+    loaded = {storage_of(t): t.untyped_storage().nbytes() for t in module.state_dict().values()}
+    assert len(loaded) == len(storages), "a storage of its own for each master's copy"
+    assert sorted(loaded.values()) == sorted(group.nbytes for group in stager._groups)
+    for group in stager._groups:
+        target = group.bindings[0].target
+        assert (storage_of(target) - group.alignment) % 64 == 0, "each copy at its master's alignment"
+    safetensors.torch.save_file(module.other.state_dict(), tmp_path / "other.safetensors")
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "other.safetensors")["weight"], module.other.weight)
