@@ -293,6 +293,8 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
+            # A component's blocks load one allocation per storage: see ModuleStager.
+            one_buffer=component is None or component == name,
         )
         unit = StagedUnit(
             name=name,

@@ -394,6 +394,7 @@ class ModuleStager:
         copy_stream: torch.Stream | None = None,
         retention: RetentionBudget | None = None,
         exclude: Iterable[nn.Module] = (),
+        one_buffer: bool = True,
     ) -> None:
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
@@ -408,6 +409,7 @@ class ModuleStager:
         # Bytes this process may keep page-locked when this stager pins a master; None: never pin.
         self.pin_budget = host_memory.resolve_pin_budget(pin_budget) if pin_memory else None
         self.retention = retention
+        self.one_buffer = one_buffer
         self.loaded = False
         self.loads = 0
         self.loaded_bytes = 0  # moved by all loads, a figure that survives retakes
@@ -536,15 +538,22 @@ class ModuleStager:
         return tuple((group.nbytes, group.alignment) for group in self._groups)
 
     def _placed(self) -> tuple[tuple[int, ...], int]:
-        """Where each group's copy starts in the one device buffer a load allocates, and its size.
+        """Where each group's copy starts in the one device buffer a load allocates (``one_buffer``),
+        and its size.
 
-        One allocation per load, not one per storage: the caching allocator gives a storage of 10 MB
-        or more a segment of its own, and releasing its cache then frees each with a ``cudaFree`` of
-        its own (about 70 us each on the H200 machine: most of a level-1 sleep of a pipeline with
-        700 such weights); every allocation is host time in the load, too. Each copy still gets a
-        storage of its own (see :meth:`_load_once`), starting on the allocator's 512-byte rounding,
-        so kernels see the alignment a storage allocated alone would have; on the CPU at its
-        master's address modulo 64 (see _device.allocate_device_storage)."""
+        One allocation per load rather than one per storage: the caching allocator gives a storage
+        of 10 MB or more a segment of its own, and releasing its cache then frees each with a
+        ``cudaFree`` of its own (about 70 us each on the H200 machine: most of a level-1 sleep of a
+        pipeline with 700 such weights); every allocation is host time in the load, too. Each copy
+        still gets a storage of its own (see :meth:`_load_once`), starting on the allocator's
+        512-byte rounding, so kernels see the alignment a storage allocated alone would have; on
+        the CPU at its master's address modulo 64 (see _device.allocate_device_storage).
+
+        Blocks of a component load one allocation per storage instead (the group makes their
+        stagers so): under a VRAM budget their storages come and go while activations come and go
+        too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
+        size. At 16 GB, FLUX.1-dev's transformer then ran out of room under the cap and retried
+        where storages of their own fit (docs/benchmarks.md)."""
         layout = self._layout()
         if self._placement[0] != layout:
             accelerated = _device.is_accelerator(self.device)
@@ -561,24 +570,30 @@ class ModuleStager:
         return self._placement[1:]
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
-        offsets, total = self._placed()
+        offsets, total = self._placed() if self.one_buffer else ((), 0)
         with torch.inference_mode(False):
             storages = slots.take(self._layout()) if slots is not None else None
-            if storages is None:
+            if storages is None and self.one_buffer:
                 storages = [_device.allocate_device_storage(total, self.device, alignment=0)]
+            elif storages is None:
+                storages = [
+                    _device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups
+                ]
             self._device_storages = storages
-            (buffer,) = storages
-            # A slice of an untyped storage is a storage of its own over those bytes that holds a
-            # reference to the whole: each weight keeps a storage of its own, as it had on the host
-            # (safetensors refuses to save tensors that share one, and a later snapshot groups by
-            # storage), and the buffer lives until the last of them is let go.
-            whole, start = buffer.untyped_storage(), buffer.storage_offset()
-            backings = [
-                torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                    whole[start + offset : start + offset + group.nbytes], 0, (group.nbytes,), (1,)
-                )
-                for offset, group in zip(offsets, self._groups)
-            ]
+            backings = storages
+            if self.one_buffer:
+                # A slice of an untyped storage is a storage of its own over those bytes that holds
+                # a reference to the whole: each weight keeps a storage of its own, as it had on the
+                # host (safetensors refuses to save tensors that share one, and a later snapshot
+                # groups by storage), and the buffer lives until the last of them is let go.
+                (buffer,) = storages
+                whole, start = buffer.untyped_storage(), buffer.storage_offset()
+                backings = [
+                    torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                        whole[start + offset : start + offset + group.nbytes], 0, (group.nbytes,), (1,)
+                    )
+                    for offset, group in zip(offsets, self._groups)
+                ]
             with self._copy.running():
                 for backing, group in zip(backings, self._groups):
                     backing.copy_(group.master, non_blocking=self.pin_memory)
