@@ -282,10 +282,11 @@ def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path,
             }, name
     assert torch.equal(case.run(), case.reference)
 
-    assert main(["--modes", "resident,pinned", "--calls", "1", "--trace", "--out", str(tmp_path)]) == 0
+    assert main(["--modes", "resident,pinned", "--calls", "1", "--trace", "--rounds", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "one more call of the resident mode at unlimited, traced" in out
-    assert "one more call of the pinned mode at unlimited, traced" in out
+    for round_ in (1, 2):  # every round's trace, not only the last one's
+        assert f"one more call traced, resident @ unlimited (round {round_})" in out
+        assert f"one more call traced, pinned @ unlimited (round {round_})" in out
     assert all(r["trace"] for r in json.loads((tmp_path / "results.json").read_text())["results"])
 
 

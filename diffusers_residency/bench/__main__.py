@@ -332,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")
         if result.report:
             print(f"\nresidency_report() after its calls:\n\n```\n{result.report}\n```")
+    for result in results:  # every round's: each is a call of its own
         if result.trace:
-            print(f"\none more call of the {result.mode} mode at {budget}, traced:\n\n```\n{result.trace}\n```")
+            where = _label(result.mode, result.budget_bytes) + (f" (round {result.round})" if args.rounds > 1 else "")
+            print(f"\none more call traced, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":
