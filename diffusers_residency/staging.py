@@ -776,15 +776,21 @@ class ModuleStager:
         self._groups, copied_host = _snapshot(tensors, self.pin_budget, self._groups + self._kept_groups)
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
-        self._claim_tensors()
-        self.rebind_masters()
-        if copied_host:
-            # A trim walks all of malloc's heap (milliseconds): only when copies into masters freed
-            # the originals. (Conversion results dropped for kept masters leave holes too, of the
-            # same sizes at every call, which the next call's conversions fill.)
-            _device.release_freed_host_heap()
-        if self.retention is not None:
-            self.retention.resize(before, self.staged_bytes)
+        try:
+            self._claim_tensors()
+            self.rebind_masters()
+            if copied_host:
+                # A trim walks all of malloc's heap (milliseconds): only when copies into masters
+                # freed the originals. (Conversion results dropped for kept masters leave holes too,
+                # of the same sizes at every call, which the next call's conversions fill.)
+                _device.release_freed_host_heap()
+            if self.retention is not None:
+                self.retention.resize(before, self.staged_bytes)
+        except BaseException:
+            # The old masters go with ``old`` when this raises, and the last load may still be
+            # copying from them: the same wait as for masters let go on success.
+            self._wait_before_letting_go(old)
+            raise
         logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
         return tuple(group for group in old if id(group.master) not in active)
 

@@ -282,3 +282,22 @@ def test_a_load_allocates_one_buffer_and_gives_each_storage_its_own_slice(
         assert (storage_of(target) - group.alignment) % 64 == 0, "each copy at its master's alignment"
     safetensors.torch.save_file(module.other.state_dict(), tmp_path / "other.safetensors")
     assert torch.equal(safetensors.torch.load_file(tmp_path / "other.safetensors")["weight"], module.other.weight)
+
+
+def test_a_retake_that_fails_after_taking_new_masters_waits_for_copies_reading_the_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old masters are dropped as the exception leaves: a copy of the last load may still be
+    reading them (the CPU has none, so the wait is counted where it is made)."""
+    module = nn.Linear(4, 4)
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    stager.load()
+    stager.offload()
+    module.weight = nn.Parameter(module.weight.detach() * 2)  # a new parameter: new masters to take
+    waited: list[tuple] = []
+    monkeypatch.setattr(ModuleStager, "_wait_before_letting_go", lambda self, groups: waited.append(groups))
+    monkeypatch.setattr(ModuleStager, "_claim_tensors", lambda self: (_ for _ in ()).throw(RuntimeError("injected")))
+    before = stager._groups
+    with pytest.raises(RuntimeError, match="injected"):
+        stager.retake_masters()
+    assert waited == [before]
