@@ -213,17 +213,23 @@ class StagingHook(ModelHook):
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
-        convert = self.unit.stager.convert
+        unit = self.unit
         if self.group.casting:
             # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
-            return convert(lambda apply: original_apply(apply, recurse), fn)
-        started = time.perf_counter()
-        self.group.casting = True
-        try:
-            return convert(lambda apply: original_apply(apply, recurse), fn)
-        finally:
-            self.group.casting = False
-            self.unit.host_seconds += time.perf_counter() - started
+            result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
+        else:
+            started = time.perf_counter()
+            self.group.casting = True
+            try:
+                result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
+            finally:
+                self.group.casting = False
+                unit.host_seconds += time.perf_counter() - started
+        if unit.sleep_level == 2 and not unit.stager.host_bytes()["mapped"]:
+            # Cast while asleep at level 2: its masters are the results, memory of their own, and
+            # none maps a file any more. It sleeps on with its masters in memory: level 1.
+            unit.sleep_level = 1
+        return result
 
 
 def attach_staging_hook(

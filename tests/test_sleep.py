@@ -85,6 +85,8 @@ def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: Pi
     flux.pipe.sleep(level=2)
     flux.pipe.vae.to(dtype=torch.float64)
     flux.pipe.vae.to(dtype=torch.float32)
+    assert states(flux.pipe)["vae"] == "asleep (1)", "nothing of it maps a file now: its level says so"
+    assert flux.pipe.residency_report()["vae"].mapped_bytes == 0
     assert torch.equal(flux.run(), flux.reference)
     assert flux.pipe.residency_report()["vae"].mapped_bytes == 0
     flux.pipe.sleep(level=2)
