@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _device
 from .planner import PREFETCH_BLOCKS
-from .residency import Policy, ResidencyGroup, StagedUnit
+from .residency import DIFFUSERS_REGISTRY_ATTR, Policy, ResidencyGroup, StagedUnit
 from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -37,9 +37,8 @@ logger = logging.getLogger(__name__)
 # the masters, which are the weights then.
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
 
-# diffusers' HookRegistry attribute and the name its group offloading registers under; private to
-# diffusers, read only to refuse a combination that leaves dead hooks behind.
-_DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+# The name diffusers' group offloading registers under (private to diffusers), read only to refuse
+# a combination that leaves dead hooks behind.
 _GROUP_OFFLOADING_HOOK = "group_offloading"
 
 # Hook methods kept out of torch.compile, each with the function it wraps.
@@ -89,7 +88,7 @@ def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None 
                 "e.g. pipe.remove_all_hooks() after enable_model_cpu_offload()/enable_sequential_cpu_offload(), "
                 "or accelerate.hooks.remove_hook_from_module(module, recurse=True)."
             )
-        registry = getattr(sub, _DIFFUSERS_REGISTRY_ATTR, None)
+        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
         if registry is not None and registry.get_hook(_GROUP_OFFLOADING_HOOK) is not None:
             raise ValueError(
                 f"{where!r} has diffusers group offloading enabled. Pinned offload replaces it; "

@@ -29,6 +29,22 @@ from .streaming import BlockStream
 logger = logging.getLogger(__name__)
 
 
+# diffusers' registry of model hooks and the name its layerwise casting registers under, both private
+# to diffusers: read to tell a unit whose weights its forwards move to storage of their own (see
+# StagedUnit.load).
+DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+_LAYERWISE_CASTING_HOOK = "layerwise_casting"
+
+
+def casts_layerwise(module: nn.Module) -> bool:
+    """Whether diffusers' layerwise casting is on anywhere in ``module``."""
+    return any(
+        registry.get_hook(_LAYERWISE_CASTING_HOOK) is not None
+        for registry in (getattr(sub, DIFFUSERS_REGISTRY_ATTR, None) for sub in module.modules())
+        if registry is not None
+    )
+
+
 @dataclass(eq=False)
 class StagedUnit:
     """One module (a pipeline component, one of its blocks, or any submodule) under a group's control.
@@ -50,6 +66,9 @@ class StagedUnit:
     # 0 awake; 1 asleep with host masters; 2 asleep with masters mapped from checkpoint files.
     sleep_level: int = 0
     load_on_wake: bool = False
+    # Whether its loads may take one device buffer for all its storages (a whole component, or a
+    # streamed one's trunk; see ModuleStager._placed).
+    one_buffer: bool = True
     # Host time the package spent for this unit: making it ready at each forward (evictions, loads
     # issued, replans), at a wake or a move to the device, and casting its weights; waits for the
     # device in there (a cache release, the previous copy collected) included. A pipeline whose
@@ -75,6 +94,11 @@ class StagedUnit:
             logger.info("Waking %r for a call", self.name)
             self.wake_masters()
         self.stager.retake_masters()
+        # Layerwise casting moves each cast weight to storage of its own at every forward, and
+        # leaves the rest (norms, embeddings) where the load put them: in one buffer, those would
+        # hold every replaced copy's memory too, for as long as the unit is loaded. (Checked at each
+        # load: it may be enabled after the hooks; a whole component loads at most once a call.)
+        self.stager.one_buffer = self.one_buffer and not casts_layerwise(self.module)
         self.stager.load(ahead=ahead, slots=slots)
 
     def wake_masters(self) -> None:
@@ -285,6 +309,8 @@ class ResidencyGroup:
         policy = Policy.parse(policy, name)
         self.check_can_add(module, name, exclude)
         original_device = next((t.device for t in module_tensors((module,), exclude)), torch.device("cpu"))
+        # A component's blocks load one allocation per storage: see ModuleStager._placed.
+        one_buffer = component is None or component == name
         stager = ModuleStager(
             module,
             self.device,
@@ -293,8 +319,7 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
-            # A component's blocks load one allocation per storage: see ModuleStager.
-            one_buffer=component is None or component == name,
+            one_buffer=one_buffer,
         )
         unit = StagedUnit(
             name=name,
@@ -303,6 +328,7 @@ class ResidencyGroup:
             stager=stager,
             component=component or name,
             original_device=original_device,
+            one_buffer=one_buffer,
         )
         self.units.append(unit)
         return unit

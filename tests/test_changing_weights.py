@@ -3,8 +3,13 @@ parameters. Each change is made on the host masters and staged like the weights 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from diffusers_residency import _device
 
 from .helpers import PipelineCase
 
@@ -165,6 +170,43 @@ def resident_transformer(case: PipelineCase) -> None:
     case.run()
     group = case.pipe.__dict__["_pinned_residency"].group
     assert next(u for u in group.units if u.name == "transformer").stager.loaded
+
+
+@pytest.mark.parametrize("order", ["casting-then-offload", "offload-then-casting"])
+def test_layerwise_casting_lets_the_loaded_copies_it_replaces_go(
+    flux: PipelineCase, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layerwise casting moves each cast weight to storage of its own at every forward and leaves
+    the others (norms, embeddings) where the load put them. Loaded into one buffer, those would keep
+    every replaced copy's memory too, for as long as the component stays on the device."""
+    loads: list[tuple[int, StorageWeakRef]] = []
+    allocate = _device.allocate_device_storage
+
+    def recorded(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        storage = allocate(nbytes, device, alignment=alignment)
+        loads.append((nbytes, StorageWeakRef(storage.untyped_storage())))
+        return storage
+
+    transformer = flux.pipe.transformer
+    if order == "casting-then-offload":
+        transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    resident_transformer(flux)  # its first load, before casting in the other order
+    if order == "offload-then-casting":
+        transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+        flux.pipe.sleep(offload=["transformer"])  # loaded again, now with casting on
+        flux.pipe.wake_up()
+    flux.pipe.sleep(offload=["transformer"])
+    with monkeypatch.context() as patch:
+        patch.setattr(_device, "allocate_device_storage", recorded)
+        flux.pipe.wake_up(["transformer"])  # a load of the transformer alone, recorded
+    flux.run()
+    gc.collect()
+    alive = sum(nbytes for nbytes, ref in loads if not ref.expired())
+    tensors = {id(t): t for t in [*transformer.parameters(), *transformer.buffers()]}.values()
+    left_in_place = sum(t.untyped_storage().nbytes() for t in tensors if t.dtype != FP8)
+    assert any(t.dtype == FP8 for t in tensors) and alive <= left_in_place, (
+        f"{alive} bytes of the load still held, for {left_in_place} bytes of weights the casting left in place"
+    )
 
 
 def test_lora_fused_hotswapped_and_unfused_on_a_loaded_component_survive_its_offload(flux: PipelineCase) -> None:
