@@ -53,6 +53,14 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index == b.index or resolve_device(a) == resolve_device(b))
 
 
+def slices_storages(device: torch.device) -> bool:
+    """Whether a slice of a storage on ``device`` is memory a tensor can live in: a storage's data
+    pointer is an address on the CPU and CUDA (ROCm included), but MPS hands out a buffer handle,
+    to which an offset means nothing. Elsewhere one allocation is made per storage (see
+    staging.ModuleStager._placed)."""
+    return device.type in ("cpu", "cuda")
+
+
 def host_alignment(host: torch.Tensor) -> int:
     """The tensor's address modulo the widest alignment CPU kernels branch on."""
     return host.data_ptr() % CPU_ALIGNMENT

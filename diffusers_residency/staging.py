@@ -553,7 +553,9 @@ class ModuleStager:
         stagers so): under a VRAM budget their storages come and go while activations come and go
         too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
         size. At 16 GB, FLUX.1-dev's transformer then ran out of room under the cap and retried
-        where storages of their own fit (docs/benchmarks.md)."""
+        where storages of their own fit (docs/benchmarks.md). So do units under diffusers' layerwise
+        casting (see StagedUnit.load), and every device but the CPU and CUDA (see
+        _device.slices_storages)."""
         layout = self._layout()
         if self._placement[0] != layout:
             accelerated = _device.is_accelerator(self.device)
@@ -570,10 +572,11 @@ class ModuleStager:
         return self._placement[1:]
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
-        offsets, total = self._placed() if self.one_buffer else ((), 0)
+        one_buffer = self.one_buffer and _device.slices_storages(self.device)
+        offsets, total = self._placed() if one_buffer else ((), 0)
         with torch.inference_mode(False):
             storages = slots.take(self._layout()) if slots is not None else None
-            if storages is None and self.one_buffer:
+            if storages is None and one_buffer:
                 storages = [_device.allocate_device_storage(total, self.device, alignment=0)]
             elif storages is None:
                 storages = [
@@ -581,7 +584,7 @@ class ModuleStager:
                 ]
             self._device_storages = storages
             backings = storages
-            if self.one_buffer:
+            if one_buffer:
                 # A slice of an untyped storage is a storage of its own over those bytes that holds
                 # a reference to the whole: each weight keeps a storage of its own, as it had on the
                 # host (safetensors refuses to save tensors that share one, and a later snapshot
