@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from diffusers_residency import StagingHook
+from diffusers_residency import StagingHook, _device
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 
 
@@ -55,3 +55,16 @@ def assert_no_meta_or_foreign_device(pipe, device: str = "cpu") -> None:
         if isinstance(module, torch.nn.Module):
             for key, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 assert tensor.device.type == device, f"{name}.{key} on {tensor.device}"
+
+
+def count_device_allocations(monkeypatch) -> list[int]:
+    """Spy on the one point where stagers allocate device storage: the sizes allocated, in order."""
+    sizes: list[int] = []
+    allocate = _device.allocate_device_storage
+
+    def counted(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return allocate(nbytes, device, alignment=alignment)
+
+    monkeypatch.setattr(_device, "allocate_device_storage", counted)
+    return sizes

@@ -9,8 +9,10 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from diffusers_residency import ModuleStager, _device
+from diffusers_residency import ModuleStager
 from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
+
+from .helpers import count_device_allocations
 
 CPU = torch.device("cpu")
 
@@ -262,14 +264,7 @@ def test_a_load_allocates_one_buffer_and_gives_each_storage_its_own_slice(
     module.other = nn.Linear(5, 3)
     expected_layouts = layouts(module)
     stager = ModuleStager(module, CPU, pin_memory=False)
-    allocated: list[int] = []
-    allocate = _device.allocate_device_storage
-
-    def counted(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
-        allocated.append(nbytes)
-        return allocate(nbytes, device, alignment=alignment)
-
-    monkeypatch.setattr(_device, "allocate_device_storage", counted)
+    allocated = count_device_allocations(monkeypatch)
     stager.load()
     assert len(allocated) == 1 and allocated[0] >= stager.staged_bytes
     assert layouts(module) == expected_layouts

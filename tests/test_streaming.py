@@ -15,7 +15,7 @@ from diffusers_residency.pipeline import RESERVE_MARGIN, _component_sizes, _modu
 from diffusers_residency.planner import MIN_RESERVE_BYTES, Policy, plan_residency
 from diffusers_residency.streaming import repeated_blocks
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, count_device_allocations
 
 RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
@@ -216,19 +216,6 @@ def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase)
     detach_staging_hook(flux.pipe.transformer)
 
 
-def _count_device_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Spy on the one point where stagers allocate device storage: the sizes allocated, in order."""
-    sizes: list[int] = []
-    allocate = _device.allocate_device_storage
-
-    def counted(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
-        sizes.append(nbytes)
-        return allocate(nbytes, device, alignment=alignment)
-
-    monkeypatch.setattr(_device, "allocate_device_storage", counted)
-    return sizes
-
-
 def _stream_single_blocks(flux: PipelineCase, prefetch_blocks: int) -> tuple[ResidencyGroup, list]:
     """Stream the tiny FLUX transformer's single-stream blocks (one layout) through a script's group,
     its double-stream blocks resident; returns the group and the streamed units."""
@@ -246,7 +233,7 @@ def test_streamed_blocks_load_into_the_storage_of_the_blocks_they_follow(
 ) -> None:
     # Only the single-stream blocks stream: one layout, so the window's storage is allocated once.
     group, streamed = _stream_single_blocks(flux, prefetch_blocks=2)
-    allocations = _count_device_allocations(monkeypatch)
+    allocations = count_device_allocations(monkeypatch)
 
     assert torch.equal(flux.run(), flux.reference)
     window = 3 * len(streamed[0].stager._layout())  # blocks: an allocation per storage
