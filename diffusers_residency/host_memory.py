@@ -18,6 +18,7 @@ masters still work, at the pageable copy rate, and the report says which bytes a
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import mmap
 import os
@@ -224,6 +225,14 @@ def block_bytes(sizes: Sequence[int], alignments: Sequence[int]) -> tuple[list[i
         offsets.append(_align_up(total, _SLOT_ALIGNMENT) + alignment)
         total = offsets[-1] + size
     return offsets, max(_align_up(total, _PAGE), _PAGE)  # a mapping cannot be empty
+
+
+def host_span(address: int, nbytes: int) -> torch.Tensor:
+    """A flat byte tensor over ``nbytes`` of host memory at ``address``, owning none of it: one copy
+    source spanning several masters that lie side by side in one block (see
+    ``staging.ModuleStager._placed``). Their own tensors keep the memory alive; torch has no tensor
+    over a raw range, so the range goes through a ctypes array."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
 
 
 def copy_to_host(

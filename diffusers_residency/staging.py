@@ -33,6 +33,8 @@ T = TypeVar("T")
 # Where each storage's copy starts in a load's device buffer: the caching allocator's own rounding
 # (see ModuleStager._placed).
 _DEVICE_ALIGNMENT = 512
+# Masters further apart than this in one page-locked block are copied apart (see ModuleStager._placed).
+_MOST_BYTES_COPIED_BETWEEN = 4096
 
 # When a stager lets go of the masters kept from before its last conversion (see
 # ModuleStager.convert): at a load, once it has loaded this many times since, and more than twice as
@@ -421,8 +423,9 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
-        # Where each group's copy goes in a load's buffer, and the buffer's size, for a layout.
-        self._placement: tuple[tuple, tuple[int, ...], int] = ((), (), 0)
+        # Where each group's copy goes in a load's buffer, the buffer's size, and the copies that
+        # fill it (see _placed), for a layout and the masters' addresses.
+        self._placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]] = ((), (), 0, ())
         # The views over the current and the kept masters, each with the groups it was made for, by
         # id of those (see _master_views).
         self._master_views_by: dict[int, tuple[tuple[StorageGroup, ...], _Views]] = {}
@@ -537,9 +540,10 @@ class ModuleStager:
         # On the CPU the copy's alignment is part of its place (see _device.allocate_device_storage).
         return tuple((group.nbytes, group.alignment) for group in self._groups)
 
-    def _placed(self) -> tuple[tuple[int, ...], int]:
+    def _placed(self) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
         """Where each group's copy starts in the one device buffer a load allocates (``one_buffer``),
-        and its size.
+        the buffer's size, and the copies that fill it: ranges of groups ``(first, last)``, each
+        one host-to-device copy.
 
         One allocation per load rather than one per storage: the caching allocator gives a storage
         of 10 MB or more a segment of its own, and releasing its cache then frees each with a
@@ -549,6 +553,12 @@ class ModuleStager:
         512-byte rounding, so kernels see the alignment a storage allocated alone would have; on
         the CPU at its master's address modulo 64 (see _device.allocate_device_storage).
 
+        Masters side by side in one page-locked block (see host_memory.copy_to_host: each starts on
+        the same 512-byte rounding) keep their distances in the buffer, and go in one copy: SDXL's
+        2643 storages, copied one by one, moved below the bus's rate on the H200 machine, and its
+        four blocks, in four copies, at it. The bytes between two such masters (under a page;
+        padding of the block) are copied too, into padding of the buffer.
+
         Blocks of a component load one allocation per storage instead (the group makes their
         stagers so): under a VRAM budget their storages come and go while activations come and go
         too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
@@ -557,23 +567,39 @@ class ModuleStager:
         casting (see StagedUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
         layout = self._layout()
-        if self._placement[0] != layout:
+        addresses = tuple(group.master.data_ptr() for group in self._groups)
+        if self._placement[0] != (layout, addresses):
             accelerated = _device.is_accelerator(self.device)
-            offsets, end = [], 0
-            for group in self._groups:
+
+            def start_at_or_after(end: int, group: StorageGroup) -> int:
                 if accelerated:
-                    end = -(-end // _DEVICE_ALIGNMENT) * _DEVICE_ALIGNMENT
-                else:
-                    end += (group.alignment - end) % _device.CPU_ALIGNMENT
-                offsets.append(end)
-                end += group.nbytes
-            # Keyed by the layout, not the groups: holding those would keep masters let go alive.
-            self._placement = (layout, tuple(offsets), end)
+                    return -(-end // _DEVICE_ALIGNMENT) * _DEVICE_ALIGNMENT
+                return end + (group.alignment - end) % _device.CPU_ALIGNMENT
+
+            offsets: list[int] = []
+            runs: list[list[int]] = []
+            end = 0
+            previous: StorageGroup | None = None
+            for index, (group, address) in enumerate(zip(self._groups, addresses)):
+                if previous is not None and group.pin is not None and group.pin is previous.pin:
+                    # In the same registered range as the one before: page-locked memory throughout.
+                    gap = address - (addresses[index - 1] + previous.nbytes)
+                    start = end + gap
+                    if 0 <= gap < _MOST_BYTES_COPIED_BETWEEN and start == start_at_or_after(start, group):
+                        offsets.append(start)
+                        runs[-1][1] = index
+                        end, previous = start + group.nbytes, group
+                        continue
+                offsets.append(start_at_or_after(end, group))
+                runs.append([index, index])
+                end, previous = offsets[-1] + group.nbytes, group
+            # Keyed by sizes and addresses, not the groups: holding those would keep masters let go alive.
+            self._placement = ((layout, addresses), tuple(offsets), end, tuple((a, b) for a, b in runs))
         return self._placement[1:]
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         one_buffer = self.one_buffer and _device.slices_storages(self.device)
-        offsets, total = self._placed() if one_buffer else ((), 0)
+        offsets, total, runs = self._placed() if one_buffer else ((), 0, ())
         with torch.inference_mode(False):
             storages = slots.take(self._layout()) if slots is not None else None
             if storages is None and one_buffer:
@@ -598,8 +624,15 @@ class ModuleStager:
                     for offset, group in zip(offsets, self._groups)
                 ]
             with self._copy.running():
-                for backing, group in zip(backings, self._groups):
-                    backing.copy_(group.master, non_blocking=self.pin_memory)
+                if one_buffer:
+                    for first, last in runs:
+                        begin, end = offsets[first], offsets[last] + self._groups[last].nbytes
+                        master = self._groups[first].master
+                        source = master if first == last else host_memory.host_span(master.data_ptr(), end - begin)
+                        buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
+                else:
+                    for backing, group in zip(backings, self._groups):
+                        backing.copy_(group.master, non_blocking=self.pin_memory)
         self._bind(backings)
         if slots is None:
             # From here on the bound views keep the buffer alive, and let it go once they have all

@@ -97,6 +97,39 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     assert large.data_ptr() == address and torch.equal(module(x), expected)
 
 
+def test_masters_side_by_side_in_a_locked_block_load_in_one_copy(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small masters copied into one locked block keep their distances in the load's buffer and go
+    in one copy: a component's thousands of small storages, copied one by one, ran below the bus's
+    rate on the H200 machine. A weight locked in place is a copy of its own; every weight still
+    gets a storage of its own, at its master's alignment."""
+    module = large_and_small()
+    x = torch.randn(3, 4096)
+    expected = module(x)
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    spans: list[int] = []
+    span = host_memory.host_span
+    monkeypatch.setattr(host_memory, "host_span", lambda address, nbytes: (spans.append(nbytes), span(address, nbytes))[1])
+    offsets, _, runs = stager._placed()
+    # The large weight first (module order), locked where it is; then the block of the three small ones.
+    assert runs == ((0, 0), (1, 3))
+    block = [group.master.data_ptr() for group in stager._groups[1:]]
+    assert [offset - offsets[1] for offset in offsets[1:]] == [address - block[0] for address in block]
+    stager.load()
+    assert spans == [offsets[3] + stager._groups[3].nbytes - offsets[1]]
+    storages = {t.untyped_storage().data_ptr() for t in weights(module).values()}
+    assert len(storages) == 4, "a storage of its own for each weight"
+    assert all((t.data_ptr() - g.alignment) % 64 == 0 for g in stager._groups for t in [g.bindings[0].target])
+    assert torch.equal(module(x), expected)
+    stager.offload()
+    module[2].bias = torch.nn.Parameter(module[2].bias.detach() + 1)  # a master of its own, in no block
+    expected = module(x)
+    stager.retake_masters()
+    assert stager._placed()[2] == ((0, 0), (1, 2), (3, 3))
+    stager.load()
+    assert torch.equal(module(x), expected)
+    stager.close()
+
+
 def test_a_large_weight_in_the_malloc_heap_is_copied_not_locked_in_place(
     driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
