@@ -10,6 +10,9 @@ pipeline built on the device) and weights whose pages cannot be registered are c
 a block sized to their bytes (slots padded to 512 bytes, the block to whole pages) that is
 registered in turn, and their old memory is freed.
 
+Masters that a level-2 sleep swapped for views of the checkpoint files are read back from the files
+into such blocks by threads, each piece locked as it fills (``read_to_host``).
+
 Page locking is process-wide and the pages cannot be swapped out, so it is bounded: every masters'
 registration counts against a pin budget; what does not fit stays pageable. Loads from pageable
 masters still work, at the pageable copy rate, and the report says which bytes are pinned.
@@ -22,8 +25,10 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +53,14 @@ _SLOT_ALIGNMENT = 512
 # big enough, beside other allocations, so that heap is excluded (see owns_its_pages); outside it,
 # an allocation larger than a thread arena's 64 MiB heap is a mapping of its own.
 IN_PLACE_MIN_BYTES = 64 << 20
+# Masters read back from their files (see read_to_host) go in pieces of about this size, each
+# page-locked as soon as it is full while threads fill the next ones.
+_PIECE_BYTES = 256 << 20
+# Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.
+_HUGE_PAGE = 2 << 20
+# Reading the page cache is a copy the kernel makes on the calling thread: one thread read 6.1 GB/s
+# on the H200 machine, sixteen 44 GB/s.
+_READ_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -250,18 +263,196 @@ def copy_to_host(
     if not sources:
         return []
     offsets, span = block_bytes([source.numel() for source in sources], alignments)
-    mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block = memoryview(mapping)
-    start = torch.frombuffer(block[:1], dtype=torch.uint8).data_ptr()
+    mapping, block, start = _new_block(span)
     host_pin = _pin_range(start, start + span, (mapping,), budget) if pin else None
     masters = []
     for source, offset in zip(sources, offsets):
-        size = source.numel()
-        data = (
-            torch.frombuffer(block[offset : offset + size], dtype=torch.uint8)
-            if size
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        data = _slot(block, offset, source.numel())
         data.copy_(source)
-        masters.append(HostMaster(data, host_pin, pinned=host_pin is not None or (pin and not size)))
+        masters.append(HostMaster(data, host_pin, pinned=host_pin is not None or (pin and not source.numel())))
+    return masters
+
+
+def _new_block(span: int) -> tuple[mmap.mmap, memoryview, int]:
+    """A private anonymous mapping of ``span`` bytes, its memoryview and its address.
+
+    Backed by huge pages where the kernel allows: fewer page faults while it fills, and fewer pages
+    to lock. On the H200 machine, filling 8 GiB from the page cache ran at 27.6 GB/s against 16.6,
+    and locking it took 0.022 s per GiB against 0.051."""
+    mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages
+            pass
+    block = memoryview(mapping)
+    return mapping, block, torch.frombuffer(block[:1], dtype=torch.uint8).data_ptr()
+
+
+def _slot(block: memoryview, offset: int, size: int) -> torch.Tensor:
+    return torch.frombuffer(block[offset : offset + size], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+
+class OpenFile:
+    """A file open for reading, closed once nothing reads it any more.
+
+    Masters read their file through the descriptor, not its path: the path could be given a new
+    file (a checkpoint saved again) while their mapping still shows the old one. ``mapping_path``
+    names the same open file, for mapping it.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        weakref.finalize(self, os.close, self.fd)
+        by_descriptor = f"/proc/self/fd/{self.fd}"
+        self.mapping_path = by_descriptor if os.path.exists(by_descriptor) else os.fspath(path)
+
+
+@dataclass(frozen=True)
+class MappedBytes:
+    """A master's bytes in a checkpoint file: a flat view of them in a private memory mapping of the
+    file, and, when known, the open file and where in it they lie."""
+
+    view: torch.Tensor
+    file: OpenFile | None = None
+    offset: int = 0
+
+
+def _written_pages(view: torch.Tensor) -> bool:
+    """Whether this process wrote to any page of a private file mapping under ``view`` (or cannot
+    tell): a written page is the process's own copy, no longer the file's (``/proc/self/pagemap``:
+    present without the file-page bit, or swapped out; a page never written is either not present or
+    a page of the file)."""
+    start, end = _page_span(view)
+    expected = 8 * ((end - start) // _PAGE)
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            entries = os.pread(pagemap.fileno(), expected, 8 * (start // _PAGE))
+    except OSError:
+        return True
+    if len(entries) != expected:
+        return True
+    flags = torch.frombuffer(bytearray(entries), dtype=torch.int64)
+    present, swapped, file_page = flags < 0, (flags >> 62) & 1 == 1, (flags >> 61) & 1 == 1
+    return bool(((present & ~file_page) | swapped).any())
+
+
+def _fill(slot: torch.Tensor, source: MappedBytes) -> None:
+    """Copy a master's bytes into ``slot``: with ``pread`` from its file where this process never
+    wrote to its mapped view, else from the view.
+
+    Copying from the view makes the kernel fault in every 4 KiB page of the mapping and, at the
+    end, unmap them; reading the file copies out of the page cache with neither. On the H200 machine,
+    8 GiB went in at 12.4 GB/s through a mapping, and at 20.3 GB/s read by 16 threads into pieces
+    locked as they filled."""
+    if source.file is None or _written_pages(source.view) or not _read(source.file, source.offset, slot):
+        # No file, pages of its own, or a file cut short since it was mapped: the view says it all.
+        slot.copy_(source.view)
+
+
+def _read(file: OpenFile, offset: int, slot: torch.Tensor) -> bool:
+    """Fill ``slot`` from ``file`` at ``offset`` with ``pread``; False if the file ends first."""
+    target = memoryview((ctypes.c_uint8 * slot.numel()).from_address(slot.data_ptr())).cast("B")
+    done = 0
+    while done < len(target):
+        read = os.preadv(file.fd, [target[done:]], offset + done)
+        if read <= 0:
+            return False
+        done += read
+    return True
+
+
+def _holds(master: torch.Tensor, source: MappedBytes, scratch: torch.Tensor) -> bool:
+    """Whether ``source`` holds the same bytes as ``master``, read from its file a chunk at a time
+    into ``scratch`` where it has one (see :func:`_fill` for why not through the view)."""
+    if master.numel() != source.view.numel():
+        return False
+    if source.file is None or _written_pages(source.view):
+        return _equal_bytes(master, source.view)
+    for start in range(0, master.numel(), scratch.numel()):
+        chunk = master[start : start + scratch.numel()]
+        if not _read(source.file, source.offset + start, scratch[: chunk.numel()]) or not _equal_bytes(
+            chunk, scratch[: chunk.numel()]
+        ):
+            return False
+    return True
+
+
+_LIBC = ctypes.CDLL(None)
+_LIBC.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_LIBC.memcmp.restype = ctypes.c_int
+
+
+def _equal_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """``torch.equal`` for two flat byte tensors of one size, by ``memcmp``: called from many threads
+    at once, each ``torch.equal`` would start its own team of intra-op threads over the same cores
+    (a level-2 sleep compared FLUX.1-dev's weights at 5.9 GB/s so on the H200 machine)."""
+    return not first.numel() or _LIBC.memcmp(first.data_ptr(), second.data_ptr(), first.numel()) == 0
+
+
+def hold_the_same_bytes(masters: Sequence[torch.Tensor], sources: Sequence[MappedBytes]) -> list[bool]:
+    """For each master, whether its source in a checkpoint file holds the same bytes, compared by
+    threads (a level-2 sleep compares every weight; through the views, FLUX.1-dev's 33.7 GB took
+    10 s on the H200 machine)."""
+    scratches = threading.local()
+
+    def holds(pair: tuple[torch.Tensor, MappedBytes]) -> bool:
+        if not hasattr(scratches, "tensor"):
+            scratches.tensor = torch.empty(_PIECE_BYTES // 4, dtype=torch.uint8)
+        return _holds(*pair, scratches.tensor)
+
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="hold_the_same_bytes") as readers:
+        return list(readers.map(holds, zip(masters, sources)))
+
+
+def read_to_host(
+    sources: Sequence[MappedBytes], alignments: Sequence[int], budget: int, *, pin: bool
+) -> list[HostMaster]:
+    """Masters of memory of their own for masters mapped from checkpoint files, page-locked if ``pin``
+    and within ``budget``.
+
+    One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` laid out by
+    :func:`block_bytes` and starting on huge-page boundaries. Threads fill the pieces (see
+    :func:`_fill`); each is registered as soon as it is full, from this thread (registration order
+    is what :data:`LOCKED` is kept in), while the threads fill the next ones. Each piece is a
+    registration of its own: a master never spans two, so a copy from it never crosses from one
+    registered range into another.
+    """
+    if not sources:
+        return []
+    pieces: list[list[int]] = [[]]
+    filled = 0
+    for index, source in enumerate(sources):
+        if pieces[-1] and filled + source.view.numel() > _PIECE_BYTES:
+            pieces.append([])
+            filled = 0
+        pieces[-1].append(index)
+        filled += source.view.numel()
+    layouts = []
+    span = 0
+    for piece in pieces:
+        offsets, size = block_bytes([sources[i].view.numel() for i in piece], [alignments[i] for i in piece])
+        layouts.append((span, [span + offset for offset in offsets], size))
+        span = _align_up(span + size, _HUGE_PAGE)
+    mapping, block, start = _new_block(span)
+    slots = [  # the pieces hold the sources in order
+        _slot(block, offset, sources[index].view.numel())
+        for piece, (_, offsets, _) in zip(pieces, layouts)
+        for index, offset in zip(piece, offsets)
+    ]
+
+    def fill_piece(piece: list[int]) -> None:
+        for index in piece:
+            _fill(slots[index], sources[index])
+
+    masters: list[HostMaster] = []
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_to_host") as readers:
+        fills = [readers.submit(fill_piece, piece) for piece in pieces]
+        for fill, piece, (piece_start, _, size) in zip(fills, pieces, layouts):
+            fill.result()
+            host_pin = _pin_range(start + piece_start, start + piece_start + size, (mapping,), budget) if pin else None
+            masters.extend(
+                HostMaster(slots[i], host_pin, pinned=host_pin is not None or (pin and not slots[i].numel()))
+                for i in piece
+            )
     return masters

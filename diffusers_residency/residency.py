@@ -428,9 +428,11 @@ class ResidencyGroup:
         if self.active_component == component:
             self.active_component = None
 
-    def sleep(self, unit: StagedUnit, level: int, sources: Mapping[int, torch.Tensor] | None = None) -> None:
+    def sleep(
+        self, unit: StagedUnit, level: int, sources: Mapping[int, host_memory.MappedBytes] | None = None
+    ) -> None:
         """Put ``unit`` to sleep: level 1 keeps its host masters, level 2 also swaps every master that
-        ``sources`` (views of a memory-mapped checkpoint) holds byte for byte for that view.
+        ``sources`` (a memory-mapped checkpoint) holds byte for byte for its view there.
 
         A unit already asleep keeps its level: changing it would mean waking it first, which the
         caller did not ask for, so the request is logged as a warning and ignored.

@@ -5,8 +5,8 @@ level-1 sleep. A pipeline under pinned offload already holds a host master of ev
 level-1 sleep is an offload: rebind to the masters, drop the device storage, release the cache; no
 copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
 of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
-byte, so a weight changed since loading keeps its own master); waking copies them back into pinned
-memory and onto the device.
+byte, so a weight changed since loading keeps its own master); waking reads them back from the
+files into pinned memory (see host_memory.read_to_host) and onto the device.
 
 A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from .host_memory import MappedBytes, OpenFile
 from .pipeline import PipelineResidency, enable_pinned_offload, pipeline_state
 from .residency import StagedUnit
 from .staging import local_tensor
@@ -45,23 +47,23 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, torch.Tensor]:
-    """Flat byte views, memory-mapped, of the module's tensors in the ``*.safetensors`` files of a
-    component folder, keyed by ``id`` of the tensor they hold. Tensors whose name, dtype or shape
-    differ from the file's, or whose bytes sit at an offset their dtype cannot be viewed at, are
-    left out (they keep their own masters)."""
+def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedBytes]:
+    """The module's tensors' bytes in the ``*.safetensors`` files of a component folder, each a flat
+    memory-mapped view and its place in the open file, keyed by ``id`` of the tensor they hold.
+    Tensors whose name, dtype or shape differ from the file's, or whose bytes sit at an offset their
+    dtype cannot be viewed at, are left out (they keep their own masters)."""
     by_name: dict[str, torch.Tensor] = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         by_name[name] = local_tensor(tensor)
-    views: dict[int, torch.Tensor] = {}
+    views: dict[int, MappedBytes] = {}
     for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as file:
-            (header_size,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(header_size))
-        size = path.stat().st_size
+        file = OpenFile(path)
+        (header_size,) = struct.unpack("<Q", os.pread(file.fd, 8, 0))
+        header = json.loads(os.pread(file.fd, header_size, 8))
+        size = os.fstat(file.fd).st_size
         # A private mapping: pages are read from the page cache when touched, never written back.
         mapped = torch.empty(0, dtype=torch.uint8).set_(
-            torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size), 0, (size,), (1,)
+            torch.UntypedStorage.from_file(file.mapping_path, shared=False, nbytes=size), 0, (size,), (1,)
         )
         for name, entry in header.items():
             tensor = by_name.get(name)
@@ -73,7 +75,7 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, torch.Tens
                 and tuple(entry["shape"]) == tuple(tensor.shape)
                 and start % tensor.dtype.itemsize == 0
             ):
-                views[id(tensor)] = mapped[start:end]
+                views[id(tensor)] = MappedBytes(mapped[start:end], file, start)
     return views
 
 

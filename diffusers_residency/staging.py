@@ -68,15 +68,15 @@ class TensorBinding:
 class StorageGroup:
     """The host master of one storage (a flat byte tensor) and every tensor that lives in it.
 
-    ``mapped`` marks a master that is a view of a memory-mapped checkpoint file rather than memory
-    of its own: its pages come from the page cache and can be dropped by the kernel at any time.
+    ``mapped_from`` is set for a master that is a view of a memory-mapped checkpoint file rather than
+    memory of its own: its pages come from the page cache and can be dropped by the kernel at any time.
     """
 
     master: torch.Tensor
     bindings: tuple[TensorBinding, ...]
     # The storage's address modulo 64 when it was attached, kept for CPU copies (see _device).
     alignment: int
-    mapped: bool = False
+    mapped_from: host_memory.MappedBytes | None = None
     pinned: bool = False
     # The registration that keeps the master page-locked, when this package made it so.
     pin: host_memory.HostPin | None = None
@@ -84,6 +84,10 @@ class StorageGroup:
     @property
     def nbytes(self) -> int:
         return self.master.numel()
+
+    @property
+    def mapped(self) -> bool:
+        return self.mapped_from is not None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -928,57 +932,56 @@ class ModuleStager:
         # Their views, too: they hold the masters' memory.
         self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}
 
-    def map_masters(self, sources: Mapping[int, torch.Tensor]) -> int:
+    def map_masters(self, sources: Mapping[int, host_memory.MappedBytes]) -> int:
         """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.
 
-        ``sources`` maps ``id(tensor)`` to a flat byte view of that tensor's bytes in the file. A
-        storage qualifies when it holds one tensor that fills it exactly and the file holds the same
-        bytes: equality is checked here, so a weight changed since loading (a fused LoRA, a cast)
-        keeps its own master rather than coming back stale. Expects the stager offloaded; returns the
-        bytes whose master memory was released.
+        ``sources`` maps ``id(tensor)`` to that tensor's bytes in the file. A storage qualifies when
+        it holds one tensor that fills it exactly and the file holds the same bytes: equality is
+        checked here, so a weight changed since loading (a fused LoRA, a cast) keeps its own master
+        rather than coming back stale. Expects the stager offloaded; returns the bytes whose master
+        memory was released.
         """
         self._require_offloaded("map_masters()")
         self._copy.wait()  # the masters released here may still be read by the last load
         self.forget_conversions()
+        candidates = {
+            index: sources[id(group.bindings[0].target)]
+            for index, group in enumerate(self._groups)
+            if len(group.bindings) == 1
+            and id(group.bindings[0].target) in sources
+            and not group.mapped
+            and _fills_storage(group)
+        }
+        same = host_memory.hold_the_same_bytes([self._groups[i].master for i in candidates], list(candidates.values()))
+        groups = list(self._groups)
         released = 0
-        groups = []
-        for group in self._groups:
-            source = sources.get(id(group.bindings[0].target)) if len(group.bindings) == 1 else None
-            if source is not None and not group.mapped and _fills_storage(group) and torch.equal(group.master, source):
-                group = replace(group, master=source, mapped=True, pinned=False, pin=None)
-                released += group.nbytes
-            groups.append(group)
+        for (index, source), equal in zip(candidates.items(), same):
+            if equal:
+                groups[index] = replace(groups[index], master=source.view, mapped_from=source, pinned=False, pin=None)
+                released += groups[index].nbytes
         self._groups = tuple(groups)
         self.rebind_masters()
         return released
 
     def unmap_masters(self, *, pin: bool = True) -> None:
-        """Give masters mapped from a file memory of their own again, so the file is not read at
-        every load: page-locked when this stager pins and ``pin`` (``close()`` passes False: the
-        memory is about to be handed back to the module as it was)."""
+        """Give masters mapped from a file memory of their own again (see host_memory.read_to_host),
+        so the file is not read at every load: page-locked when this stager pins and ``pin``
+        (``close()`` passes False: the memory is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
         mapped = [i for i, group in enumerate(self._groups) if group.mapped]
         if not mapped:
             return
         self._copy.wait()
         groups = list(self._groups)
-        masters: dict[int, host_memory.HostMaster] = {}
         budget = self.pin_budget if pin else None
-        if budget is not None:
-            # Registering the mapped pages with write access makes the kernel copy them out of the
-            # page cache into memory of this process (copy-on-write of a private mapping), so the
-            # locked pages are the master's own and later changes to the file cannot reach them.
-            # The mapping is this package's own (see sleep_mode.checkpoint_views), so its pages
-            # hold masters only, whatever their size.
-            in_place = host_memory.pin_in_place([groups[i].master for i in mapped], budget)
-            masters.update((i, master) for i, master in zip(mapped, in_place) if master.pinned)
-        rest = [i for i in mapped if i not in masters]
-        copies = host_memory.copy_to_host(
-            [groups[i].master for i in rest], [groups[i].alignment for i in rest], budget or 0, pin=budget is not None
+        masters = host_memory.read_to_host(
+            [groups[i].mapped_from for i in mapped],
+            [groups[i].alignment for i in mapped],
+            budget or 0,
+            pin=budget is not None,
         )
-        masters.update(zip(rest, copies))
-        for i, master in masters.items():
-            groups[i] = replace(groups[i], master=master.data, mapped=False, pinned=master.pinned, pin=master.pin)
+        for i, master in zip(mapped, masters):
+            groups[i] = replace(groups[i], master=master.data, mapped_from=None, pinned=master.pinned, pin=master.pin)
         self._groups = tuple(groups)
         self.rebind_masters()
 

@@ -379,3 +379,14 @@ def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch) -> None:
     )
     assert result.error is None and result.seconds_per_call > 0 and output is not None
     assert result.trace == "no trace: RuntimeError: profiler unavailable"
+
+
+def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, capsys) -> None:
+    from diffusers_residency.bench import sleep_wake
+
+    assert sleep_wake.main(["--scale", "tiny", "--cycles", "1", "--json", str(tmp_path / "sleep.json")]) == 0
+    results = json.loads((tmp_path / "sleep.json").read_text())
+    table = capsys.readouterr().out
+    for operation in ("reference level-1 sleep", "level-1 wake", "switch to sdxl", "level-2 sleep", "level-2 wake"):
+        assert any(key.startswith(operation) for key in results), operation
+        assert f"| {operation}" in table

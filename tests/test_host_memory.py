@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from diffusers_residency import ModuleStager, _device, host_memory
+from diffusers_residency.host_memory import MappedBytes
 
 CPU = torch.device("cpu")
 PAGE = mmap.PAGESIZE
@@ -264,7 +265,7 @@ def test_level_2_masters_give_their_pages_back_and_are_locked_again_on_waking(dr
     view = large.detach().clone().view(-1).view(torch.uint8)  # stands in for the checkpoint's bytes
     registered = len(driver.ranges)
 
-    released = stager.map_masters({id(large): view})
+    released = stager.map_masters({id(large): MappedBytes(view)})
     assert released == view.numel() and stager.host_bytes()["mapped"] == view.numel()
     assert len(driver.ranges) == registered - 1, "the large weight's pages are unlocked"
     assert torch.equal(module(x), expected)
@@ -274,9 +275,64 @@ def test_level_2_masters_give_their_pages_back_and_are_locked_again_on_waking(dr
     stager.load()
     assert torch.equal(module(x), expected)
     stager.offload()
-    stager.map_masters({id(large): large.detach().clone().view(-1).view(torch.uint8)})
+    stager.map_masters({id(large): MappedBytes(large.detach().clone().view(-1).view(torch.uint8))})
     stager.close()  # gives the mapped master memory of its own without locking it first
     assert driver.ranges == {} and torch.equal(module(x), expected)
+
+
+def _mapped_checkpoint(tmp_path, module: torch.nn.Module) -> dict[int, MappedBytes]:
+    from safetensors.torch import save_file
+
+    from diffusers_residency.sleep_mode import checkpoint_views
+
+    save_file({name: t.detach() for name, t in weights(module).items()}, str(tmp_path / "model.safetensors"))
+    return checkpoint_views(tmp_path, module)
+
+
+def test_masters_mapped_from_a_file_read_it_unless_their_pages_were_written(tmp_path, monkeypatch) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(512, 512, bias=False) for _ in range(3)))
+    views = _mapped_checkpoint(tmp_path, module)
+    sources = [views[id(layer.weight)] for layer in module]
+    assert all(source.file is not None for source in sources)
+    # Written through its mapping after it was mapped: the process's own pages now, not the file's.
+    sources[1].view[PAGE * 4 : PAGE * 4 + 8] = 255
+    expected = [source.view.clone() for source in sources]
+    reads = []
+    real_preadv = host_memory.os.preadv
+
+    def counted_preadv(fd, buffers, offset):
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(host_memory.os, "preadv", counted_preadv)
+    masters = host_memory.read_to_host(sources, [0, 0, 0], 0, pin=False)
+    assert [torch.equal(master.data, want) for master, want in zip(masters, expected)] == [True] * 3
+    assert sorted(set(reads)) == sorted({sources[0].offset, sources[2].offset}), "the written view is copied"
+    assert all(master.data.data_ptr() % 512 == 0 and not master.pinned for master in masters)
+
+
+def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: FakeDriver, monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", 3 * PAGE)
+    sizes = [PAGE, 2 * PAGE, PAGE + 100, 5 * PAGE, 7]
+    sources = [MappedBytes(torch.randint(0, 256, (size,), dtype=torch.uint8)) for size in sizes]
+    alignments = [0, 0, 4, 0, 2]
+    masters = host_memory.read_to_host(sources, alignments, 1 << 40, pin=True)
+    assert len(driver.ranges) == 4, "pieces of [1, 2], [3], [4] and [5] pages' worth"
+    for master, source, alignment in zip(masters, sources, alignments):
+        assert torch.equal(master.data, source.view) and master.pinned and driver.covers(master.data)
+        assert master.data.data_ptr() % 512 == alignment
+    assert len({id(master.pin) for master in masters}) == 4
+    starts = sorted(driver.ranges)
+    assert all(start % host_memory._HUGE_PAGE == starts[0] % host_memory._HUGE_PAGE for start in starts)
+    del masters, master
+    gc.collect()
+    assert driver.ranges == {}, "each piece is unlocked with the last master in it"
+
+    budget = 3 * PAGE  # the first piece fits, the rest do not
+    masters = host_memory.read_to_host(sources, alignments, budget, pin=True)
+    assert [master.pinned for master in masters] == [True, True, False, False, False]
+    assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
 
 def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: FakeDriver) -> None:

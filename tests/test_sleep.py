@@ -77,6 +77,30 @@ def test_level_2_maps_masters_to_the_checkpoint_and_reloads_exactly(flux: Pipeli
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_weights_written_before_or_during_a_level_2_sleep_wake_as_written(flux: PipelineCase) -> None:
+    """Waking reads unchanged weights from the files, not through their mappings: a weight changed
+    before the sleep, or written in place through its mapping while asleep, must not come back as
+    the file has it."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    largest = sorted(flux.pipe.transformer.parameters(), key=torch.Tensor.numel)[-2:]
+    changed_before, written_asleep = largest
+    with torch.no_grad():
+        changed_before.add_(1.0)
+    expected_before = changed_before.detach().clone()
+    mapped_before = flux.pipe.residency_report()["transformer"].staged_bytes
+    flux.pipe.sleep(level=2)
+    transformer = flux.pipe.residency_report()["transformer"]
+    assert transformer.mapped_bytes <= mapped_before - changed_before.nbytes, "a changed weight keeps its master"
+    with torch.no_grad():
+        written_asleep[1:2].mul_(-1.0)  # through the mapping: the process's own pages from here on
+    expected_asleep = written_asleep.detach().clone()
+    flux.pipe.wake_up()
+    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
+    flux.pipe.transformer.to("cpu")
+    assert torch.equal(changed_before, expected_before) and torch.equal(written_asleep, expected_asleep)
+
+
 def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: PipelineCase) -> None:
     """SDXL casts its VAE inside the call, before the VAE runs (and wakes): the cast back must not
     bind the weights to the checkpoint file's mapping, which would then be their master for good."""

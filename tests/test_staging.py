@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import ModuleStager
+from diffusers_residency.host_memory import MappedBytes
 from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
 
 from .helpers import count_device_allocations
@@ -170,9 +171,9 @@ def test_map_masters_takes_only_byte_identical_whole_storages() -> None:
     module.shared = SharedStorage()  # storages holding several tensors never map
     stager = ModuleStager(module, CPU, pin_memory=False)
     file_bytes = {
-        id(module.same): module.same.detach().clone().view(torch.uint8),
-        id(module.changed): torch.zeros(4).view(torch.uint8),  # the weight changed since it was saved
-        id(module.shared.first): module.shared.first.detach().clone().reshape(-1).view(torch.uint8),
+        id(module.same): MappedBytes(module.same.detach().clone().view(torch.uint8)),
+        id(module.changed): MappedBytes(torch.zeros(4).view(torch.uint8)),  # changed since it was saved
+        id(module.shared.first): MappedBytes(module.shared.first.detach().clone().reshape(-1).view(torch.uint8)),
     }
     stager.load()
     with pytest.raises(RuntimeError, match="offloaded"):
@@ -180,11 +181,11 @@ def test_map_masters_takes_only_byte_identical_whole_storages() -> None:
     stager.offload()
     assert stager.map_masters(file_bytes) == 6 * 4
     assert stager.host_bytes()["mapped"] == 6 * 4
-    assert module.same.data_ptr() == file_bytes[id(module.same)].data_ptr()
+    assert module.same.data_ptr() == file_bytes[id(module.same)].view.data_ptr()
     assert torch.equal(module.changed, torch.ones(4))
     stager.unmap_masters()
     assert stager.host_bytes()["mapped"] == 0
-    assert module.same.data_ptr() != file_bytes[id(module.same)].data_ptr()
+    assert module.same.data_ptr() != file_bytes[id(module.same)].view.data_ptr()
     assert torch.equal(module.same, torch.arange(6, dtype=torch.float32))
 
 
