@@ -384,9 +384,9 @@ _LIBC.memcmp.restype = ctypes.c_int
 
 
 def _equal_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """``torch.equal`` for two flat byte tensors of one size, by ``memcmp``: called from many threads
-    at once, each ``torch.equal`` would start its own team of intra-op threads over the same cores
-    (a level-2 sleep compared FLUX.1-dev's weights at 5.9 GB/s so on the H200 machine)."""
+    """``torch.equal`` for two flat byte tensors of one size, by ``memcmp``: ``torch.equal`` runs its
+    own intra-op threads, and called from every reader thread at once, those teams would compete
+    for the same cores; ``memcmp`` stays on the thread that calls it (and ctypes lets go of the GIL)."""
     return not first.numel() or _LIBC.memcmp(first.data_ptr(), second.data_ptr(), first.numel()) == 0
 
 

@@ -172,7 +172,11 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     unknown = sorted(set(names) - set(staged))
     if unknown:
         raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
-    for units in _units(state, names).values():
+    # Largest component first: each one's copy to the device overlaps the reads of the smaller ones
+    # after it (a level-2 wake reads its masters back from the files), and the one copy nothing
+    # hides, the last, is the smallest.
+    by_size = sorted(_units(state, names).values(), key=lambda units: -sum(u.stager.staged_bytes for u in units))
+    for units in by_size:
         for unit in units:
             state.group.wake(unit)
 
