@@ -94,24 +94,30 @@ class _LockedRanges:
     poisons the next kernel launch (see ``_device.register_host_memory``), so overlaps are ruled out
     here, before the call. One sorted list of ``(start, end)`` pairs, changed by single calls:
     ``_unpin`` runs from finalizers, which the garbage collector may start in the middle of any
-    method here, and two parallel lists could be caught half updated.
+    method here, and two parallel lists could be caught half updated. The garbage collector may
+    also start them on another thread (one of read_to_host's readers), hence the lock; reentrant,
+    since on the same thread a finalizer may start while the lock is held.
     """
 
     def __init__(self) -> None:
         self._ranges: list[tuple[int, int]] = []
         self.locked_bytes = 0
+        self._lock = threading.RLock()
 
     def overlaps(self, start: int, end: int) -> bool:
-        index = bisect.bisect_left(self._ranges, (end,))
-        return index > 0 and self._ranges[index - 1][1] > start
+        with self._lock:
+            index = bisect.bisect_left(self._ranges, (end,))
+            return index > 0 and self._ranges[index - 1][1] > start
 
     def add(self, start: int, end: int) -> None:
-        bisect.insort(self._ranges, (start, end))
-        self.locked_bytes += end - start
+        with self._lock:
+            bisect.insort(self._ranges, (start, end))
+            self.locked_bytes += end - start
 
     def remove(self, start: int, end: int) -> None:
-        self._ranges.remove((start, end))
-        self.locked_bytes -= end - start
+        with self._lock:
+            self._ranges.remove((start, end))
+            self.locked_bytes -= end - start
 
     def ranges(self) -> list[tuple[int, int]]:
         return list(self._ranges)
@@ -302,10 +308,28 @@ class OpenFile:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         weakref.finalize(self, os.close, self.fd)
         by_descriptor = f"/proc/self/fd/{self.fd}"
-        self.mapping_path = by_descriptor if os.path.exists(by_descriptor) else os.fspath(path)
+        self.mapping_path = by_descriptor if os.path.exists(by_descriptor) else self.path
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int]:
+        status = os.fstat(self.fd)
+        return status.st_size, status.st_mtime_ns
+
+    def refuse_if_changed(self) -> None:
+        """Raise if the file was written since it was opened. Written in place (``save_pretrained``
+        into the same folder rewrites each file), its mapping shows the new bytes at the old places;
+        cut short, touching the mapping past the new end kills the process (SIGBUS)."""
+        if self._stat() != self._stamp:
+            raise RuntimeError(
+                f"{self.path} changed since the pipeline was put to sleep at level 2, which keeps its "
+                "weights only in that file; they cannot be brought back from it. Restore the file, "
+                "or load the pipeline again (and leave the files of a pipeline asleep at level 2 as "
+                "they are)."
+            )
 
 
 @dataclass(frozen=True)
@@ -345,9 +369,11 @@ def _fill(slot: torch.Tensor, source: MappedBytes) -> None:
     end, unmap them; reading the file copies out of the page cache with neither. On the H200 machine,
     8 GiB went in at 12.4 GB/s through a mapping, and at 20.3 GB/s read by 16 threads into pieces
     locked as they filled."""
-    if source.file is None or _written_pages(source.view) or not _read(source.file, source.offset, slot):
-        # No file, pages of its own, or a file cut short since it was mapped: the view says it all.
+    if source.file is None or _written_pages(source.view):
         slot.copy_(source.view)
+    elif not _read(source.file, source.offset, slot):
+        source.file.refuse_if_changed()
+        raise RuntimeError(f"{source.file.path} ends before the {slot.numel()} bytes at {source.offset}")
 
 
 def _read(file: OpenFile, offset: int, slot: torch.Tensor) -> bool:
@@ -420,6 +446,8 @@ def read_to_host(
     """
     if not sources:
         return []
+    for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
+        file.refuse_if_changed()
     pieces: list[list[int]] = [[]]
     filled = 0
     for index, source in enumerate(sources):
@@ -446,7 +474,8 @@ def read_to_host(
             _fill(slots[index], sources[index])
 
     masters: list[HostMaster] = []
-    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_to_host") as readers:
+    readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_to_host")
+    try:
         fills = [readers.submit(fill_piece, piece) for piece in pieces]
         for fill, piece, (piece_start, _, size) in zip(fills, pieces, layouts):
             fill.result()
@@ -455,4 +484,13 @@ def read_to_host(
                 HostMaster(slots[i], host_pin, pinned=host_pin is not None or (pin and not slots[i].numel()))
                 for i in piece
             )
+    except BaseException:
+        # Unlock the pieces locked so far now, not when the traceback holding this frame goes: the
+        # readers still at work write into them, so they stop first.
+        readers.shutdown(cancel_futures=True)
+        masters.clear()
+        host_pin = None
+        raise
+    finally:
+        readers.shutdown()
     return masters

@@ -26,6 +26,7 @@ from torch import nn
 
 from .host_memory import MappedBytes, OpenFile
 from .pipeline import PipelineResidency, enable_pinned_offload, pipeline_state
+from .planner import Policy
 from .residency import StagedUnit
 from .staging import local_tensor
 
@@ -172,11 +173,17 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     unknown = sorted(set(names) - set(staged))
     if unknown:
         raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
-    # Largest component first: each one's copy to the device overlaps the reads of the smaller ones
-    # after it (a level-2 wake reads its masters back from the files), and the one copy nothing
-    # hides, the last, is the smallest.
-    by_size = sorted(_units(state, names).values(), key=lambda units: -sum(u.stager.staged_bytes for u in units))
-    for units in by_size:
+    # Resident components first, largest first: each one's copy to the device overlaps the reads of
+    # those after it (a level-2 wake reads its masters back from the files), and the one copy that
+    # nothing hides, the last, is the smallest. The others keep their order: waking one that was on
+    # the device evicts the others' evictable units, so the last of them is the one left loaded.
+    woken = list(_units(state, names).values())
+    resident = [all(unit.policy is Policy.RESIDENT for unit in units) for units in woken]
+    by_size = sorted(
+        (units for units, kept in zip(woken, resident) if kept),
+        key=lambda units: -sum(unit.stager.staged_bytes for unit in units),
+    )
+    for units in by_size + [units for units, kept in zip(woken, resident) if not kept]:
         for unit in units:
             state.group.wake(unit)
 

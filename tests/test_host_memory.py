@@ -335,6 +335,22 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
 
+def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver, monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(6)]
+    real_fill = host_memory._fill
+
+    def failing_fill(slot, source):
+        if source is sources[3]:
+            raise OSError("injected: unreadable")
+        real_fill(slot, source)
+
+    monkeypatch.setattr(host_memory, "_fill", failing_fill)
+    with pytest.raises(OSError, match="injected"):
+        host_memory.read_to_host(sources, [0] * 6, 1 << 40, pin=True)
+    assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
+
+
 def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: FakeDriver) -> None:
     transformer = flux.pipe.transformer
     addresses = {name: t.data_ptr() for name, t in weights(transformer).items()}

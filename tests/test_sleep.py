@@ -101,6 +101,25 @@ def test_weights_written_before_or_during_a_level_2_sleep_wake_as_written(flux: 
     assert torch.equal(changed_before, expected_before) and torch.equal(written_asleep, expected_asleep)
 
 
+def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: PipelineCase) -> None:
+    import os
+    from pathlib import Path
+
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=2)
+    (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
+    stamp = os.stat(written)
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # as a save into the folder would
+    with pytest.raises(RuntimeError, match="changed since the pipeline was put to sleep at level 2"):
+        flux.pipe.wake_up()
+    assert states(flux.pipe)["transformer"] == "asleep (2)"
+    assert_no_meta_or_foreign_device(flux.pipe)
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: PipelineCase) -> None:
     """SDXL casts its VAE inside the call, before the VAE runs (and wakes): the cast back must not
     bind the weights to the checkpoint file's mapping, which would then be their master for good."""
