@@ -53,7 +53,7 @@ _SLOT_ALIGNMENT = 512
 # big enough, beside other allocations, so that heap is excluded (see owns_its_pages); outside it,
 # an allocation larger than a thread arena's 64 MiB heap is a mapping of its own.
 IN_PLACE_MIN_BYTES = 64 << 20
-# Masters read back from their files (see read_to_host) go in pieces of about this size, each
+# Masters read back from their files (see ReadBack) go in pieces of about this size, each
 # page-locked as soon as it is full while threads fill the next ones.
 _PIECE_BYTES = 256 << 20
 # Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.
@@ -431,66 +431,96 @@ def hold_the_same_bytes(masters: Sequence[torch.Tensor], sources: Sequence[Mappe
         return list(readers.map(holds, zip(masters, sources)))
 
 
+class _Piece:
+    """A run of read-back masters registered as one range: where it lies in the block, and which."""
+
+    def __init__(self, number: int, start: int, size: int, members: list[int]) -> None:
+        self.number, self.start, self.size, self.members = number, start, size, members
+
+
+class ReadBack:
+    """Masters mapped from checkpoint files, being read back into memory of their own: where each
+    one's bytes go is known at once, the bytes arrive piece by piece.
+
+    One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` laid out by
+    :func:`block_bytes` and starting on huge-page boundaries. Threads fill the pieces (see
+    :func:`_fill`); :meth:`wait_for` registers each one, from the calling thread and in order
+    (registration order is what :data:`LOCKED` is kept in), once it is full. A load copies each
+    piece to the device as soon as it is locked, while the threads fill the next ones: the copies
+    hide behind the reads instead of following them. Each piece is a registration of its own: a
+    master never spans two, so a copy from it never crosses from one registered range into another.
+
+    Whoever starts one calls :meth:`finish` or :meth:`abandon`.
+    """
+
+    def __init__(self, sources: Sequence[MappedBytes], alignments: Sequence[int], budget: int, *, pin: bool) -> None:
+        for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
+            file.refuse_if_changed()
+        self._pin, self._budget = pin, budget
+        self.pieces: list[_Piece] = []
+        members: list[int] = []
+        filled = span = 0
+        offsets: list[int] = []
+        for index, source in enumerate([*sources, None]):
+            if members and (source is None or filled + source.view.numel() > _PIECE_BYTES):
+                within, size = block_bytes([sources[i].view.numel() for i in members], [alignments[i] for i in members])
+                self.pieces.append(_Piece(len(self.pieces), span, size, members))
+                offsets.extend(span + offset for offset in within)
+                span = _align_up(span + size, _HUGE_PAGE)
+                members, filled = [], 0
+            if source is not None:
+                members.append(index)
+                filled += source.view.numel()
+        self.piece_of = [piece for piece in self.pieces for _ in piece.members]
+        self._mapping, block, self._start = _new_block(max(span, _PAGE))
+        self.slots = [_slot(block, offset, source.view.numel()) for offset, source in zip(offsets, sources)]
+        self._pins: list[HostPin | None] = []
+        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_back")
+
+        def fill(piece: _Piece) -> None:
+            for i in piece.members:
+                _fill(self.slots[i], sources[i])
+
+        self._fills = [self._readers.submit(fill, piece) for piece in self.pieces]
+
+    def wait_for(self, index: int) -> None:
+        """Return once the piece holding master ``index`` is full and, where pinned, page-locked
+        (and every piece before it)."""
+        while len(self._pins) <= self.piece_of[index].number:
+            piece = self.pieces[len(self._pins)]
+            self._fills[piece.number].result()
+            start = self._start + piece.start
+            self._pins.append(_pin_range(start, start + piece.size, (self._mapping,), self._budget) if self._pin else None)
+
+    def finish(self) -> list[HostMaster]:
+        """Wait for every piece; the masters, each with the registration that locks it, if any."""
+        if self.slots:
+            self.wait_for(len(self.slots) - 1)
+        self._readers.shutdown()
+        return [
+            HostMaster(self.slots[i], pin, pinned=pin is not None or (self._pin and not self.slots[i].numel()))
+            for piece, pin in zip(self.pieces, self._pins)
+            for i in piece.members
+        ]
+
+    def abandon(self) -> None:
+        """Stop the threads and unlock what was locked. Copies still reading the pieces must have
+        ended (they read page-locked memory about to be unregistered)."""
+        self._readers.shutdown(cancel_futures=True)
+        self._pins.clear()
+
+
 def read_to_host(
     sources: Sequence[MappedBytes], alignments: Sequence[int], budget: int, *, pin: bool
 ) -> list[HostMaster]:
     """Masters of memory of their own for masters mapped from checkpoint files, page-locked if ``pin``
-    and within ``budget``.
-
-    One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` laid out by
-    :func:`block_bytes` and starting on huge-page boundaries. Threads fill the pieces (see
-    :func:`_fill`); each is registered as soon as it is full, from this thread (registration order
-    is what :data:`LOCKED` is kept in), while the threads fill the next ones. Each piece is a
-    registration of its own: a master never spans two, so a copy from it never crosses from one
-    registered range into another.
-    """
+    and within ``budget``: a :class:`ReadBack` waited for."""
     if not sources:
         return []
-    for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
-        file.refuse_if_changed()
-    pieces: list[list[int]] = [[]]
-    filled = 0
-    for index, source in enumerate(sources):
-        if pieces[-1] and filled + source.view.numel() > _PIECE_BYTES:
-            pieces.append([])
-            filled = 0
-        pieces[-1].append(index)
-        filled += source.view.numel()
-    layouts = []
-    span = 0
-    for piece in pieces:
-        offsets, size = block_bytes([sources[i].view.numel() for i in piece], [alignments[i] for i in piece])
-        layouts.append((span, [span + offset for offset in offsets], size))
-        span = _align_up(span + size, _HUGE_PAGE)
-    mapping, block, start = _new_block(span)
-    slots = [  # the pieces hold the sources in order
-        _slot(block, offset, sources[index].view.numel())
-        for piece, (_, offsets, _) in zip(pieces, layouts)
-        for index, offset in zip(piece, offsets)
-    ]
-
-    def fill_piece(piece: list[int]) -> None:
-        for index in piece:
-            _fill(slots[index], sources[index])
-
-    masters: list[HostMaster] = []
-    readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_to_host")
+    read = ReadBack(sources, alignments, budget, pin=pin)
     try:
-        fills = [readers.submit(fill_piece, piece) for piece in pieces]
-        for fill, piece, (piece_start, _, size) in zip(fills, pieces, layouts):
-            fill.result()
-            host_pin = _pin_range(start + piece_start, start + piece_start + size, (mapping,), budget) if pin else None
-            masters.extend(
-                HostMaster(slots[i], host_pin, pinned=host_pin is not None or (pin and not slots[i].numel()))
-                for i in piece
-            )
+        return read.finish()
     except BaseException:
-        # Unlock the pieces locked so far now, not when the traceback holding this frame goes: the
-        # readers still at work write into them, so they stop first.
-        readers.shutdown(cancel_futures=True)
-        masters.clear()
-        host_pin = None
+        # Unlock the pieces locked so far now, not when the traceback holding this frame goes.
+        read.abandon()
         raise
-    finally:
-        readers.shutdown()
-    return masters

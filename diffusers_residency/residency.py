@@ -85,14 +85,15 @@ class StagedUnit:
         return self.policy is Policy.STAGED or (self.policy is Policy.STREAMED and self.stream is not None)
 
     def load(self, *, ahead: bool = False, slots: DeviceSlots | None = None) -> None:
-        """Load, first waking the masters of a sleeping unit and taking masters for weights replaced
-        or added while offloaded (a LoRA adapter injected, projections fused, a submodule cast);
-        masters of unchanged storages are reused as they are, so that copies only what is new.
+        """Load, waking a sleeping unit, and taking masters for weights replaced or added while
+        offloaded (a LoRA adapter injected, projections fused, a submodule cast); masters of
+        unchanged storages are reused as they are, so that copies only what is new.
         ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does. ``slots``:
         device storage to load into, where it has some of the right layout."""
         if self.sleep_level:
-            logger.info("Waking %r for a call", self.name)
-            self.wake_masters()
+            # Masters mapped from files (level 2) are read back by the load itself, which copies
+            # each piece to the device as it arrives (see ModuleStager._copy_to_device).
+            logger.info("Waking %r (asleep at level %d)", self.name, self.sleep_level)
         self.stager.retake_masters()
         # Layerwise casting moves each cast weight to storage of its own at every forward, and
         # leaves the rest (norms, embeddings) where the load put them: in one buffer, those would
@@ -100,6 +101,7 @@ class StagedUnit:
         # load: it may be enabled after the hooks; a whole component loads at most once a call.)
         self.stager.one_buffer = self.one_buffer and not casts_layerwise(self.module)
         self.stager.load(ahead=ahead, slots=slots)
+        self.sleep_level = 0
 
     def wake_masters(self) -> None:
         self.stager.unmap_masters()
@@ -463,9 +465,9 @@ class ResidencyGroup:
         (or is resident). A no-op for a unit that is awake."""
         if not unit.sleep_level:
             return
-        unit.wake_masters()
-        if unit.load_on_wake:
-            if unit.stream is None:
-                self.activate(unit)
-            else:
-                unit.load()
+        if not unit.load_on_wake:
+            unit.wake_masters()
+        elif unit.stream is None:
+            self.activate(unit)
+        else:
+            unit.load()

@@ -544,7 +544,9 @@ class ModuleStager:
         # On the CPU the copy's alignment is part of its place (see _device.allocate_device_storage).
         return tuple((group.nbytes, group.alignment) for group in self._groups)
 
-    def _placed(self) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+    def _placed(
+        self, groups: tuple[StorageGroup, ...] | None = None, locked_in: list[object | None] | None = None
+    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
         """Where each group's copy starts in the one device buffer a load allocates (``one_buffer``),
         the buffer's size, and the copies that fill it: ranges of groups ``(first, last)``, each
         one host-to-device copy.
@@ -558,10 +560,12 @@ class ModuleStager:
         the CPU at its master's address modulo 64 (see _device.allocate_device_storage).
 
         Masters side by side in one page-locked block (see host_memory.copy_to_host: each starts on
-        the same 512-byte rounding) keep their distances in the buffer, and go in one copy: SDXL's
-        2643 storages, copied one by one, moved below the bus's rate on the H200 machine, and its
-        four blocks, in four copies, at it. The bytes between two such masters (under a page;
-        padding of the block) are copied too, into padding of the buffer.
+        the same 512-byte rounding; ``locked_in`` names each one's registration, or the piece of a
+        read-back it arrives in, for ``groups`` other than the current ones) keep their distances
+        in the buffer, and go in one copy: SDXL's 2643 storages, copied one by one, moved below the
+        bus's rate on the H200 machine, and its four blocks, in four copies, at it. The bytes
+        between two such masters (under a page; padding of the block) are copied too, into padding
+        of the buffer.
 
         Blocks of a component load one allocation per storage instead (the group makes their
         stagers so): under a VRAM budget their storages come and go while activations come and go
@@ -570,8 +574,9 @@ class ModuleStager:
         where storages of their own fit (docs/benchmarks.md). So do units under diffusers' layerwise
         casting (see StagedUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
+        groups = self._groups if groups is None else groups
         layout = self._layout()
-        addresses = tuple(group.master.data_ptr() for group in self._groups)
+        addresses = tuple(group.master.data_ptr() for group in groups)
         if self._placement[0] != (layout, addresses):
             accelerated = _device.is_accelerator(self.device)
 
@@ -580,12 +585,15 @@ class ModuleStager:
                     return -(-end // _DEVICE_ALIGNMENT) * _DEVICE_ALIGNMENT
                 return end + (group.alignment - end) % _device.CPU_ALIGNMENT
 
+            # Keyed by addresses alone: a read-back's pieces (see _copy_to_device) become the
+            # registrations of the same ranges, or stay pageable, where a copy may span groups too.
+            locked_in = [group.pin for group in groups] if locked_in is None else locked_in
             offsets: list[int] = []
             runs: list[list[int]] = []
             end = 0
             previous: StorageGroup | None = None
-            for index, (group, address) in enumerate(zip(self._groups, addresses)):
-                if previous is not None and group.pin is not None and group.pin is previous.pin:
+            for index, (group, address) in enumerate(zip(groups, addresses)):
+                if previous is not None and locked_in[index] is not None and locked_in[index] is locked_in[index - 1]:
                     # In the same registered range as the one before: page-locked memory throughout.
                     gap = address - (addresses[index - 1] + previous.nbytes)
                     start = end + gap
@@ -601,42 +609,90 @@ class ModuleStager:
             self._placement = ((layout, addresses), tuple(offsets), end, tuple((a, b) for a, b in runs))
         return self._placement[1:]
 
-    def _load_once(self, slots: DeviceSlots | None) -> None:
+    def _read_back(self) -> host_memory.ReadBack | None:
+        """Start reading back the masters mapped from checkpoint files (a unit asleep at level 2), or
+        None when there are none. The load copies each piece as it arrives, and the masters are
+        taken once every copy is queued; a load that fails leaves them mapped, as they were."""
+        mapped = [group for group in self._groups if group.mapped]
+        if not mapped:
+            return None
+        return host_memory.ReadBack(
+            [group.mapped_from for group in mapped],
+            [group.alignment for group in mapped],
+            self.pin_budget or 0,
+            pin=self.pin_budget is not None,
+        )
+
+    def _copy_to_device(self, slots: DeviceSlots | None, reading: host_memory.ReadBack | None) -> list[torch.Tensor]:
+        """Allocate the device storage, queue the copies into it and return a storage per group to
+        bind; with ``reading``, each copy from a master being read back waits for its piece, and the
+        groups take the masters read back once all are queued."""
+        groups, locked_in, arriving = self._groups, None, None
+        if reading is not None:
+            # Each group's place in the read-back, if it has one: its copy waits for that piece.
+            arriving = [None] * len(groups)
+            locked_in = [group.pin for group in groups]
+            for read, index in enumerate(i for i, group in enumerate(groups) if group.mapped):
+                locked_in[index], arriving[index] = reading.piece_of[read], read
+            groups = tuple(
+                group if read is None else replace(group, master=reading.slots[read], mapped_from=None)
+                for group, read in zip(groups, arriving)
+            )
         one_buffer = self.one_buffer and _device.slices_storages(self.device)
-        offsets, total, runs = self._placed() if one_buffer else ((), 0, ())
+        offsets, total, runs = self._placed(groups, locked_in) if one_buffer else ((), 0, ())
         with torch.inference_mode(False):
             storages = slots.take(self._layout()) if slots is not None else None
             if storages is None and one_buffer:
                 storages = [_device.allocate_device_storage(total, self.device, alignment=0)]
             elif storages is None:
-                storages = [
-                    _device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in self._groups
-                ]
+                storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in groups]
             self._device_storages = storages
-            backings = storages
-            if one_buffer:
-                # A slice of an untyped storage is a storage of its own over those bytes that holds
-                # a reference to the whole: each weight keeps a storage of its own, as it had on the
-                # host (safetensors refuses to save tensors that share one, and a later snapshot
-                # groups by storage), and the buffer lives until the last of them is let go.
-                (buffer,) = storages
-                whole, start = buffer.untyped_storage(), buffer.storage_offset()
-                backings = [
-                    torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                        whole[start + offset : start + offset + group.nbytes], 0, (group.nbytes,), (1,)
-                    )
-                    for offset, group in zip(offsets, self._groups)
-                ]
             with self._copy.running():
                 if one_buffer:
+                    (buffer,) = storages
                     for first, last in runs:
-                        begin, end = offsets[first], offsets[last] + self._groups[last].nbytes
-                        master = self._groups[first].master
+                        if arriving is not None and arriving[first] is not None:
+                            reading.wait_for(arriving[first])
+                        begin, end = offsets[first], offsets[last] + groups[last].nbytes
+                        master = groups[first].master
                         source = master if first == last else host_memory.host_span(master.data_ptr(), end - begin)
                         buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
                 else:
-                    for backing, group in zip(backings, self._groups):
-                        backing.copy_(group.master, non_blocking=self.pin_memory)
+                    for index, (storage, group) in enumerate(zip(storages, groups)):
+                        if arriving is not None and arriving[index] is not None:
+                            reading.wait_for(arriving[index])
+                        storage.copy_(group.master, non_blocking=self.pin_memory)
+            if reading is not None:
+                masters = reading.finish()
+                self._groups = tuple(
+                    group if read is None else replace(group, pinned=masters[read].pinned, pin=masters[read].pin)
+                    for group, read in zip(groups, arriving)
+                )
+            if not one_buffer:
+                return storages
+            # A slice of an untyped storage is a storage of its own over those bytes that holds a
+            # reference to the whole: each weight keeps a storage of its own, as it had on the host
+            # (safetensors refuses to save tensors that share one, and a later snapshot groups by
+            # storage), and the buffer lives until the last of them is let go. Made once the copies
+            # are queued: host time they hide.
+            whole, start = buffer.untyped_storage(), buffer.storage_offset()
+            return [
+                torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                    whole[start + offset : start + offset + group.nbytes], 0, (group.nbytes,), (1,)
+                )
+                for offset, group in zip(offsets, groups)
+            ]
+
+    def _load_once(self, slots: DeviceSlots | None) -> None:
+        reading = self._read_back()
+        try:
+            backings = self._copy_to_device(slots, reading)
+        except BaseException:
+            if reading is not None:
+                # The copies queued so far read pieces about to be unlocked.
+                _device.synchronize(self.device)
+                reading.abandon()
+            raise
         self._bind(backings)
         if slots is None:
             # From here on the bound views keep the buffer alive, and let it go once they have all

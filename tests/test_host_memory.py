@@ -12,6 +12,7 @@ import gc
 import mmap
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -349,6 +350,74 @@ def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver
     with pytest.raises(OSError, match="injected"):
         host_memory.read_to_host(sources, [0] * 6, 1 << 40, pin=True)
     assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
+
+
+def _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch) -> tuple[torch.nn.Module, ModuleStager, torch.Tensor]:
+    """A stager whose four masters map a checkpoint file, read back one per piece."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(512, 512, bias=False) for _ in range(4))).eval()
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", module[0].weight.nbytes)
+    stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
+    assert stager.map_masters(_mapped_checkpoint(tmp_path, module)) == 4 * module[0].weight.nbytes
+    return module, stager, torch.randn(2, 512)
+
+
+def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, driver: FakeDriver, monkeypatch) -> None:
+    """Waking from level 2 reads the masters back and copies them to the device: each piece goes as
+    soon as it is read and locked, while the next ones are read, rather than after all of them."""
+    module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
+    expected = module(x)
+    copied = [threading.Event() for _ in range(4)]
+    real_wait_for, real_fill = host_memory.ReadBack.wait_for, host_memory._fill
+    pieces_read_before_the_copy_ahead: list[int] = []
+
+    def wait_for(read, index):
+        real_wait_for(read, index)
+        copied[read.piece_of[index].number].set()  # the load copies it next, on this thread
+
+    def fill(slot, source):
+        number = numbers[id(source)]
+        if number and not copied[number - 1].wait(timeout=5):
+            pieces_read_before_the_copy_ahead.append(number)
+        real_fill(slot, source)
+
+    numbers = {id(group.mapped_from): number for number, group in enumerate(stager._groups)}
+    monkeypatch.setattr(host_memory.ReadBack, "wait_for", wait_for)
+    monkeypatch.setattr(host_memory, "_fill", fill)
+    stager.load()
+    assert pieces_read_before_the_copy_ahead == []
+    assert stager.host_bytes()["mapped"] == 0 and stager.pinned
+    assert len(driver.ranges) == 4 and all(driver.covers(group.master) for group in stager._groups)
+    assert torch.equal(module(x), expected)
+    stager.offload()
+    assert torch.equal(module(x), expected), "the masters read back are the masters from here on"
+    stager.close()
+    assert driver.ranges == {}
+
+
+def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver: FakeDriver, monkeypatch) -> None:
+    module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
+    expected = module(x)
+    mapped, registered = stager.host_bytes()["mapped"], dict(driver.ranges)
+    real_fill = host_memory._fill
+    third = stager._groups[2].mapped_from
+
+    def failing_fill(slot, source):
+        if source is third:
+            raise OSError("injected: unreadable")
+        real_fill(slot, source)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(host_memory, "_fill", failing_fill)
+        with pytest.raises(OSError, match="injected"):
+            stager.load()
+    assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
+    assert driver.ranges == registered, "the pieces locked before the failure are unlocked"
+    assert torch.equal(module(x), expected), "the weights are their mapped masters again"
+    stager.load()
+    assert stager.host_bytes()["mapped"] == 0 and torch.equal(module(x), expected)
+    stager.close()
+    assert driver.ranges == {}
 
 
 def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: FakeDriver) -> None:

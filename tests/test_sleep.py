@@ -242,6 +242,8 @@ def test_failure_inside_wake_leaves_the_pipeline_usable(flux: PipelineCase, monk
         patch.setattr(_device, "allocate_device_storage", out_of_memory)
         with pytest.raises(torch.OutOfMemoryError):
             flux.pipe.wake_up()
+    assert set(states(flux.pipe).values()) == {"asleep (2)"}, "what failed to wake still sleeps, mapped"
+    assert all(c.mapped_bytes for c in flux.pipe.residency_report().components)
     assert_no_meta_or_foreign_device(flux.pipe)
     flux.pipe.wake_up()
     assert torch.equal(flux.run(), flux.reference)
