@@ -54,8 +54,11 @@ _SLOT_ALIGNMENT = 512
 # an allocation larger than a thread arena's 64 MiB heap is a mapping of its own.
 IN_PLACE_MIN_BYTES = 64 << 20
 # Masters read back from their files (see ReadBack) go in pieces of about this size, each
-# page-locked as soon as it is full while threads fill the next ones.
+# page-locked as soon as it is full while threads fill the next ones; smaller, down to the smaller
+# figure, for a unit too small to give every thread a piece that size: one thread fills a piece,
+# and a unit in one piece (a CLIP text encoder, a VAE) would be read at one thread's rate.
 _PIECE_BYTES = 256 << 20
+_SMALLEST_PIECE_BYTES = 16 << 20
 # Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.
 _HUGE_PAGE = 2 << 20
 # Reading the page cache is a copy the kernel makes on the calling thread: one thread read 6.1 GB/s
@@ -442,7 +445,8 @@ class ReadBack:
     """Masters mapped from checkpoint files, being read back into memory of their own: where each
     one's bytes go is known at once, the bytes arrive piece by piece.
 
-    One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` laid out by
+    One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` (fewer bytes
+    for a small unit, so that every thread has one to fill) laid out by
     :func:`block_bytes` and starting on huge-page boundaries. Threads fill the pieces (see
     :func:`_fill`); :meth:`wait_for` registers each one, from the calling thread and in order
     (registration order is what :data:`LOCKED` is kept in), once it is full. A load copies each
@@ -457,12 +461,14 @@ class ReadBack:
         for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
             file.refuse_if_changed()
         self._pin, self._budget = pin, budget
+        total = sum(source.view.numel() for source in sources)
+        piece_bytes = min(_PIECE_BYTES, max(_SMALLEST_PIECE_BYTES, total // _READ_THREADS))
         self.pieces: list[_Piece] = []
         members: list[int] = []
         filled = span = 0
         offsets: list[int] = []
         for index, source in enumerate([*sources, None]):
-            if members and (source is None or filled + source.view.numel() > _PIECE_BYTES):
+            if members and (source is None or filled + source.view.numel() > piece_bytes):
                 within, size = block_bytes([sources[i].view.numel() for i in members], [alignments[i] for i in members])
                 self.pieces.append(_Piece(len(self.pieces), span, size, members))
                 offsets.extend(span + offset for offset in within)

@@ -336,6 +336,22 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
 
+def test_a_small_unit_is_read_back_in_a_piece_per_thread(driver: FakeDriver, monkeypatch) -> None:
+    """Each piece is one thread's: a unit under a piece's worth would be read by one thread alone."""
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", 8 * PAGE)
+    monkeypatch.setattr(host_memory, "_SMALLEST_PIECE_BYTES", PAGE)
+    monkeypatch.setattr(host_memory, "_READ_THREADS", 4)
+    sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(8)]
+    read = host_memory.ReadBack(sources, [0] * 8, 1 << 40, pin=True)
+    masters = read.finish()
+    assert [piece.members for piece in read.pieces] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
+    assert len(driver.ranges) == 4
+    del masters, read
+    gc.collect()
+    assert driver.ranges == {}
+
+
 def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver, monkeypatch) -> None:
     monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(6)]
