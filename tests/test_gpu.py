@@ -175,6 +175,27 @@ def test_hundred_sleep_wake_cycles_keep_memory_flat() -> None:
     assert torch.equal(case.run(), case.reference)
 
 
+def test_a_rotation_wakes_into_the_sleeping_pipelines_cache_and_gives_the_rest_back() -> None:
+    from diffusers_residency import AwakeRotation
+
+    baseline = torch.cuda.memory_allocated()
+    flux = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    flux_bytes = torch.cuda.memory_allocated() - baseline
+    sdxl = PipelineCase("sdxl", device="cuda", dtype=torch.float16)
+    sdxl_bytes = torch.cuda.memory_allocated() - baseline - flux_bytes
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
+    reserved_after: dict[str, int] = {}
+    for name, case, weights in [("flux", flux, flux_bytes), ("sdxl", sdxl, sdxl_bytes)] * 3:
+        rotation.use(name)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - baseline
+        assert weights <= held < weights + 2**20, "the sleeping pipeline holds nothing (a load pads each copy to 512 bytes)"
+        # The cache left after a switch is given back at the next: it does not pile up.
+        reserved = reserved_after.setdefault(name, torch.cuda.memory_reserved())
+        assert torch.cuda.memory_reserved() <= reserved
+        assert torch.equal(case.run(), case.reference)
+
+
 def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
     pytest.importorskip("peft")
     from .test_changing_weights import lora_state_dict

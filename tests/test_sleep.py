@@ -207,6 +207,33 @@ def test_awake_rotation_between_two_pipelines() -> None:
         rotation.use("wan")
 
 
+def test_a_rotation_wakes_the_next_pipeline_before_giving_the_cache_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device memory of the pipeline put to sleep is left to the allocator's cache for the one
+    waking, and given back after (see AwakeRotation)."""
+    from diffusers_residency.retention import RetentionBudget
+
+    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
+    rotation.use("flux")
+    events = []
+    real_release, real_wake = RetentionBudget.release, sleep_mode.wake_up
+
+    def release(budget, reason="forced"):
+        events.append(f"release ({reason})")
+        return real_release(budget, reason)
+
+    def wake(pipe, components=None):
+        events.append(f"wake {'sdxl' if pipe is sdxl.pipe else 'flux'}")
+        real_wake(pipe, components)
+
+    monkeypatch.setattr(RetentionBudget, "release", release)
+    monkeypatch.setattr(sleep_mode, "wake_up", wake)
+    rotation.use("sdxl")
+    assert flux.pipe.is_sleeping and not sdxl.pipe.is_sleeping
+    assert events == ["wake sdxl", "release (switch)"]
+    assert torch.equal(sdxl.run(), sdxl.reference)
+
+
 def test_failure_inside_sleep_leaves_the_pipeline_usable(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.run()

@@ -177,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     sdxl_bytes = weight_bytes(sdxl)
     rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
     switches = {"flux": [], "sdxl": []}
+    cached = {"flux": 0, "sdxl": 0}  # the most a switch left in the allocator's cache
     rotation.use("flux")
     for _ in range(args.cycles):
         for name in ("sdxl", "flux"):
             switches[name].append(_timed(device, lambda: rotation.use(name)))
-    note("switch to sdxl (flux sleeps, sdxl wakes)", min(switches["sdxl"]), sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
-    note("switch to flux (sdxl sleeps, flux wakes)", min(switches["flux"]), bound, f"{flux_bytes / GB:.1f} GB")
+            memory = _device.read_memory_telemetry(device)
+            cached[name] = max(cached[name], memory.cached if memory is not None else 0)
+    for name, other, nbytes in (("sdxl", "flux", sdxl_bytes), ("flux", "sdxl", flux_bytes)):
+        detail = f"{nbytes / GB:.1f} GB; at most {cached[name] / GB:.1f} GB left cached"
+        note(f"switch to {name} ({other} sleeps, {name} wakes)", min(switches[name]), nbytes / rate, detail)
     sleep(sdxl)
     sdxl_wake = _timed(device, lambda: wake_up(sdxl))
     note("  sdxl's wake alone", sdxl_wake, sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
