@@ -11,7 +11,7 @@ a block sized to their bytes (slots padded to 512 bytes, the block to whole page
 registered in turn, and their old memory is freed.
 
 Masters that a level-2 sleep swapped for views of the checkpoint files are read back from the files
-into such blocks by threads, each piece locked as it fills (``read_to_host``).
+into such blocks by threads, each piece locked as it fills (``ReadBack``).
 
 Page locking is process-wide and the pages cannot be swapped out, so it is bounded: every masters'
 registration counts against a pin budget; what does not fit stays pageable. Loads from pageable
@@ -98,7 +98,7 @@ class _LockedRanges:
     here, before the call. One sorted list of ``(start, end)`` pairs, changed by single calls:
     ``_unpin`` runs from finalizers, which the garbage collector may start in the middle of any
     method here, and two parallel lists could be caught half updated. The garbage collector may
-    also start them on another thread (one of read_to_host's readers), hence the lock; reentrant,
+    also start them on another thread (one of ReadBack's readers), hence the lock; reentrant,
     since on the same thread a finalizer may start while the lock is held.
     """
 

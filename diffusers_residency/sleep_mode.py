@@ -6,7 +6,7 @@ level-1 sleep is an offload: rebind to the masters, drop the device storage, rel
 copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
 of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
 byte, so a weight changed since loading keeps its own master); waking reads them back from the
-files into pinned memory (see host_memory.read_to_host) and onto the device.
+files into pinned memory and onto the device, piece by piece (see host_memory.ReadBack).
 
 A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.
 """
