@@ -205,11 +205,24 @@ def _snapshot(
     # A tensor keeps the inference-ness it had when first staged: one replaced under inference mode
     # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
     was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
+    # Masters that view a checkpoint file (asleep at level 2) are slices of one mapping of the whole
+    # file: a tensor still over one keeps it, rather than being grouped by its storage, the file's,
+    # which would take the whole file as one master.
+    still_mapped = {
+        id(binding.target): group
+        for group in previous
+        if group.mapped
+        for binding in group.bindings
+        if _over(binding, group.master)
+    }
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in tensors:
         local = local_tensor(target)
         storage = local.untyped_storage()
-        key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
+        if id(local) in still_mapped:
+            key = ("mapped", id(still_mapped[id(local)]))
+        else:
+            key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
         binding = TensorBinding(
             target=local,
             inference=was_inference.get(id(local), local.is_inference()),
@@ -225,6 +238,12 @@ def _snapshot(
     wholes, alignments = [], []
     settled: dict[int, StorageGroup] = {}
     for index, (source, bindings) in enumerate(grouped.values()):
+        mapped = still_mapped.get(id(bindings[0].target))
+        if mapped is not None:
+            wholes.append(mapped.master)
+            alignments.append(mapped.alignment)
+            settled[index] = mapped  # its bindings place the tensor in the view, not in the file
+            continue
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
         wholes.append(whole.detach())
@@ -265,6 +284,17 @@ def _snapshot(
             )
         )
     return tuple(groups), copied_host
+
+
+def _over(binding: TensorBinding, master: torch.Tensor) -> bool:
+    """Whether the binding's tensor is still bound to ``master`` as it was (its place and layout)."""
+    tensor = binding.target
+    return (
+        tensor.data_ptr() == master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
+        and tensor.dtype == binding.dtype
+        and tensor.shape == binding.shape
+        and tensor.stride() == binding.stride
+    )
 
 
 def _pinned_masters(
@@ -823,17 +853,8 @@ class ModuleStager:
 
     def _bound_to(self, groups: tuple[StorageGroup, ...], tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether the modules hold exactly the tensors of ``groups``, each over its group's master."""
-        for group in groups:
-            address = group.master.data_ptr()
-            for binding in group.bindings:
-                tensor = binding.target
-                if (
-                    tensor.data_ptr() != address + binding.storage_offset * binding.dtype.itemsize
-                    or tensor.dtype != binding.dtype
-                    or tensor.shape != binding.shape
-                    or tensor.stride() != binding.stride
-                ):
-                    return False
+        if not all(_over(binding, group.master) for group in groups for binding in group.bindings):
+            return False
         return self._holds_only_bound_tensors(tensors, groups)
 
     def _holds_only_bound_tensors(
@@ -1015,8 +1036,7 @@ class ModuleStager:
             if equal:
                 groups[index] = replace(groups[index], master=source.view, mapped_from=source, pinned=False, pin=None)
                 released += groups[index].nbytes
-        self._groups = tuple(groups)
-        self.rebind_masters()
+        self._swap_masters(tuple(groups))
         return released
 
     def unmap_masters(self, *, pin: bool = True) -> None:
@@ -1038,8 +1058,17 @@ class ModuleStager:
         )
         for i, master in zip(mapped, masters):
             groups[i] = replace(groups[i], master=master.data, mapped_from=None, pinned=master.pinned, pin=master.pin)
-        self._groups = tuple(groups)
-        self.rebind_masters()
+        self._swap_masters(tuple(groups))
+
+    def _swap_masters(self, groups: tuple[StorageGroup, ...]) -> None:
+        """Take ``groups`` (the same tensors over other masters) and bind the tensors to them, but
+        those replaced since they were bound (``param.data = ...`` while asleep): binding them would
+        undo that, and the next load takes masters for them."""
+        replaced = frozenset(
+            id(binding.target) for group in self._groups for binding in group.bindings if not _over(binding, group.master)
+        )
+        self._groups = groups
+        self._assign(self._master_views(), keep=replaced)
 
     def _claim_tensors(self) -> None:
         me = weakref.ref(self)

@@ -101,6 +101,24 @@ def test_weights_written_before_or_during_a_level_2_sleep_wake_as_written(flux: 
     assert torch.equal(changed_before, expected_before) and torch.equal(written_asleep, expected_asleep)
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_weight_replaced_while_asleep_wakes_as_replaced(flux: PipelineCase, level: int) -> None:
+    """``param.data = ...`` while asleep: the wake must not bind the parameter back to its master
+    (at level 2, reading the masters back from the files rebinds every weight)."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=level)
+    weight = flux.pipe.transformer.proj_out.weight
+    replacement = torch.randn_like(weight)
+    weight.data = replacement.clone()
+    flux.pipe.wake_up()
+    assert torch.equal(weight.cpu(), replacement)
+    flux.pipe.sleep(level=level)
+    assert torch.equal(weight, replacement), "and it stays so asleep again"
+    flux.pipe.wake_up()
+    assert torch.equal(weight.cpu(), replacement)
+
+
 def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: PipelineCase) -> None:
     import os
     from pathlib import Path
@@ -118,6 +136,27 @@ def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: P
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     flux.pipe.wake_up()
     assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_lora_loaded_while_asleep_at_level_2_keeps_a_master_per_storage(flux: PipelineCase) -> None:
+    """Weights mapped from a file are slices of one mapping of the whole file: taking masters for an
+    adapter added while asleep must not take that mapping as the master of the weights on it."""
+    from .test_changing_weights import lora_state_dict
+
+    lora = lora_state_dict(flux)
+    resident = PipelineCase("flux")
+    resident.pipe.load_lora_weights(lora, adapter_name="style")
+    expected = resident.run()
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=2)
+    flux.pipe.load_lora_weights(lora, adapter_name="style")
+    assert torch.equal(flux.run(), expected)
+    transformer = flux.pipe.transformer
+    largest = max(t.untyped_storage().nbytes() for t in transformer.parameters())
+    stager = flux.pipe.__dict__["_pinned_residency"].group.units_of("transformer")[0].stager
+    assert max(group.nbytes for group in stager._groups) == largest, "one master per storage"
+    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
 
 
 def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: PipelineCase) -> None:
