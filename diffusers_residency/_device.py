@@ -271,6 +271,7 @@ class TimedCopy:
         self.copy_stream = copy_stream
         self._seconds = 0.0
         self._pending = False
+        self._timed = True
         # The last copy's event has not been waited on by the compute stream yet.
         self._unjoined = False
         if copy_stream is not None:
@@ -290,15 +291,18 @@ class TimedCopy:
     def _collect(self) -> None:
         if self._pending:
             self._done.synchronize()
-            self._seconds += self._start.elapsed_time(self._done) / 1000.0
+            if self._timed:
+                self._seconds += self._start.elapsed_time(self._done) / 1000.0
             self._pending = False
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self, *, timed: bool = True) -> Iterator[None]:
+        """Run the body's copies on the copy stream; ``timed``: count their time in :attr:`seconds`."""
         if self.copy_stream is None:
             started = time.perf_counter()
             yield
-            self._seconds += time.perf_counter() - started
+            if timed:
+                self._seconds += time.perf_counter() - started
             return
         self._collect()
         compute_stream = torch.accelerator.current_stream(self.device)
@@ -307,7 +311,7 @@ class TimedCopy:
         with self.copy_stream:
             yield
         self._done.record(self.copy_stream)
-        self._pending = True
+        self._pending, self._timed = True, timed
         self._unjoined = True
 
     def join(self) -> None:

@@ -56,7 +56,8 @@ IN_PLACE_MIN_BYTES = 64 << 20
 # Masters read back from their files (see ReadBack) go in pieces of about this size, each
 # page-locked as soon as it is full while threads fill the next ones; smaller, down to the smaller
 # figure, for a unit too small to give every thread a piece that size: one thread fills a piece,
-# and a unit in one piece (a CLIP text encoder, a VAE) would be read at one thread's rate.
+# and a unit in one piece (a CLIP text encoder, a VAE) would be read at one thread's rate. Each
+# piece starts on a huge page (below), so a small piece pads more of its unit: up to 2 MiB each.
 _PIECE_BYTES = 256 << 20
 _SMALLEST_PIECE_BYTES = 16 << 20
 # Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.

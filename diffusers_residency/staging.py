@@ -448,7 +448,9 @@ class ModuleStager:
         self.one_buffer = one_buffer
         self.loaded = False
         self.loads = 0
-        self.loaded_bytes = 0  # moved by all loads, a figure that survives retakes
+        # Moved by all timed loads (all but those that read their masters back from files), a figure
+        # that survives retakes.
+        self.loaded_bytes = 0
         # Device storage of a load, one per group: held from allocation on, so a failure path can
         # synchronise before dropping it, and, for a load into DeviceSlots, while loaded, so that
         # the offload can hand it to the next block's load.
@@ -476,6 +478,17 @@ class ModuleStager:
             _device.release_freed_host_heap()
         if retention is not None:
             retention.grow(self.staged_bytes)
+
+    @property
+    def _groups(self) -> tuple[StorageGroup, ...]:
+        return self._current_groups
+
+    @_groups.setter
+    def _groups(self, groups: tuple[StorageGroup, ...]) -> None:
+        self._current_groups = groups
+        # Whether a load has masters to read back from files: found here, where the masters change,
+        # and not at every load (a streamed block loads at every step).
+        self._maps_files = any(group.mapped for group in groups)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The modules' parameters and buffers that this stager holds masters of."""
@@ -585,7 +598,7 @@ class ModuleStager:
         of 10 MB or more a segment of its own, and releasing its cache then frees each with a
         ``cudaFree`` of its own (about 70 us each on the H200 machine: most of a level-1 sleep of a
         pipeline with 700 such weights); every allocation is host time in the load, too. Each copy
-        still gets a storage of its own (see :meth:`_load_once`), starting on the allocator's
+        still gets a storage of its own (see :meth:`_copy_to_device`), starting on the allocator's
         512-byte rounding, so kernels see the alignment a storage allocated alone would have; on
         the CPU at its master's address modulo 64 (see _device.allocate_device_storage).
 
@@ -643,9 +656,9 @@ class ModuleStager:
         """Start reading back the masters mapped from checkpoint files (a unit asleep at level 2), or
         None when there are none. The load copies each piece as it arrives, and the masters are
         taken once every copy is queued; a load that fails leaves them mapped, as they were."""
-        mapped = [group for group in self._groups if group.mapped]
-        if not mapped:
+        if not self._maps_files:
             return None
+        mapped = [group for group in self._groups if group.mapped]
         return host_memory.ReadBack(
             [group.mapped_from for group in mapped],
             [group.alignment for group in mapped],
@@ -677,7 +690,9 @@ class ModuleStager:
             elif storages is None:
                 storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in groups]
             self._device_storages = storages
-            with self._copy.running():
+            # A load that reads its masters back is not timed: its time is the files' read, not the
+            # bus's, and the load rate feeds the plan of streamed components (see StepTiming).
+            with self._copy.running(timed=reading is None):
                 if one_buffer:
                     (buffer,) = storages
                     for first, last in runs:
@@ -719,9 +734,12 @@ class ModuleStager:
             backings = self._copy_to_device(slots, reading)
         except BaseException:
             if reading is not None:
-                # The copies queued so far read pieces about to be unlocked.
-                _device.synchronize(self.device)
-                reading.abandon()
+                try:
+                    _device.synchronize(self.device)  # the copies queued so far read pieces about to be unlocked
+                except Exception:
+                    logger.debug("Device synchronisation failed before unlocking masters read back", exc_info=True)
+                finally:
+                    reading.abandon()
             raise
         self._bind(backings)
         if slots is None:
@@ -732,7 +750,8 @@ class ModuleStager:
         self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
         self.loaded = True
         self.loads += 1
-        self.loaded_bytes += self.staged_bytes
+        if reading is None:
+            self.loaded_bytes += self.staged_bytes
 
     def _fall_back_to_masters(self) -> None:
         """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
@@ -1044,9 +1063,9 @@ class ModuleStager:
         so the file is not read at every load: page-locked when this stager pins and ``pin``
         (``close()`` passes False: the memory is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
-        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
-        if not mapped:
+        if not self._maps_files:
             return
+        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
         self._copy.wait()
         groups = list(self._groups)
         budget = self.pin_budget if pin else None

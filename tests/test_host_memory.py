@@ -405,8 +405,12 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
     assert stager.host_bytes()["mapped"] == 0 and stager.pinned
     assert len(driver.ranges) == 4 and all(driver.covers(group.master) for group in stager._groups)
     assert torch.equal(module(x), expected)
+    assert stager.loaded_bytes == 0 and stager.load_seconds == 0, "the files' read is not a load rate"
     stager.offload()
     assert torch.equal(module(x), expected), "the masters read back are the masters from here on"
+    stager.load()
+    assert stager.loaded_bytes == stager.staged_bytes and stager.load_seconds > 0
+    stager.offload()
     stager.close()
     assert driver.ranges == {}
 
@@ -427,8 +431,16 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
         patch.setattr(host_memory, "_fill", failing_fill)
         with pytest.raises(OSError, match="injected"):
             stager.load()
-    assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
-    assert driver.ranges == registered, "the pieces locked before the failure are unlocked"
+        assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
+        assert driver.ranges == registered, "the pieces locked before the failure are unlocked"
+
+        def failing_synchronize(device):
+            raise RuntimeError("injected: the device failed too")
+
+        patch.setattr(_device, "synchronize", failing_synchronize)
+        with pytest.raises(OSError, match="injected"):
+            stager.load()
+        assert driver.ranges == registered, "unlocked even when the device cannot be waited for"
     assert torch.equal(module(x), expected), "the weights are their mapped masters again"
     stager.load()
     assert stager.host_bytes()["mapped"] == 0 and torch.equal(module(x), expected)
