@@ -231,11 +231,11 @@ class AwakeRotation:
             asleep = self.pipelines[self.awake] if self.awake is not None else None
             if asleep is not None:
                 sleep(asleep, self.level, release_cache=False)
-                self.awake = None
+            # Before the wake: one that fails part-way is put back to sleep by the next switch.
+            self.awake = name
             try:
                 wake_up(self.pipelines[name])
             finally:
                 if asleep is not None:
                     pipeline_state(asleep).group.retention.release(reason="switch")
-            self.awake = name
         return self.pipelines[name]

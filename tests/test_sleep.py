@@ -273,6 +273,26 @@ def test_a_rotation_wakes_the_next_pipeline_before_giving_the_cache_back(monkeyp
     assert torch.equal(sdxl.run(), sdxl.reference)
 
 
+def test_a_rotation_puts_a_pipeline_that_failed_to_wake_back_to_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
+    rotation.use("flux")
+    real_wake = sleep_mode.wake_up
+
+    def wake_one_then_fail(pipe, components=None):
+        real_wake(pipe, "unet")
+        raise RuntimeError("injected: out of device memory part-way through the wake")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sleep_mode, "wake_up", wake_one_then_fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            rotation.use("sdxl")
+    assert states(sdxl.pipe)["unet"] == "awake"
+    rotation.use("flux")
+    assert set(states(sdxl.pipe).values()) == {"asleep (1)"}, "the next switch puts all of it to sleep"
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_failure_inside_sleep_leaves_the_pipeline_usable(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.run()
