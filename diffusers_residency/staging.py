@@ -13,9 +13,10 @@ untie tied weights and let each side go stale on its own.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import TypeVar
@@ -206,30 +207,31 @@ def _snapshot(
     # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
     was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
     # Masters that view a checkpoint file (asleep at level 2) are slices of one mapping of the whole
-    # file: a tensor still over one keeps it, rather than being grouped by its storage, the file's,
-    # which would take the whole file as one master.
-    still_mapped = {
-        id(binding.target): group
-        for group in previous
-        if group.mapped
-        for binding in group.bindings
-        if _over(binding, group.master)
-    }
+    # file. A tensor in such a mapping goes with the view it lies in, placed within it, rather than
+    # being grouped by its storage, the file's, which would take the whole file as one master.
+    views_in: dict[int, list[StorageGroup]] = {}
+    for group in sorted((group for group in previous if group.mapped), key=lambda group: group.master.data_ptr()):
+        views_in.setdefault(group.master.untyped_storage().data_ptr(), []).append(group)
+    in_view: dict[tuple, StorageGroup] = {}
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
     for target in tensors:
         local = local_tensor(target)
         storage = local.untyped_storage()
-        if id(local) in still_mapped:
-            key = ("mapped", id(still_mapped[id(local)]))
+        view = _view_holding(local, views_in.get(storage.data_ptr(), ())) if views_in else None
+        if view is not None:
+            key = ("mapped", id(view))
+            in_view[key] = view
+            offset = (local.data_ptr() - view.master.data_ptr()) // local.element_size()
         else:
             key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
+            offset = local.storage_offset()
         binding = TensorBinding(
             target=local,
             inference=was_inference.get(id(local), local.is_inference()),
             dtype=local.dtype,
             shape=tuple(local.shape),
             stride=tuple(local.stride()),
-            storage_offset=local.storage_offset(),
+            storage_offset=offset,
         )
         grouped.setdefault(key, (local, []))[1].append(binding)
 
@@ -237,12 +239,12 @@ def _snapshot(
     previous_alignments = {id(binding.target): group.alignment for group in previous for binding in group.bindings}
     wholes, alignments = [], []
     settled: dict[int, StorageGroup] = {}
-    for index, (source, bindings) in enumerate(grouped.values()):
-        mapped = still_mapped.get(id(bindings[0].target))
-        if mapped is not None:
-            wholes.append(mapped.master)
-            alignments.append(mapped.alignment)
-            settled[index] = mapped  # its bindings place the tensor in the view, not in the file
+    for index, (key, (source, bindings)) in enumerate(grouped.items()):
+        view = in_view.get(key)
+        if view is not None:
+            wholes.append(view.master)
+            alignments.append(view.alignment)
+            settled[index] = replace(view, bindings=tuple(bindings))
             continue
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -284,6 +286,21 @@ def _snapshot(
             )
         )
     return tuple(groups), copied_host
+
+
+def _view_holding(tensor: torch.Tensor, views: Sequence[StorageGroup]) -> StorageGroup | None:
+    """Among ``views`` (groups whose masters view one checkpoint file, by address), the one that holds
+    every byte of ``tensor`` at a place its dtype can start at, if any."""
+    start = tensor.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1 if tensor.numel() else 0
+    end = start + extent * tensor.element_size()
+    # Views of one file do not overlap: only the last one starting at or before the tensor can hold it.
+    index = bisect.bisect_right(views, start, key=lambda group: group.master.data_ptr()) - 1
+    if index < 0:
+        return None
+    group = views[index]
+    first = group.master.data_ptr()
+    return group if end <= first + group.nbytes and (start - first) % tensor.element_size() == 0 else None
 
 
 def _over(binding: TensorBinding, master: torch.Tensor) -> bool:
@@ -737,6 +754,7 @@ class ModuleStager:
                 try:
                     _device.synchronize(self.device)  # the copies queued so far read pieces about to be unlocked
                 except Exception:
+                    # A device that cannot be waited for has failed; its copies will not read again.
                     logger.debug("Device synchronisation failed before unlocking masters read back", exc_info=True)
                 finally:
                     reading.abandon()
@@ -1047,6 +1065,7 @@ class ModuleStager:
             and id(group.bindings[0].target) in sources
             and not group.mapped
             and _fills_storage(group)
+            and _over(group.bindings[0], group.master)  # else its master is no longer its value
         }
         same = host_memory.hold_the_same_bytes([self._groups[i].master for i in candidates], list(candidates.values()))
         groups = list(self._groups)

@@ -448,6 +448,28 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
     assert driver.ranges == {}
 
 
+def test_tensors_remade_over_mapped_masters_keep_a_master_per_view(tmp_path, monkeypatch) -> None:
+    """Masters mapped from a file are slices of one mapping of the whole file. A tensor remade over
+    such a slice (a new parameter over the same data, a transposed view, an alias) must stay with
+    that slice when masters are taken again, not take the whole file as its master."""
+    module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
+    first, second = module[0], module[1]
+    first.weight = torch.nn.Parameter(first.weight.detach())
+    second.weight.data = second.weight.data.t().contiguous().t()  # a copy: a master of its own
+    module[2].register_parameter("alias", module[3].weight)  # tied to a mapped weight
+    module[3].weight.data = module[3].weight.data.t().t()  # the same bytes, viewed anew
+    expected = module(x)
+    stager.retake_masters()
+    largest = module[0].weight.nbytes
+    assert max(group.nbytes for group in stager._groups) == largest, "one master per weight, not the file"
+    assert stager.host_bytes()["mapped"] == 3 * largest
+    stager.load()
+    assert torch.equal(module(x), expected)
+    assert module[2].alias.data_ptr() == module[3].weight.data_ptr(), "still tied"
+    stager.offload()
+    assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 0
+
+
 def test_a_budget_too_small_for_the_padded_block_copies_nothing(flux, driver: FakeDriver) -> None:
     transformer = flux.pipe.transformer
     addresses = {name: t.data_ptr() for name, t in weights(transformer).items()}

@@ -113,10 +113,17 @@ def test_a_weight_replaced_while_asleep_wakes_as_replaced(flux: PipelineCase, le
     weight.data = replacement.clone()
     flux.pipe.wake_up()
     assert torch.equal(weight.cpu(), replacement)
+    flux.run()  # which ends with the transformer offloaded, evicted by the VAE
+    assert not flux.pipe.residency_report()["transformer"].loaded
+    second = torch.randn_like(weight)
+    weight.data = second.clone()
     flux.pipe.sleep(level=level)
-    assert torch.equal(weight, replacement), "and it stays so asleep again"
+    assert torch.equal(weight, second), "and it stays so asleep again"
+    if level == 2:
+        transformer = flux.pipe.residency_report()["transformer"]
+        assert transformer.mapped_bytes <= transformer.staged_bytes - weight.nbytes, "its old master is not mapped"
     flux.pipe.wake_up()
-    assert torch.equal(weight.cpu(), replacement)
+    assert torch.equal(weight.cpu(), second)
 
 
 def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: PipelineCase) -> None:
