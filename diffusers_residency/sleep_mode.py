@@ -227,15 +227,15 @@ class AwakeRotation:
     def use(self, name: str) -> DiffusionPipeline:
         if name not in self.pipelines:
             raise KeyError(f"no pipeline named {name!r}; choose from {sorted(self.pipelines)}")
-        if self.awake != name:
-            asleep = self.pipelines[self.awake] if self.awake is not None else None
+        asleep = self.pipelines[self.awake] if self.awake not in (None, name) else None
+        if asleep is not None:
+            sleep(asleep, self.level, release_cache=False)
+        # Before the wake: one that fails part-way is put back to sleep by the next switch.
+        self.awake = name
+        try:
+            # A no-op for the pipeline awake already, unless its wake failed part-way: then a retry.
+            wake_up(self.pipelines[name])
+        finally:
             if asleep is not None:
-                sleep(asleep, self.level, release_cache=False)
-            # Before the wake: one that fails part-way is put back to sleep by the next switch.
-            self.awake = name
-            try:
-                wake_up(self.pipelines[name])
-            finally:
-                if asleep is not None:
-                    pipeline_state(asleep).group.retention.release(reason="switch")
+                pipeline_state(asleep).group.retention.release(reason="switch")
         return self.pipelines[name]

@@ -290,11 +290,18 @@ def test_a_rotation_puts_a_pipeline_that_failed_to_wake_back_to_sleep(monkeypatc
         real_wake(pipe, "unet")
         raise RuntimeError("injected: out of device memory part-way through the wake")
 
-    with monkeypatch.context() as patch:
-        patch.setattr(sleep_mode, "wake_up", wake_one_then_fail)
-        with pytest.raises(RuntimeError, match="injected"):
-            rotation.use("sdxl")
-    assert states(sdxl.pipe)["unet"] == "awake"
+    def fail_part_way() -> None:
+        with monkeypatch.context() as patch:
+            patch.setattr(sleep_mode, "wake_up", wake_one_then_fail)
+            with pytest.raises(RuntimeError, match="injected"):
+                rotation.use("sdxl")
+        assert states(sdxl.pipe)["unet"] == "awake" and sdxl.pipe.is_sleeping
+
+    fail_part_way()
+    assert rotation.use("sdxl") is sdxl.pipe and not sdxl.pipe.is_sleeping, "asked again, it wakes"
+    assert torch.equal(sdxl.run(), sdxl.reference)
+    rotation.use("flux")
+    fail_part_way()
     rotation.use("flux")
     assert set(states(sdxl.pipe).values()) == {"asleep (1)"}, "the next switch puts all of it to sleep"
     assert torch.equal(flux.run(), flux.reference)
