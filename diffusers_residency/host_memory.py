@@ -28,7 +28,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -346,12 +346,12 @@ class MappedBytes:
     offset: int = 0
 
 
-def _written_pages(view: torch.Tensor) -> bool:
-    """Whether this process wrote to any page of a private file mapping under ``view`` (or cannot
-    tell): a written page is the process's own copy, no longer the file's (``/proc/self/pagemap``:
-    present without the file-page bit, or swapped out; a page never written is either not present or
-    a page of the file)."""
-    start, end = _page_span(view)
+def _written_pages(start: int, end: int) -> bool:
+    """Whether this process wrote to any page of a private file mapping between addresses ``start``
+    and ``end`` (or cannot tell): a written page is the process's own copy, no longer the file's
+    (``/proc/self/pagemap``: present without the file-page bit, or swapped out; a page never written
+    is either not present or a page of the file)."""
+    start, end = start - start % _PAGE, _align_up(end, _PAGE)
     expected = 8 * ((end - start) // _PAGE)
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
@@ -365,6 +365,10 @@ def _written_pages(view: torch.Tensor) -> bool:
     return bool(((present & ~file_page) | swapped).any())
 
 
+def _view_written(view: torch.Tensor) -> bool:
+    return _written_pages(view.data_ptr(), view.data_ptr() + view.numel())
+
+
 def _fill(slot: torch.Tensor, source: MappedBytes) -> None:
     """Copy a master's bytes into ``slot``: with ``pread`` from its file where this process never
     wrote to its mapped view, else from the view.
@@ -373,22 +377,43 @@ def _fill(slot: torch.Tensor, source: MappedBytes) -> None:
     end, unmap them; reading the file copies out of the page cache with neither. On the H200 machine,
     8 GiB went in at 12.4 GB/s through a mapping, and at 20.3 GB/s read by 16 threads into pieces
     locked as they filled."""
-    if source.file is None or _written_pages(source.view):
+    if source.file is None or _view_written(source.view):
         slot.copy_(source.view)
-    elif not _read(source.file, source.offset, slot):
-        source.file.refuse_if_changed()
-        raise RuntimeError(f"{source.file.path} ends before the {slot.numel()} bytes at {source.offset}")
+    elif not _read(source.file, source.offset, [_bytes_of(slot)]):
+        _refuse_short(source.file, source.offset, slot.numel())
 
 
-def _read(file: OpenFile, offset: int, slot: torch.Tensor) -> bool:
-    """Fill ``slot`` from ``file`` at ``offset`` with ``pread``; False if the file ends first."""
-    target = memoryview((ctypes.c_uint8 * slot.numel()).from_address(slot.data_ptr())).cast("B")
-    done = 0
-    while done < len(target):
-        read = os.preadv(file.fd, [target[done:]], offset + done)
-        if read <= 0:
+def _refuse_short(file: OpenFile, offset: int, nbytes: int) -> None:
+    file.refuse_if_changed()
+    raise RuntimeError(f"{file.path} ends before the {nbytes} bytes at {offset}")
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview over a flat byte tensor's memory (``preadv`` reads into buffers)."""
+    return memoryview((ctypes.c_uint8 * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
+
+
+# The most buffers one preadv takes (the kernel's UIO_MAXIOV).
+_MOST_BUFFERS_PER_READ = 1024
+
+
+def _read(file: OpenFile, offset: int, targets: Sequence[memoryview]) -> bool:
+    """Fill ``targets`` in turn from consecutive bytes of ``file`` at ``offset`` (a scatter read,
+    ``preadv``); False if the file ends first. One call for many weights lying back to back in the
+    file: per-weight calls cost their Python overhead a thousand times a component, under the GIL
+    that every reader thread shares."""
+    pending = [target for target in targets if len(target)]
+    first = 0
+    while first < len(pending):
+        done = os.preadv(file.fd, pending[first : first + _MOST_BUFFERS_PER_READ], offset)
+        if done <= 0:
             return False
-        done += read
+        offset += done
+        while first < len(pending) and done >= len(pending[first]):
+            done -= len(pending[first])
+            first += 1
+        if done:
+            pending[first] = pending[first][done:]
     return True
 
 
@@ -397,11 +422,11 @@ def _holds(master: torch.Tensor, source: MappedBytes, scratch: torch.Tensor) -> 
     into ``scratch`` where it has one (see :func:`_fill` for why not through the view)."""
     if master.numel() != source.view.numel():
         return False
-    if source.file is None or _written_pages(source.view):
+    if source.file is None or _view_written(source.view):
         return _equal_bytes(master, source.view)
     for start in range(0, master.numel(), scratch.numel()):
         chunk = master[start : start + scratch.numel()]
-        if not _read(source.file, source.offset + start, scratch[: chunk.numel()]) or not _equal_bytes(
+        if not _read(source.file, source.offset + start, [_bytes_of(scratch[: chunk.numel()])]) or not _equal_bytes(
             chunk, scratch[: chunk.numel()]
         ):
             return False
@@ -442,6 +467,43 @@ class _Piece:
         self.number, self.start, self.size, self.members = number, start, size, members
 
 
+def _back_to_back(sources: Sequence[MappedBytes], members: Sequence[int]) -> list[list[int]]:
+    """``members`` (indices into ``sources``) in runs that one read fills: in file order, each run
+    lying back to back in one file and in its mapping; a source without a file is a run alone."""
+    runs: list[list[int]] = [[i] for i in members if sources[i].file is None]
+    in_files = sorted((i for i in members if sources[i].file is not None), key=lambda i: (id(sources[i].file), sources[i].offset))
+    for i in in_files:
+        source = sources[i]
+        if runs and sources[runs[-1][-1]].file is not None:
+            last = sources[runs[-1][-1]]
+            length = last.view.numel()
+            if (
+                source.file is last.file
+                and source.offset == last.offset + length
+                and source.view.data_ptr() == last.view.data_ptr() + length
+            ):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+_readers: tuple[int, ThreadPoolExecutor] | None = None
+_readers_lock = threading.Lock()
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    """The threads that fill read-backs, shared by all of them, first come first served: a wake
+    starts reading every unit it wakes at once (see ``ModuleStager.read_ahead``), and the pieces of
+    the next unit are read while the last ones of this unit are copied. Made again in a child
+    process: a fork does not copy the parent's threads."""
+    global _readers
+    with _readers_lock:
+        if _readers is None or _readers[0] != os.getpid():
+            _readers = (os.getpid(), ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_back"))
+        return _readers[1]
+
+
 class ReadBack:
     """Masters mapped from checkpoint files, being read back into memory of their own: where each
     one's bytes go is known at once, the bytes arrive piece by piece.
@@ -449,7 +511,7 @@ class ReadBack:
     One private anonymous mapping holds them all, in pieces of about ``_PIECE_BYTES`` (fewer bytes
     for a small unit, so that every thread has one to fill) laid out by
     :func:`block_bytes` and starting on huge-page boundaries. Threads fill the pieces (see
-    :func:`_fill`); :meth:`wait_for` registers each one, from the calling thread and in order
+    :meth:`_fill_piece`); :meth:`wait_for` registers each one, from the calling thread and in order
     (registration order is what :data:`LOCKED` is kept in), once it is full. A load copies each
     piece to the device as soon as it is locked, while the threads fill the next ones: the copies
     hide behind the reads instead of following them. Each piece is a registration of its own: a
@@ -462,33 +524,43 @@ class ReadBack:
         for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
             file.refuse_if_changed()
         self._pin, self._budget = pin, budget
+        self._sources = list(sources)
         total = sum(source.view.numel() for source in sources)
         piece_bytes = min(_PIECE_BYTES, max(_SMALLEST_PIECE_BYTES, total // _READ_THREADS))
         self.pieces: list[_Piece] = []
         members: list[int] = []
         filled = span = 0
-        offsets: list[int] = []
+        self._offsets: list[int] = []
         for index, source in enumerate([*sources, None]):
             if members and (source is None or filled + source.view.numel() > piece_bytes):
                 within, size = block_bytes([sources[i].view.numel() for i in members], [alignments[i] for i in members])
                 self.pieces.append(_Piece(len(self.pieces), span, size, members))
-                offsets.extend(span + offset for offset in within)
+                self._offsets.extend(span + offset for offset in within)
                 span = _align_up(span + size, _HUGE_PAGE)
                 members, filled = [], 0
             if source is not None:
                 members.append(index)
                 filled += source.view.numel()
         self.piece_of = [piece for piece in self.pieces for _ in piece.members]
-        self._mapping, block, self._start = _new_block(max(span, _PAGE))
-        self.slots = [_slot(block, offset, source.view.numel()) for offset, source in zip(offsets, sources)]
+        self._mapping, self._block, self._start = _new_block(max(span, _PAGE))
+        self.slots = [_slot(self._block, offset, source.view.numel()) for offset, source in zip(self._offsets, sources)]
         self._pins: list[HostPin | None] = []
-        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_back")
+        readers = _reader_pool()
+        self._fills = [readers.submit(self._fill_piece, piece) for piece in self.pieces]
 
-        def fill(piece: _Piece) -> None:
-            for i in piece.members:
-                _fill(self.slots[i], sources[i])
-
-        self._fills = [self._readers.submit(fill, piece) for piece in self.pieces]
+    def _fill_piece(self, piece: _Piece) -> None:
+        """Fill one piece, on a reader thread: each run of masters back to back in a file with one
+        scatter read (see :func:`_read`), where this process never wrote to their mapped pages;
+        the rest one master at a time (see :func:`_fill`)."""
+        for run in _back_to_back(self._sources, piece.members):
+            first, last = self._sources[run[0]], self._sources[run[-1]]
+            if first.file is None or _written_pages(first.view.data_ptr(), last.view.data_ptr() + last.view.numel()):
+                for i in run:
+                    _fill(self.slots[i], self._sources[i])
+                continue
+            targets = [self._block[self._offsets[i] : self._offsets[i] + self._sources[i].view.numel()] for i in run]
+            if not _read(first.file, first.offset, targets):
+                _refuse_short(first.file, first.offset, sum(len(target) for target in targets))
 
     def wait_for(self, index: int) -> None:
         """Return once the piece holding master ``index`` is full and, where pinned, page-locked
@@ -503,7 +575,6 @@ class ReadBack:
         """Wait for every piece; the masters, each with the registration that locks it, if any."""
         if self.slots:
             self.wait_for(len(self.slots) - 1)
-        self._readers.shutdown()
         return [
             HostMaster(self.slots[i], pin, pinned=pin is not None or (self._pin and not self.slots[i].numel()))
             for piece, pin in zip(self.pieces, self._pins)
@@ -511,23 +582,20 @@ class ReadBack:
         ]
 
     def abandon(self) -> None:
-        """Stop the threads and unlock what was locked. Copies still reading the pieces must have
-        ended (they read page-locked memory about to be unregistered)."""
-        self._readers.shutdown(cancel_futures=True)
+        """Cancel the pieces not started, wait for those being filled, and unlock what was locked.
+        Copies still reading the pieces must have ended (they read page-locked memory about to be
+        unregistered)."""
+        for fill in self._fills:
+            fill.cancel()
+        wait(self._fills)
         self._pins.clear()
 
 
-def read_to_host(
-    sources: Sequence[MappedBytes], alignments: Sequence[int], budget: int, *, pin: bool
-) -> list[HostMaster]:
-    """Masters of memory of their own for masters mapped from checkpoint files, page-locked if ``pin``
-    and within ``budget``: a :class:`ReadBack` waited for."""
-    if not sources:
-        return []
-    read = ReadBack(sources, alignments, budget, pin=pin)
+def finished(reading: ReadBack) -> list[HostMaster]:
+    """``reading.finish()``, for a read-back nothing copies from yet: if it fails, the pieces
+    locked so far are unlocked at once, not whenever the traceback holding them goes."""
     try:
-        return read.finish()
+        return reading.finish()
     except BaseException:
-        # Unlock the pieces locked so far now, not when the traceback holding this frame goes.
-        read.abandon()
+        reading.abandon()
         raise

@@ -476,6 +476,8 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
+        # A read-back started ahead of the load or wake that takes it, with the groups it reads.
+        self._reading_ahead: tuple[tuple[StorageGroup, ...], host_memory.ReadBack] | None = None
         # Where each group's copy goes in a load's buffer, the buffer's size, and the copies that
         # fill it (see _placed), for a layout and the masters' addresses.
         self._placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]] = ((), (), 0, ())
@@ -669,18 +671,39 @@ class ModuleStager:
             self._placement = ((layout, addresses), tuple(offsets), end, tuple((a, b) for a, b in runs))
         return self._placement[1:]
 
-    def _read_back(self) -> host_memory.ReadBack | None:
-        """Start reading back the masters mapped from checkpoint files (a unit asleep at level 2), or
-        None when there are none. The load copies each piece as it arrives, and the masters are
-        taken once every copy is queued; a load that fails leaves them mapped, as they were."""
-        if not self._maps_files:
-            return None
+    def read_ahead(self) -> None:
+        """Start reading back the masters mapped from checkpoint files now, for the load (or
+        :meth:`unmap_masters`) that takes them: a wake of several components reads the next one's
+        while this one's are copied. A no-op when none are mapped or a read is under way."""
+        if self._reading_ahead is None and self._maps_files:
+            self._reading_ahead = (self._groups, self._new_read_back(pin=True))
+
+    def drop_read_ahead(self) -> None:
+        """Stop a read started by :meth:`read_ahead` that nothing took (the wake failed before)."""
+        ahead, self._reading_ahead = self._reading_ahead, None
+        if ahead is not None:
+            ahead[1].abandon()
+
+    def _read_back(self, *, pin: bool = True) -> host_memory.ReadBack | None:
+        """The read-back of the masters mapped from checkpoint files (a unit asleep at level 2): the
+        one started ahead if it reads these masters, else a new one; None when there are none. A load
+        copies each piece as it arrives, and the masters are taken once every copy is queued; a load
+        that fails leaves them mapped, as they were."""
+        ahead, self._reading_ahead = self._reading_ahead, None
+        if ahead is not None:
+            if ahead[0] is self._groups and pin:
+                return ahead[1]
+            ahead[1].abandon()  # the masters changed since it started (retaken), or it locks pages
+        return self._new_read_back(pin=pin) if self._maps_files else None
+
+    def _new_read_back(self, *, pin: bool) -> host_memory.ReadBack:
         mapped = [group for group in self._groups if group.mapped]
+        budget = self.pin_budget if pin else None
         return host_memory.ReadBack(
             [group.mapped_from for group in mapped],
             [group.alignment for group in mapped],
-            self.pin_budget or 0,
-            pin=self.pin_budget is not None,
+            budget or 0,
+            pin=budget is not None,
         )
 
     def _copy_to_device(self, slots: DeviceSlots | None, reading: host_memory.ReadBack | None) -> list[torch.Tensor]:
@@ -1078,23 +1101,17 @@ class ModuleStager:
         return released
 
     def unmap_masters(self, *, pin: bool = True) -> None:
-        """Give masters mapped from a file memory of their own again (see host_memory.read_to_host),
-        so the file is not read at every load: page-locked when this stager pins and ``pin``
+        """Give masters mapped from a file memory of their own again (see host_memory.ReadBack), so
+        the file is not read at every load: page-locked when this stager pins and ``pin``
         (``close()`` passes False: the memory is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
-        if not self._maps_files:
+        reading = self._read_back(pin=pin)
+        if reading is None:
             return
-        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
         self._copy.wait()
+        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
         groups = list(self._groups)
-        budget = self.pin_budget if pin else None
-        masters = host_memory.read_to_host(
-            [groups[i].mapped_from for i in mapped],
-            [groups[i].alignment for i in mapped],
-            budget or 0,
-            pin=budget is not None,
-        )
-        for i, master in zip(mapped, masters):
+        for i, master in zip(mapped, host_memory.finished(reading)):
             groups[i] = replace(groups[i], master=master.data, mapped_from=None, pinned=master.pinned, pin=master.pin)
         self._swap_masters(tuple(groups))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diffusers_residency import ModuleStager, _device, host_memory
-from diffusers_residency.host_memory import MappedBytes
+from diffusers_residency.host_memory import MappedBytes, ReadBack
 
 CPU = torch.device("cpu")
 PAGE = mmap.PAGESIZE
@@ -307,10 +307,43 @@ def test_masters_mapped_from_a_file_read_it_unless_their_pages_were_written(tmp_
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(host_memory.os, "preadv", counted_preadv)
-    masters = host_memory.read_to_host(sources, [0, 0, 0], 0, pin=False)
+    masters = host_memory.finished(ReadBack(sources, [0, 0, 0], 0, pin=False))
     assert [torch.equal(master.data, want) for master, want in zip(masters, expected)] == [True] * 3
     assert sorted(set(reads)) == sorted({sources[0].offset, sources[2].offset}), "the written view is copied"
     assert all(master.data.data_ptr() % 512 == 0 and not master.pinned for master in masters)
+
+
+def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path, monkeypatch) -> None:
+    """A piece's masters that lie back to back in the file take one ``preadv`` into their slots
+    (slots are padded apart), short reads included; a run with a page written through the mapping
+    is read one master at a time, the written one from its view."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(6)))
+    views = _mapped_checkpoint(tmp_path, module)
+    sources = [views[id(layer.weight)] for layer in module]
+    order = sorted(range(6), key=lambda i: sources[i].offset)
+    assert all(sources[b].offset == sources[a].offset + sources[a].view.numel() for a, b in zip(order, order[1:]))
+    real_preadv = host_memory.os.preadv
+    reads: list[tuple[int, int]] = []
+
+    def short_preadv(fd, buffers, offset):
+        reads.append((offset, len(buffers)))
+        return real_preadv(fd, [buffers[0][:3000]], offset)  # a short read: 3000 bytes at most
+
+    monkeypatch.setattr(host_memory.os, "preadv", short_preadv)
+    alignments = [0, 4, 0, 8, 0, 0]
+    masters = host_memory.finished(ReadBack(sources, alignments, 0, pin=False))
+    assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
+    assert [master.data.data_ptr() % 512 for master in masters] == alignments
+    assert reads[0] == (sources[order[0]].offset, 6), "the first read asks for all six masters at once"
+    assert len(reads) == 6 * -(-256 * 256 * 4 // 3000), "each short read is taken up where it ended"
+
+    reads.clear()
+    sources[3].view[PAGE : PAGE + 8] = 7
+    masters = host_memory.finished(ReadBack(sources, alignments, 0, pin=False))
+    assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
+    assert sources[3].offset not in {offset for offset, _ in reads}, "the written master is copied from its view"
+    assert all(count == 1 for _, count in reads), "one master per read in a run with a written page"
 
 
 def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: FakeDriver, monkeypatch) -> None:
@@ -318,7 +351,7 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     sizes = [PAGE, 2 * PAGE, PAGE + 100, 5 * PAGE, 7]
     sources = [MappedBytes(torch.randint(0, 256, (size,), dtype=torch.uint8)) for size in sizes]
     alignments = [0, 0, 4, 0, 2]
-    masters = host_memory.read_to_host(sources, alignments, 1 << 40, pin=True)
+    masters = host_memory.finished(ReadBack(sources, alignments, 1 << 40, pin=True))
     assert len(driver.ranges) == 4, "pieces of [1, 2], [3], [4] and [5] pages' worth"
     for master, source, alignment in zip(masters, sources, alignments):
         assert torch.equal(master.data, source.view) and master.pinned and driver.covers(master.data)
@@ -331,7 +364,7 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     assert driver.ranges == {}, "each piece is unlocked with the last master in it"
 
     budget = 3 * PAGE  # the first piece fits, the rest do not
-    masters = host_memory.read_to_host(sources, alignments, budget, pin=True)
+    masters = host_memory.finished(ReadBack(sources, alignments, budget, pin=True))
     assert [master.pinned for master in masters] == [True, True, False, False, False]
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
@@ -342,7 +375,7 @@ def test_a_small_unit_is_read_back_in_a_piece_per_thread(driver: FakeDriver, mon
     monkeypatch.setattr(host_memory, "_SMALLEST_PIECE_BYTES", PAGE)
     monkeypatch.setattr(host_memory, "_READ_THREADS", 4)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(8)]
-    read = host_memory.ReadBack(sources, [0] * 8, 1 << 40, pin=True)
+    read = ReadBack(sources, [0] * 8, 1 << 40, pin=True)
     masters = read.finish()
     assert [piece.members for piece in read.pieces] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
@@ -364,7 +397,7 @@ def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver
 
     monkeypatch.setattr(host_memory, "_fill", failing_fill)
     with pytest.raises(OSError, match="injected"):
-        host_memory.read_to_host(sources, [0] * 6, 1 << 40, pin=True)
+        host_memory.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
 
 
@@ -384,22 +417,20 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
     module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
     expected = module(x)
     copied = [threading.Event() for _ in range(4)]
-    real_wait_for, real_fill = host_memory.ReadBack.wait_for, host_memory._fill
+    real_wait_for, real_fill_piece = ReadBack.wait_for, ReadBack._fill_piece
     pieces_read_before_the_copy_ahead: list[int] = []
 
     def wait_for(read, index):
         real_wait_for(read, index)
         copied[read.piece_of[index].number].set()  # the load copies it next, on this thread
 
-    def fill(slot, source):
-        number = numbers[id(source)]
-        if number and not copied[number - 1].wait(timeout=5):
-            pieces_read_before_the_copy_ahead.append(number)
-        real_fill(slot, source)
+    def fill_piece(read, piece):
+        if piece.number and not copied[piece.number - 1].wait(timeout=5):
+            pieces_read_before_the_copy_ahead.append(piece.number)
+        real_fill_piece(read, piece)
 
-    numbers = {id(group.mapped_from): number for number, group in enumerate(stager._groups)}
-    monkeypatch.setattr(host_memory.ReadBack, "wait_for", wait_for)
-    monkeypatch.setattr(host_memory, "_fill", fill)
+    monkeypatch.setattr(ReadBack, "wait_for", wait_for)
+    monkeypatch.setattr(ReadBack, "_fill_piece", fill_piece)
     stager.load()
     assert pieces_read_before_the_copy_ahead == []
     assert stager.host_bytes()["mapped"] == 0 and stager.pinned
@@ -415,20 +446,54 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
     assert driver.ranges == {}
 
 
+def test_a_read_ahead_serves_the_load_unless_the_masters_changed_since(tmp_path, driver: FakeDriver, monkeypatch) -> None:
+    module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
+    started: list[ReadBack] = []
+    real_init = ReadBack.__init__
+
+    def init(read, *args, **kwargs):
+        started.append(read)
+        real_init(read, *args, **kwargs)
+
+    monkeypatch.setattr(ReadBack, "__init__", init)
+    expected = module(x)
+    stager.read_ahead()
+    stager.read_ahead()  # one under way already
+    stager.load()
+    assert len(started) == 1 and torch.equal(module(x), expected)
+    stager.offload()
+    (tmp_path / "again").mkdir()
+    assert stager.map_masters(_mapped_checkpoint(tmp_path / "again", module)) == stager.staged_bytes
+    started.clear()
+
+    stager.read_ahead()
+    module[1].weight.data = module[1].weight.data * 2  # replaced while its read was under way
+    expected = module(x)
+    stager.retake_masters()
+    stager.load()
+    assert len(started) == 2, "the read started ahead read the old masters: a new one reads the new"
+    assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 0
+    stager.offload()
+    stager.close()
+    started.clear()  # a finished read-back holds the registrations of its pieces too
+    gc.collect()
+    assert driver.ranges == {}
+
+
 def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver: FakeDriver, monkeypatch) -> None:
     module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
     expected = module(x)
     mapped, registered = stager.host_bytes()["mapped"], dict(driver.ranges)
-    real_fill = host_memory._fill
+    real_preadv = host_memory.os.preadv
     third = stager._groups[2].mapped_from
 
-    def failing_fill(slot, source):
-        if source is third:
+    def failing_preadv(fd, buffers, offset):
+        if offset == third.offset:
             raise OSError("injected: unreadable")
-        real_fill(slot, source)
+        return real_preadv(fd, buffers, offset)
 
     with monkeypatch.context() as patch:
-        patch.setattr(host_memory, "_fill", failing_fill)
+        patch.setattr(host_memory.os, "preadv", failing_preadv)
         with pytest.raises(OSError, match="injected"):
             stager.load()
         assert not stager.loaded and stager.host_bytes()["mapped"] == mapped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -346,6 +347,66 @@ def test_failure_inside_wake_leaves_the_pipeline_usable(flux: PipelineCase, monk
     assert all(c.mapped_bytes for c in flux.pipe.residency_report().components)
     assert_no_meta_or_foreign_device(flux.pipe)
     flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_level_2_wake_reads_every_component_ahead_of_waking_the_first(flux: PipelineCase, monkeypatch) -> None:
+    """The reader threads go from one component's files to the next without waiting for the wake to
+    reach it: each component's copies overlap the reads of those after it."""
+    from diffusers_residency import host_memory
+    from diffusers_residency.residency import ResidencyGroup
+
+    flux.pipe.sleep(level=2)
+    units = flux.pipe.__dict__["_pinned_residency"].group.units
+    events: list[str] = []
+    real_init, real_wake = host_memory.ReadBack.__init__, ResidencyGroup.wake
+
+    def read_back(read, *args, **kwargs):
+        events.append("read")
+        real_init(read, *args, **kwargs)
+
+    def wake(group, unit):
+        events.append("wake")
+        real_wake(group, unit)
+
+    monkeypatch.setattr(host_memory.ReadBack, "__init__", read_back)
+    monkeypatch.setattr(ResidencyGroup, "wake", wake)
+    flux.pipe.wake_up()
+    assert events == ["read"] * len(units) + ["wake"] * len(units)
+    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_level_2_wake_whose_read_fails_stops_the_reads_ahead(flux: PipelineCase, monkeypatch) -> None:
+    from diffusers_residency import host_memory
+
+    flux.pipe.sleep(level=2)
+    units = flux.pipe.__dict__["_pinned_residency"].group.units
+    abandoned: list[object] = []
+    real_preadv, real_abandon = host_memory.os.preadv, host_memory.ReadBack.abandon
+
+    def preadv(fd, buffers, offset):
+        if f"{os.sep}text_encoder_2{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError("injected: unreadable")
+        return real_preadv(fd, buffers, offset)
+
+    def abandon(read):
+        abandoned.append(read)
+        real_abandon(read)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(host_memory.os, "preadv", preadv)
+        patch.setattr(host_memory.ReadBack, "abandon", abandon)
+        with pytest.raises(OSError, match="injected"):
+            flux.pipe.wake_up()
+    state = states(flux.pipe)
+    assert state["text_encoder_2"] == "asleep (2)"
+    asleep = sum(1 for value in state.values() if value == "asleep (2)")
+    assert len(abandoned) == asleep, "the failed read and every one ahead of it are stopped"
+    assert all(unit.stager._reading_ahead is None for unit in units)
+    assert_no_meta_or_foreign_device(flux.pipe)
+    flux.pipe.wake_up()
+    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
     assert torch.equal(flux.run(), flux.reference)
 
 
