@@ -177,6 +177,10 @@ def can_register_host_memory() -> bool:
     return torch.cuda.is_available()
 
 
+# cudaHostRegisterPortable, from cuda_runtime_api.h.
+_HOST_REGISTER_PORTABLE = 1
+
+
 def register_host_memory(address: int, nbytes: int) -> bool:
     """Page-lock existing host memory where it is (``cudaHostRegister``); False where that cannot be
     done, and the memory stays pageable.
@@ -184,7 +188,9 @@ def register_host_memory(address: int, nbytes: int) -> bool:
     """
     if not can_register_host_memory():
         return False
-    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    # Portable: locked for every device's context, not only the calling thread's current device
+    # (a reader thread's is device 0 whichever device the pipeline runs on).
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)
     if int(error) == 0:
         return True
     logger.info("Could not page-lock %d bytes of host memory in place (CUDA error %d)", nbytes, int(error))

@@ -29,16 +29,19 @@ class FakeDriver:
 
     def __init__(self) -> None:
         self.ranges: dict[int, int] = {}
+        self._lock = threading.Lock()  # read-back pieces are registered by reader threads
 
     def register(self, address: int, nbytes: int) -> bool:
         assert address % PAGE == 0 and nbytes % PAGE == 0, "registration must cover whole pages"
-        if any(address < start + size and start < address + nbytes for start, size in self.ranges.items()):
-            return False  # cudaErrorHostMemoryAlreadyRegistered
-        self.ranges[address] = nbytes
-        return True
+        with self._lock:
+            if any(address < start + size and start < address + nbytes for start, size in self.ranges.items()):
+                return False  # cudaErrorHostMemoryAlreadyRegistered
+            self.ranges[address] = nbytes
+            return True
 
     def unregister(self, address: int) -> None:
-        del self.ranges[address]
+        with self._lock:
+            del self.ranges[address]
 
     @property
     def registered_bytes(self) -> int:
@@ -399,6 +402,7 @@ def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver
     with pytest.raises(OSError, match="injected"):
         host_memory.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
+    assert host_memory.locked_bytes() == 0, "and those never filled no longer count against the budget"
 
 
 def _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch) -> tuple[torch.nn.Module, ModuleStager, torch.Tensor]:
@@ -427,7 +431,7 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
     def fill_piece(read, piece):
         if piece.number and not copied[piece.number - 1].wait(timeout=5):
             pieces_read_before_the_copy_ahead.append(piece.number)
-        real_fill_piece(read, piece)
+        return real_fill_piece(read, piece)
 
     monkeypatch.setattr(ReadBack, "wait_for", wait_for)
     monkeypatch.setattr(ReadBack, "_fill_piece", fill_piece)
@@ -498,6 +502,7 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
             stager.load()
         assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
         assert driver.ranges == registered, "the pieces locked before the failure are unlocked"
+        assert host_memory.locked_bytes() == sum(registered.values())
 
         def failing_synchronize(device):
             raise RuntimeError("injected: the device failed too")
