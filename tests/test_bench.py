@@ -390,3 +390,5 @@ def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, cap
     for operation in ("reference level-1 sleep", "level-1 wake", "switch to sdxl", "level-2 sleep", "level-2 wake"):
         assert any(key.startswith(operation) for key in results), operation
         assert f"| {operation}" in table
+    assert "|   of which sdxl's wake into that cache" in table
+    assert results["level_2_mapped_bytes"] > 0, "level 2 was measured on a pipeline that slept at level 2"

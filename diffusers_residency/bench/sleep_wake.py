@@ -187,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, other, nbytes in (("sdxl", "flux", sdxl_bytes), ("flux", "sdxl", flux_bytes)):
         detail = f"{nbytes / GB:.1f} GB; at most {cached[name] / GB:.1f} GB left cached"
         note(f"switch to {name} ({other} sleeps, {name} wakes)", min(switches[name]), nbytes / rate, detail)
+    # Where a switch to SDXL spends its time: the steps of rotation.use("sdxl"), timed one by one.
+    steps = (
+        ("flux's sleep, its memory left in the cache", lambda: sleep(flux, release_cache=False), None),
+        ("sdxl's wake into that cache", lambda: wake_up(sdxl), sdxl_bytes / rate),
+        ("releasing the rest of the cache", lambda: pipeline_state(flux).group.retention.release(reason="switch"), None),
+    )
+    for label, step, step_bound in steps:
+        note(f"  of which {label}", _timed(device, step), step_bound, "one switch")
+    rotation.awake = "sdxl"  # what the steps did by hand
+    rotation.use("flux")  # as the switches left them, for what follows
     sleep(sdxl)
     sdxl_wake = _timed(device, lambda: wake_up(sdxl))
     note("  sdxl's wake alone", sdxl_wake, sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
@@ -202,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         flux.register_to_config(_name_or_path=directory)
         l2_sleep = _timed(device, lambda: sleep(flux, level=2))
         mapped = sum(c.mapped_bytes for c in flux.residency_report().components)
+        results["level_2_mapped_bytes"] = mapped
         note("level-2 sleep (checks every byte against the files)", l2_sleep, None, f"{mapped / GB:.1f} GB now mapped from files")
         l2_wake = _timed(device, lambda: wake_up(flux))
         note("level-2 wake (page cache -> pinned -> device)", l2_wake, bound, f"{l2_wake / l1_wake:.1f}x level-1 wake")
