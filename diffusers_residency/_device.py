@@ -181,16 +181,23 @@ def can_register_host_memory() -> bool:
 _HOST_REGISTER_PORTABLE = 1
 
 
-def register_host_memory(address: int, nbytes: int) -> bool:
-    """Page-lock existing host memory where it is (``cudaHostRegister``); False where that cannot be
-    done, and the memory stays pageable.
+def _in_context_of(device: torch.device | None) -> contextlib.AbstractContextManager:
+    """Make ``device`` current around a runtime call that needs a context: the runtime uses the
+    calling thread's current device, and creates that device's context if it has none. A thread of
+    the package's own (a read-back's reader, or one a finalizer runs on) starts on device 0,
+    whichever device the pipeline runs on."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
 
-    """
+
+def register_host_memory(address: int, nbytes: int, device: torch.device | None = None) -> bool:
+    """Page-lock existing host memory where it is (``cudaHostRegister``), in ``device``'s context
+    (default: the calling thread's current device); False where that cannot be done, and the memory
+    stays pageable."""
     if not can_register_host_memory():
         return False
-    # Portable: locked for every device's context, not only the calling thread's current device
-    # (a reader thread's is device 0 whichever device the pipeline runs on).
-    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)
+    # Portable: locked for every device's context, not only the one it was registered in.
+    with _in_context_of(device):
+        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)
     if int(error) == 0:
         return True
     logger.info("Could not page-lock %d bytes of host memory in place (CUDA error %d)", nbytes, int(error))
@@ -198,8 +205,10 @@ def register_host_memory(address: int, nbytes: int) -> bool:
     return False
 
 
-def unregister_host_memory(address: int) -> None:
-    if int(torch.cuda.cudart().cudaHostUnregister(address)) != 0:
+def unregister_host_memory(address: int, device: torch.device | None = None) -> None:
+    with _in_context_of(device):
+        error = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(error) != 0:
         logger.warning("Could not unregister page-locked host memory at %#x", address)
         _clear_last_cuda_error()
 

@@ -28,7 +28,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -143,14 +143,14 @@ class HostPin:
     the driver releases every registration with the process, and the runtime may be gone by then.
     """
 
-    def __init__(self, start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        self._finalizer = weakref.finalize(self, _unpin, start, end, tensors)
+    def __init__(self, start: int, end: int, tensors: tuple[torch.Tensor, ...], device: torch.device | None) -> None:
+        self._finalizer = weakref.finalize(self, _unpin, start, end, tensors, device)
         self._finalizer.atexit = False
 
 
-def _unpin(start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> None:
+def _unpin(start: int, end: int, tensors: tuple[torch.Tensor, ...], device: torch.device | None) -> None:
     LOCKED.remove(start, end)
-    _device.unregister_host_memory(start)
+    _device.unregister_host_memory(start, device)
 
 
 def _pin_range(start: int, end: int, tensors: tuple[torch.Tensor, ...], budget: int) -> HostPin | None:
@@ -169,11 +169,20 @@ def _claim(start: int, end: int, budget: int) -> bool:
         return True
 
 
-def _register_claimed(start: int, end: int, tensors: tuple[torch.Tensor, ...]) -> HostPin | None:
-    if not _device.register_host_memory(start, end - start):
+def _register_claimed(
+    start: int, end: int, tensors: tuple[torch.Tensor, ...], device: torch.device | None = None
+) -> HostPin | None:
+    """Register a range :func:`_claim` counted, in ``device``'s context (see
+    ``_device.register_host_memory``); the claim is given back if that fails or raises."""
+    try:
+        registered = _device.register_host_memory(start, end - start, device)
+    except BaseException:
+        LOCKED.remove(start, end)
+        raise
+    if not registered:
         LOCKED.remove(start, end)
         return None
-    return HostPin(start, end, tensors)
+    return HostPin(start, end, tensors, device)
 
 
 @dataclass(frozen=True)
@@ -366,6 +375,8 @@ def _written_pages(start: int, end: int) -> bool:
     (``/proc/self/pagemap``: present without the file-page bit, or swapped out; a page never written
     is either not present or a page of the file)."""
     start, end = start - start % _PAGE, _align_up(end, _PAGE)
+    if end <= start:
+        return False  # no bytes, no pages
     expected = 8 * ((end - start) // _PAGE)
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
@@ -534,10 +545,20 @@ class ReadBack:
     Whoever starts one calls :meth:`finish` or :meth:`abandon`.
     """
 
-    def __init__(self, sources: Sequence[MappedBytes], alignments: Sequence[int], budget: int, *, pin: bool) -> None:
+    def __init__(
+        self,
+        sources: Sequence[MappedBytes],
+        alignments: Sequence[int],
+        budget: int,
+        *,
+        pin: bool,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: the one whose context the pieces are locked in (see
+        ``_device.register_host_memory``), the device the masters are copied to."""
         for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
             file.refuse_if_changed()
-        self._pin, self._budget = pin, budget
+        self._pin, self._device = pin, device
         self._sources = list(sources)
         total = sum(source.view.numel() for source in sources)
         piece_bytes = min(_PIECE_BYTES, max(_SMALLEST_PIECE_BYTES, total // _READ_THREADS))
@@ -558,16 +579,27 @@ class ReadBack:
         self.piece_of = [piece for piece in self.pieces for _ in piece.members]
         self._mapping, self._block, self._start = _new_block(max(span, _PAGE))
         self.slots = [_slot(self._block, offset, source.view.numel()) for offset, source in zip(self._offsets, sources)]
+        # Each piece's registration, set by the thread that locks it: not the result of its future,
+        # which the pool's thread may still hold for a moment after the future is done, keeping the
+        # piece locked after abandon() has returned.
+        self._piece_pins: list[HostPin | None] = [None] * len(self.pieces)
         self._pins: list[HostPin | None] = []
-        # Claimed in order here, locked as they fill (see _fill_piece): the pieces that fit the
-        # budget are the first ones, whichever thread fills them first.
-        self._claimed = [
-            pin and _claim(self._start + piece.start, self._start + piece.start + piece.size, budget) for piece in self.pieces
-        ]
-        readers = _reader_pool()
-        self._fills = [readers.submit(self._fill_piece, piece) for piece in self.pieces]
+        self._claimed = [False] * len(self.pieces)
+        self._fills: list[Future[None]] = []
+        try:
+            # Claimed in piece order here, locked as they fill (see _fill_piece): the budget goes to
+            # pieces in that order, whichever thread fills them first.
+            if pin:
+                for piece in self.pieces:
+                    self._claimed[piece.number] = _claim(self._start + piece.start, self._start + piece.start + piece.size, budget)
+            readers = _reader_pool()
+            for piece in self.pieces:
+                self._fills.append(readers.submit(self._fill_piece, piece))
+        except BaseException:
+            self.abandon()
+            raise
 
-    def _fill_piece(self, piece: _Piece) -> HostPin | None:
+    def _fill_piece(self, piece: _Piece) -> None:
         """Fill one piece and lock it, on a reader thread: each run of masters back to back in a file
         with one scatter read (see :func:`_read`), where this process never wrote to their mapped
         pages, the rest one master at a time (see :func:`_fill`).
@@ -591,7 +623,8 @@ class ReadBack:
         except BaseException:
             self._unclaim(piece)
             raise
-        return _register_claimed(start, start + piece.size, (self._mapping,)) if self._claimed[piece.number] else None
+        if self._claimed[piece.number]:
+            self._piece_pins[piece.number] = _register_claimed(start, start + piece.size, (self._mapping,), self._device)
 
     def _unclaim(self, piece: _Piece) -> None:
         if self._claimed[piece.number]:
@@ -602,7 +635,8 @@ class ReadBack:
         """Return once the piece holding master ``index`` is full and, where pinned, page-locked
         (and every piece before it)."""
         while len(self._pins) <= self.piece_of[index].number:
-            self._pins.append(self._fills[len(self._pins)].result())
+            self._fills[len(self._pins)].result()
+            self._pins.append(self._piece_pins[len(self._pins)])
 
     def finish(self) -> list[HostMaster]:
         """Wait for every piece; the masters, each with the registration that locks it, if any."""
@@ -621,9 +655,10 @@ class ReadBack:
         for piece, fill in zip(self.pieces, self._fills):
             if fill.cancel():
                 self._unclaim(piece)  # never to be filled
+        for piece in self.pieces[len(self._fills) :]:
+            self._unclaim(piece)  # never submitted: the constructor failed
         wait(self._fills)
-        # The futures hold the registrations of the pieces they locked.
-        self._fills, self._pins = [], []
+        self._fills, self._pins, self._piece_pins = [], [], [None] * len(self.pieces)
 
 
 def finished(reading: ReadBack) -> list[HostMaster]:

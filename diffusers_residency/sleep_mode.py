@@ -189,12 +189,12 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
         key=lambda units: -sum(unit.stager.staged_bytes for unit in units),
     )
     order = [unit for units in by_size + [units for units, kept in zip(woken, resident) if not kept] for unit in units]
-    # Every read from the files starts now, in that order: the reader threads go from one unit's
-    # pieces to the next one's without waiting for the wake to get there.
-    for unit in order:
-        if unit.sleep_level == 2:
-            unit.stager.read_ahead()
     try:
+        # Every read from the files starts now, in that order: the reader threads go from one
+        # unit's pieces to the next one's without waiting for the wake to get there.
+        for unit in order:
+            if unit.sleep_level == 2:
+                unit.stager.read_ahead()
         for unit in order:
             state.group.wake(unit)
     finally:

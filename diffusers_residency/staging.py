@@ -704,6 +704,7 @@ class ModuleStager:
             [group.alignment for group in mapped],
             budget or 0,
             pin=budget is not None,
+            device=self.device,
         )
 
     def _copy_to_device(self, slots: DeviceSlots | None, reading: host_memory.ReadBack | None) -> list[torch.Tensor]:
@@ -1105,10 +1106,10 @@ class ModuleStager:
         the file is not read at every load: page-locked when this stager pins and ``pin``
         (``close()`` passes False: the memory is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
+        self._copy.wait()
         reading = self._read_back(pin=pin)
         if reading is None:
             return
-        self._copy.wait()
         mapped = [i for i, group in enumerate(self._groups) if group.mapped]
         groups = list(self._groups)
         for i, master in zip(mapped, host_memory.finished(reading)):

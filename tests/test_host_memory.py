@@ -31,7 +31,7 @@ class FakeDriver:
         self.ranges: dict[int, int] = {}
         self._lock = threading.Lock()  # read-back pieces are registered by reader threads
 
-    def register(self, address: int, nbytes: int) -> bool:
+    def register(self, address: int, nbytes: int, device: torch.device | None = None) -> bool:
         assert address % PAGE == 0 and nbytes % PAGE == 0, "registration must cover whole pages"
         with self._lock:
             if any(address < start + size and start < address + nbytes for start, size in self.ranges.items()):
@@ -39,7 +39,7 @@ class FakeDriver:
             self.ranges[address] = nbytes
             return True
 
-    def unregister(self, address: int) -> None:
+    def unregister(self, address: int, device: torch.device | None = None) -> None:
         with self._lock:
             del self.ranges[address]
 
@@ -405,6 +405,60 @@ def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver
     assert host_memory.locked_bytes() == 0, "and those never filled no longer count against the budget"
 
 
+def test_an_abandoned_read_back_gives_back_every_claim_and_lock_before_it_returns(driver: FakeDriver, monkeypatch) -> None:
+    """Pieces not started are cancelled and their budget claims given back; pieces being filled
+    finish, lock, and are unlocked again, all before abandon() returns (no garbage collection)."""
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    gate = threading.Event()
+    real_fill = host_memory._fill
+
+    def gated_fill(slot, source):
+        assert gate.wait(timeout=10)
+        real_fill(slot, source)
+
+    monkeypatch.setattr(host_memory, "_fill", gated_fill)
+    sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(40)]
+    read = ReadBack(sources, [0] * 40, 1 << 40, pin=True)
+    assert host_memory.locked_bytes() == 40 * PAGE, "every piece's budget is claimed at the start"
+    threading.Timer(0.2, gate.set).start()
+    read.abandon()
+    assert host_memory.locked_bytes() == 0 and driver.ranges == {}
+
+
+@pytest.mark.parametrize("where", ["registration", "submission"])
+def test_a_read_back_that_fails_to_start_or_to_lock_gives_its_claims_back(driver: FakeDriver, monkeypatch, where: str) -> None:
+    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(6)]
+    if where == "registration":
+        # The runtime raising (rather than returning an error) inside the call, on a reader thread.
+        calls = iter(range(100))
+
+        def register(address, nbytes, device=None):
+            if next(calls) == 2:
+                raise RuntimeError("injected: the runtime failed")
+            return driver.register(address, nbytes, device)
+
+        monkeypatch.setattr(_device, "register_host_memory", register)
+    else:
+        pool = host_memory._reader_pool()
+
+        class FailingPool:
+            def __init__(self) -> None:
+                self.submitted = 0
+
+            def submit(self, *args):
+                self.submitted += 1
+                if self.submitted == 3:
+                    raise RuntimeError("injected: cannot schedule")
+                return pool.submit(*args)
+
+        monkeypatch.setattr(host_memory, "_reader_pool", FailingPool)
+    with pytest.raises(RuntimeError, match="injected"):
+        host_memory.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
+    gc.collect()
+    assert host_memory.locked_bytes() == 0 and driver.ranges == {}
+
+
 def _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch) -> tuple[torch.nn.Module, ModuleStager, torch.Tensor]:
     """A stager whose four masters map a checkpoint file, read back one per piece."""
     torch.manual_seed(0)
@@ -461,10 +515,14 @@ def test_a_read_ahead_serves_the_load_unless_the_masters_changed_since(tmp_path,
 
     monkeypatch.setattr(ReadBack, "__init__", init)
     expected = module(x)
+    registered_in: list[torch.device | None] = []
+    register = driver.register
+    monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered_in.append(args[2]) or register(*args))
     stager.read_ahead()
     stager.read_ahead()  # one under way already
     stager.load()
     assert len(started) == 1 and torch.equal(module(x), expected)
+    assert registered_in == [stager.device] * 4, "locked in the context of the device it copies to"
     stager.offload()
     (tmp_path / "again").mkdir()
     assert stager.map_masters(_mapped_checkpoint(tmp_path / "again", module)) == stager.staged_bytes
@@ -557,8 +615,8 @@ libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve allocations below 1 GiB fro
 from diffusers_residency import _device
 from diffusers_residency.staging import ModuleStager
 _device.can_register_host_memory = lambda: True  # a driver that registers anything (no GPU here)
-_device.register_host_memory = lambda address, nbytes: True
-_device.unregister_host_memory = lambda address: None
+_device.register_host_memory = lambda address, nbytes, device=None: True
+_device.unregister_host_memory = lambda address, device=None: None
 
 def rss():
     with open("/proc/self/statm") as statm:

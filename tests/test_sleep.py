@@ -410,6 +410,30 @@ def test_a_level_2_wake_whose_read_fails_stops_the_reads_ahead(flux: PipelineCas
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_a_level_2_wake_that_cannot_start_a_read_stops_those_started(flux: PipelineCase, monkeypatch) -> None:
+    from diffusers_residency import host_memory
+
+    flux.pipe.sleep(level=2)
+    units = flux.pipe.__dict__["_pinned_residency"].group.units
+    real_init = host_memory.ReadBack.__init__
+    started: list[object] = []
+
+    def init(read, *args, **kwargs):
+        if len(started) == 1:
+            raise OSError("injected: a checkpoint file cannot be read")
+        real_init(read, *args, **kwargs)
+        started.append(read)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(host_memory.ReadBack, "__init__", init)
+        with pytest.raises(OSError, match="injected"):
+            flux.pipe.wake_up()
+    assert all(unit.stager._reading_ahead is None for unit in units), "the read started first is stopped"
+    assert set(states(flux.pipe).values()) == {"asleep (2)"}
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_interpreter_exit_while_asleep(level: int) -> None:
     script = textwrap.dedent(
