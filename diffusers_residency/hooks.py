@@ -16,6 +16,7 @@ import functools
 import logging
 import numbers
 import time
+import warnings
 from collections.abc import Collection
 from typing import Any, Callable
 
@@ -195,13 +196,25 @@ class StagingHook(ModelHook):
 
         return offloaded_first
 
-    @staticmethod
-    def _compile_wrapped_forward(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def _compile_wrapped_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         # nn.Module.compile() compiles the whole call, staging included: the staging call runs
         # eagerly by design, so it would break the graph at the component's entry, and
         # fullgraph=True would fail. Compiling the forward this hook wraps keeps the hook outside
         # the graph and the model's forward whole. accelerate restores that forward, compiled, when
         # the hook is removed.
+        component = self.unit.component
+        moved = [unit for unit in self.group.units_of(component) if unit.evictable]
+        if moved and replays_cuda_graphs(kwargs):
+            # Not an error: the outputs stay right, only the recordings cost (see docs/torch-compile.md).
+            warnings.warn(
+                f"{component!r} is compiled to replay CUDA graphs, which capture its weights' device "
+                f"addresses, and pinned offload moves it ({moved[0].policy.value}): each load puts the "
+                "weights where the allocator has room, and each new set of addresses records the graphs "
+                "again (a warm-up, a capture and memory for each). Keep it on the device with "
+                f"pipe.enable_pinned_offload(components={{{component!r}: 'resident'}}), or compile "
+                "without CUDA graphs (mode='default' or 'max-autotune-no-cudagraphs').",
+                stacklevel=3,
+            )
         # Compile the plain forward, not one compiled before (a second compile(), or a hook attached
         # again), and drop a compile of the whole call made before the hook came.
         forward = getattr(module._old_forward, "_torchdynamo_orig_callable", module._old_forward)
@@ -229,6 +242,17 @@ class StagingHook(ModelHook):
             # none maps a file any more. It sleeps on with its masters in memory: level 1.
             unit.sleep_level = 1
         return result
+
+
+def replays_cuda_graphs(compile_kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile`` with these arguments records CUDA graphs and replays them: dynamo's
+    ``cudagraphs`` backend, and inductor's ``reduce-overhead`` and ``max-autotune`` modes or its
+    ``triton.cudagraphs`` option."""
+    if compile_kwargs.get("backend") == "cudagraphs":
+        return True
+    mode = compile_kwargs.get("mode")
+    options = {} if mode in (None, "default") else torch._inductor.list_mode_options(mode)
+    return bool({**options, **(compile_kwargs.get("options") or {})}.get("triton.cudagraphs"))
 
 
 def attach_staging_hook(

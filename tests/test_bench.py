@@ -68,7 +68,9 @@ def test_compiled_denoiser_is_timed_and_never_recompiles(tmp_path, capsys) -> No
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert all(r["first_call_seconds"] > 0 and r["graphs_compiled_while_timed"] == 0 for r in results), results
     assert all(r["exact"] is not False for r in results), "each mode starts from the plain modules again"
-    assert "first call s (compiling)" in capsys.readouterr().out
+    assert all(r["cuda_graphs_recorded_while_timed"] is None for r in results), "no CUDA graphs on the CPU"
+    out = capsys.readouterr().out
+    assert "first call s (compiling)" in out and "CUDA graphs recorded" not in out
 
 
 def test_a_compiled_mode_is_held_to_a_tolerance_and_an_eager_one_to_bit_equality() -> None:

@@ -7,6 +7,8 @@ compiled resident pipeline. ``test_gpu.py`` runs the same with inductor on CUDA.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -127,3 +129,27 @@ def test_whole_compile_of_a_streamed_transformer_breaks_once_per_block(flux: Pip
     assert torch.equal(flux.run(), flux.reference)
     blocks = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
     assert sum(graph_breaks().values()) == blocks, graph_breaks()
+
+
+CUDA_GRAPH_COMPILES = [{"mode": "reduce-overhead"}, {"backend": "cudagraphs"}, {"options": {"triton.cudagraphs": True}}]
+
+
+@pytest.mark.parametrize("compile_kwargs", CUDA_GRAPH_COMPILES, ids=["reduce-overhead", "cudagraphs", "option"])
+def test_compiling_a_moving_component_for_cuda_graphs_warns_and_names_the_fix(flux: PipelineCase, compile_kwargs) -> None:
+    """CUDA graphs capture the weights' addresses; a component that loads at each call brings them
+    back wherever the allocator has room. Compiling is lazy: nothing runs here."""
+    flux.pipe.enable_pinned_offload(device="cpu")  # no plan on the CPU: the transformer is staged
+    transformer = flux.pipe.transformer
+    with pytest.warns(UserWarning, match=r"components=\{'transformer': 'resident'\}"):
+        transformer.compile(**compile_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transformer.compile(backend="eager")  # no CUDA graphs: nothing to say
+        flux.pipe.enable_pinned_offload(device="cpu", components={"transformer": "resident"})
+        transformer.compile(**compile_kwargs)  # kept on the device: its addresses never change
+
+
+def test_regional_compile_for_cuda_graphs_of_a_streamed_component_warns(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    with pytest.warns(UserWarning, match="pinned offload moves it \\(streamed\\)"):
+        flux.pipe.transformer.compile_repeated_blocks(mode="reduce-overhead")

@@ -310,6 +310,43 @@ def test_inductor_compiled_staged_transformer_never_recompiles(how: str) -> None
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("policy", ["resident", "staged"])
+def test_cuda_graphs_of_a_staged_transformer_record_once_per_set_of_weight_addresses(policy: str) -> None:
+    """mode="reduce-overhead": the graphs replay at the addresses they captured. Kept on the device,
+    the weights never move and one graph serves every call; loaded at each call, they come back
+    where the allocator has room, and a graph is recorded for each new set of addresses only."""
+    import warnings
+
+    import torch._dynamo
+
+    from diffusers_residency.bench.modes import cuda_graphs_recorded
+
+    torch._dynamo.reset()
+    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    resident.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
+    expected = [resident.run() for _ in range(2)][-1]  # the first call only warms the graph up
+    del resident
+    torch._dynamo.reset()
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload(vram_budget=None, components={"transformer": "resident"} if policy == "resident" else None)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        case.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
+    assert bool(warned) == (policy == "staged"), [str(w.message) for w in warned]
+    addresses = []
+    case.pipe.transformer.register_forward_hook(lambda module, *_: addresses.append(module.proj_out.weight.data_ptr()))
+    outputs = [case.run()]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outputs += [case.run() for _ in range(5)]
+    assert cuda_graphs_recorded(CUDA) == len(set(addresses)), addresses
+    if policy == "resident":
+        assert len(set(addresses)) == 1
+    for output in outputs:
+        torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=1e-2)
+    torch._dynamo.reset()
+
+
 def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first_call() -> None:
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")

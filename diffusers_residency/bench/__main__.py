@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .. import _device
 from ..planner import parse_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
-from .modes import MODES, Mode, ModeResult, pinned_mode, run_mode
+from .modes import MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 
 # What a plain run compares; sequential offload and block-level group offload are slow enough
@@ -62,6 +62,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activation-reserve", default=None, help="for the pinned mode, e.g. 3GB (default: its own)")
     parser.add_argument("--compile", choices=("regional", "whole"), default=None, help="compile the denoiser in every mode")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile's mode, e.g. reduce-overhead (CUDA graphs: the table counts their recordings)",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per mode")
     parser.add_argument(
@@ -216,12 +221,16 @@ def judged_by_compile_spread(results: list[ModeResult]) -> tuple[list[ModeResult
 
 
 def format_compile_table(results: list[ModeResult]) -> str:
-    lines = ["| mode | budget GB | first call s (compiling) | warm s/call | graphs compiled while timed |", "| --- | --- | --- | --- | --- |"]
-    for r in results:
-        if r.error or r.first_call_seconds is None:
-            continue
+    shown = [r for r in results if not r.error and r.first_call_seconds is not None]
+    cuda_graphs = any(r.cuda_graphs_recorded_while_timed is not None for r in shown)
+    header = ["mode", "budget GB", "first call s (compiling)", "warm s/call", "graphs compiled while timed"]
+    header += ["CUDA graphs recorded while timed"] if cuda_graphs else []
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in shown:
         budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
-        lines.append(f"| {r.mode} | {budget} | {r.first_call_seconds:.2f} | {r.seconds_per_call:.3f} | {r.graphs_compiled_while_timed} |")
+        cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}", str(r.graphs_compiled_while_timed)]
+        cells += [str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else []
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             calls=args.calls,
             reference=reference,
             budget=budget,
-            compile=(args.compile, args.compile_backend) if args.compile else None,
+            compile=CompileSettings(args.compile, args.compile_backend, args.compile_mode) if args.compile else None,
             trace=args.trace,
         )
         if mode.name == "resident" and reference is None and output is not None:
@@ -323,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
     if args.compile:
-        print(f"\nwith the denoiser compiled ({args.compile}, {args.compile_backend}):\n")
+        how = ", ".join(filter(None, (args.compile, args.compile_backend, args.compile_mode)))
+        print(f"\nwith the denoiser compiled ({how}):\n")
         print(format_compile_table(results))
     latest = {(r.mode, r.budget_bytes): r for r in results}  # of each mode and budget, its last round
     for result in latest.values():

@@ -21,6 +21,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from .. import _device
+from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
 from .trace import traced_call
@@ -181,14 +182,21 @@ MODES: dict[str, Mode] = {
 _DENOISERS = ("transformer", "unet")
 
 
-def compile_denoiser(pipe: DiffusionPipeline, how: str, backend: str) -> None:
-    """Compile the denoiser the way a user would: ``regional`` (``compile_repeated_blocks``) or
-    ``whole`` (``component.compile()``), both with ``fullgraph=True``."""
+@dataclass(frozen=True)
+class CompileSettings:
+    """How --compile compiles the denoiser: ``how`` is ``regional`` (``compile_repeated_blocks``) or
+    ``whole`` (``component.compile()``); ``mode`` is torch.compile's (``None``: its default)."""
+
+    how: str
+    backend: str = "inductor"
+    mode: str | None = None
+
+
+def compile_denoiser(pipe: DiffusionPipeline, settings: CompileSettings) -> None:
+    """Compile the denoiser the way a user would, with ``fullgraph=True``."""
     denoiser = next(pipe.components[name] for name in _DENOISERS if name in pipe.components)
-    if how == "regional":
-        denoiser.compile_repeated_blocks(backend=backend, fullgraph=True)
-    else:
-        denoiser.compile(backend=backend, fullgraph=True)
+    compile_ = denoiser.compile_repeated_blocks if settings.how == "regional" else denoiser.compile
+    compile_(backend=settings.backend, mode=settings.mode, fullgraph=True)
 
 
 def uncompile(pipe: DiffusionPipeline) -> None:
@@ -210,6 +218,23 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def cuda_graphs_recorded(device: torch.device) -> int:
+    """CUDA graphs that inductor's graph tree for ``device`` holds (what ``reduce-overhead`` records):
+    a compiled forward whose weights come back at addresses not seen before records again. The
+    tree is torch's private state (``torch._inductor.cudagraph_trees``); nothing public counts
+    recordings."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    nodes = [] if manager is None or manager.roots is None else [n for roots in manager.roots.values() for n in roots]
+    recorded = 0
+    while nodes:
+        node = nodes.pop()
+        recorded += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return recorded
+
+
 @dataclass(frozen=True)
 class ModeResult:
     mode: str
@@ -229,6 +254,9 @@ class ModeResult:
     # the timed calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
     first_call_seconds: float | None = None
     graphs_compiled_while_timed: int | None = None
+    # With --compile-mode reduce-overhead (or another that replays CUDA graphs): CUDA graphs
+    # recorded during the timed calls (0 when the weights come back where they were captured).
+    cuda_graphs_recorded_while_timed: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
@@ -300,11 +328,10 @@ def run_mode(
     calls: int,
     reference: torch.Tensor | None,
     budget: int | None = None,
-    compile: tuple[str, str] | None = None,
+    compile: CompileSettings | None = None,
     trace: bool = False,
 ) -> tuple[ModeResult, torch.Tensor | None]:
-    """Cap the device at ``budget``, set the mode up (and compile its denoiser, with ``compile`` as
-    ``(how, backend)``), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more
+    """Cap the device at ``budget``, set the mode up (and compile its denoiser, with ``compile``), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more
     under the profiler, see :mod:`.trace`), tear it down; return the figures and the first output
     (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
@@ -320,7 +347,7 @@ def run_mode(
         setup_seconds = time.perf_counter() - started
         rss = host_rss_bytes()
         if compile is not None:
-            compile_denoiser(pipe, *compile)
+            compile_denoiser(pipe, compile)
         first = None
         first_call = None
         for _ in range(warmup):
@@ -330,6 +357,10 @@ def run_mode(
             first_call = time.perf_counter() - started if first_call is None else first_call
             first = output if first is None else first
         graphs = _graphs() if compile is not None else None
+        count_cuda_graphs = compile is not None and _device.is_accelerator(device) and replays_cuda_graphs(
+            {"backend": compile.backend, "mode": compile.mode}
+        )
+        recorded = cuda_graphs_recorded(device) if count_cuda_graphs else None
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
         before = _counters(pipe) if pinned else None
@@ -344,6 +375,7 @@ def run_mode(
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
         graphs = None if graphs is None else _graphs() - graphs
+        recorded = None if recorded is None else cuda_graphs_recorded(device) - recorded
         loaded, gbps, host = _traffic(pipe, before, calls) if pinned else (None, None, None)
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
@@ -380,6 +412,7 @@ def run_mode(
         alloc_retries=retries,
         first_call_seconds=first_call if compile is not None else None,
         graphs_compiled_while_timed=graphs,
+        cuda_graphs_recorded_while_timed=recorded,
         host_rss_bytes=rss,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
@@ -397,7 +430,7 @@ def _tear_down(
     pipe: DiffusionPipeline,
     mode: Mode,
     device: torch.device,
-    compile: tuple[str, str] | None,
+    compile: CompileSettings | None,
     dtypes: dict[str, set[torch.dtype]],
 ) -> None:
     mode.teardown(pipe)
