@@ -583,7 +583,8 @@ class ReadBack:
         # which the pool's thread may still hold for a moment after the future is done, keeping the
         # piece locked after abandon() has returned.
         self._piece_pins: list[HostPin | None] = [None] * len(self.pieces)
-        self._pins: list[HostPin | None] = []
+        # Pieces waited for so far, in order (see wait_for).
+        self._waited = 0
         self._claimed = [False] * len(self.pieces)
         self._fills: list[Future[None]] = []
         try:
@@ -591,7 +592,7 @@ class ReadBack:
             # pieces in that order, whichever thread fills them first.
             if pin:
                 for piece in self.pieces:
-                    self._claimed[piece.number] = _claim(self._start + piece.start, self._start + piece.start + piece.size, budget)
+                    self._claimed[piece.number] = _claim(*self._addresses(piece), budget)
             readers = _reader_pool()
             for piece in self.pieces:
                 self._fills.append(readers.submit(self._fill_piece, piece))
@@ -609,7 +610,6 @@ class ReadBack:
         readers), in step with the reads, so its copies trailed them. The driver takes
         registrations from several threads at once: 8 GiB in 256 MiB pieces went in at 49-62 GB/s
         from one to sixteen threads there."""
-        start = self._start + piece.start
         try:
             for run in _back_to_back(self._sources, piece.members):
                 first, last = self._sources[run[0]], self._sources[run[-1]]
@@ -624,19 +624,24 @@ class ReadBack:
             self._unclaim(piece)
             raise
         if self._claimed[piece.number]:
-            self._piece_pins[piece.number] = _register_claimed(start, start + piece.size, (self._mapping,), self._device)
+            self._piece_pins[piece.number] = _register_claimed(*self._addresses(piece), (self._mapping,), self._device)
+
+    def _addresses(self, piece: _Piece) -> tuple[int, int]:
+        """Where the piece starts and ends in this process's memory."""
+        start = self._start + piece.start
+        return start, start + piece.size
 
     def _unclaim(self, piece: _Piece) -> None:
         if self._claimed[piece.number]:
             self._claimed[piece.number] = False
-            LOCKED.remove(self._start + piece.start, self._start + piece.start + piece.size)
+            LOCKED.remove(*self._addresses(piece))
 
     def wait_for(self, index: int) -> None:
         """Return once the piece holding master ``index`` is full and, where pinned, page-locked
         (and every piece before it)."""
-        while len(self._pins) <= self.piece_of[index].number:
-            self._fills[len(self._pins)].result()
-            self._pins.append(self._piece_pins[len(self._pins)])
+        while self._waited <= self.piece_of[index].number:
+            self._fills[self._waited].result()
+            self._waited += 1
 
     def finish(self) -> list[HostMaster]:
         """Wait for every piece; the masters, each with the registration that locks it, if any."""
@@ -644,7 +649,7 @@ class ReadBack:
             self.wait_for(len(self.slots) - 1)
         return [
             HostMaster(self.slots[i], pin, pinned=pin is not None or (self._pin and not self.slots[i].numel()))
-            for piece, pin in zip(self.pieces, self._pins)
+            for piece, pin in zip(self.pieces, self._piece_pins)
             for i in piece.members
         ]
 
@@ -658,7 +663,7 @@ class ReadBack:
         for piece in self.pieces[len(self._fills) :]:
             self._unclaim(piece)  # never submitted: the constructor failed
         wait(self._fills)
-        self._fills, self._pins, self._piece_pins = [], [], [None] * len(self.pieces)
+        self._fills, self._waited, self._piece_pins = [], 0, [None] * len(self.pieces)
 
 
 def finished(reading: ReadBack) -> list[HostMaster]:
