@@ -394,3 +394,22 @@ def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, cap
         assert f"| {operation}" in table
     assert "|   of which sdxl's wake into that cache" in table
     assert results["level_2_mapped_bytes"] > 0, "level 2 was measured on a pipeline that slept at level 2"
+
+
+def test_the_pinned_mode_keeps_the_policies_named_on_the_command_line(tmp_path) -> None:
+    argv = ["--modes", "resident,pinned", "--components", "transformer=resident,vae=staged", "--calls", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    pinned = json.loads((tmp_path / "results.json").read_text())["results"][1]
+    policies = {line.split()[0]: line.split()[1] for line in pinned["plan"].splitlines()[2:]}
+    assert policies["transformer"] == "resident" and policies["vae"] == "staged", pinned["plan"]
+    assert pinned["exact"] is True
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [("unet", "name=policy pairs"), ("unet=", "name=policy pairs"), ("=staged", "name=policy pairs"),
+     ("unet=staged,", "name=policy pairs"), ("unet=kept", "unknown residency policy 'kept'")],
+)  # fmt: skip
+def test_components_given_badly_are_refused_with_the_form_expected(spec: str, says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        main(["--components", spec])

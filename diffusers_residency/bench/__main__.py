@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import _device
-from ..planner import parse_bytes
+from ..planner import Policy, parse_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .modes import MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
@@ -60,6 +60,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--budgets", default="unlimited", help="comma-separated VRAM caps, e.g. unlimited,30GB,16GB")
     parser.add_argument("--activation-reserve", default=None, help="for the pinned mode, e.g. 3GB (default: its own)")
+    parser.add_argument(
+        "--components",
+        default=None,
+        help="for the pinned mode, policies kept as given, e.g. unet=staged,vae=resident (default: the plan's)",
+    )
     parser.add_argument("--compile", choices=("regional", "whole"), default=None, help="compile the denoiser in every mode")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument(
@@ -95,7 +100,22 @@ def _label(mode: str, budget: int | None) -> str:
     return f"{mode} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
 
 
-def _runs(modes: str, budgets: str, activation_reserve: str | None, rounds: int = 1) -> list[tuple[Mode, int | None, int]]:
+def _components(spec: str | None) -> dict[str, str] | None:
+    """``--components unet=staged,vae=resident`` as ``enable_pinned_offload(components=...)`` takes it."""
+    if spec is None:
+        return None
+    pairs = [item.partition("=") for item in spec.split(",")]
+    if not all(name and sep and policy for name, sep, policy in pairs):
+        raise SystemExit(f"--components takes name=policy pairs separated by commas, e.g. unet=staged; not {spec!r}")
+    try:
+        return {name: Policy.parse(policy, f"--components {name}").value for name, _, policy in pairs}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _runs(
+    modes: str, budgets: str, activation_reserve: str | None, rounds: int = 1, components: dict[str, str] | None = None
+) -> list[tuple[Mode, int | None, int]]:
     """(mode, budget, round) in the order they run: budget by budget, modes in the order given,
     all of it ``rounds`` times over; a mode named ``mode@budget`` runs at that budget only. A mode
     that cannot be undone runs last, and only once."""
@@ -107,7 +127,7 @@ def _runs(modes: str, budgets: str, activation_reserve: str | None, rounds: int 
         name, at, only = spec.partition("@")
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-        mode = pinned_mode(activation_reserve) if name == "pinned" else MODES[name]
+        mode = pinned_mode(activation_reserve, components) if name == "pinned" else MODES[name]
         specs.append((mode, [_budget(only)] if at else every))
     caps = dict.fromkeys(cap for _, mode_caps in specs for cap in mode_caps)
     runs = [(mode, cap) for cap in caps for mode, mode_caps in specs if cap in mode_caps]
@@ -273,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
-    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds)
+    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components))
     if runs[0][0].name != "resident":
         print("note: without 'resident' first, outputs are not checked against a reference", file=sys.stderr)
 

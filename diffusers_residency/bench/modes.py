@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,12 +61,15 @@ def _to_host(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
-def pinned_mode(activation_reserve: int | str | None = None) -> Mode:
-    """``enable_pinned_offload`` planned for the run's budget (``"auto"`` when there is none)."""
+def pinned_mode(activation_reserve: int | str | None = None, components: Mapping[str, str] | None = None) -> Mode:
+    """``enable_pinned_offload`` planned for the run's budget (``"auto"`` when there is none), with
+    the policies ``components`` names kept as given."""
 
     def setup(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
         vram_budget = "auto" if budget is None else budget
-        enable_pinned_offload(pipe, device, vram_budget=vram_budget, activation_reserve=activation_reserve)
+        enable_pinned_offload(
+            pipe, device, components=components, vram_budget=vram_budget, activation_reserve=activation_reserve
+        )
 
     return Mode("pinned", setup, disable_pinned_offload)
 
