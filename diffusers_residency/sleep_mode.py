@@ -217,18 +217,28 @@ class AwakeRotation:
     left is given back after: freed first, the memory made the wake's copies run slower (on the
     H200 machine, a 6.9 GB copy into new memory right after 33.7 GB were freed took 195-206 ms,
     against 126 ms a second later or into the cache). Cache the woken pipeline's weights share a
-    segment with stays reserved, for its calls to use (``memory_reserved()`` shows it)::
+    segment with stays reserved, for its calls to use (``memory_reserved()`` shows it).
+
+    ``keep_cache=True`` gives nothing back at a switch: the process keeps the device memory of the
+    largest pipeline (and of its calls' activations) reserved for as long as it runs, and each
+    switch, towards a smaller pipeline as towards a larger one, wakes into memory the allocator
+    already holds. The cost of a switch is then a sleep and a wake into the cache; the price is
+    that no other process can use that memory meanwhile. The allocator still gives the cache back
+    where one of this process's own allocations would fail without it, a pipeline under a VRAM
+    budget gives it back at a component boundary where its retention budget says so, and a wake
+    that fails gives it back too::
 
         rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
         image = rotation.use("flux")(prompt).images[0]
         image = rotation.use("sdxl")(prompt).images[0]
     """
 
-    def __init__(self, pipelines: Mapping[str, DiffusionPipeline], *, level: int = 1) -> None:
+    def __init__(self, pipelines: Mapping[str, DiffusionPipeline], *, level: int = 1, keep_cache: bool = False) -> None:
         if not pipelines:
             raise ValueError("AwakeRotation needs at least one pipeline")
         self.pipelines = dict(pipelines)
         self.level = level
+        self.keep_cache = keep_cache
         self.awake: str | None = None
         for name, pipe in self.pipelines.items():
             sleep(pipe, level)
@@ -241,10 +251,13 @@ class AwakeRotation:
             sleep(asleep, self.level, release_cache=False)
         # Before the wake: one that fails part-way is put back to sleep by the next switch.
         self.awake = name
+        woke = False
         try:
             # A no-op for the pipeline awake already, unless its wake failed part-way: then a retry.
             wake_up(self.pipelines[name])
+            woke = True
         finally:
-            if asleep is not None:
+            # A wake that failed (out of memory, say) gives the cache back whatever keep_cache says.
+            if asleep is not None and not (woke and self.keep_cache):
                 pipeline_state(asleep).group.retention.release(reason="switch")
         return self.pipelines[name]

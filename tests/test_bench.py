@@ -389,7 +389,8 @@ def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, cap
     assert sleep_wake.main(["--scale", "tiny", "--cycles", "1", "--json", str(tmp_path / "sleep.json")]) == 0
     results = json.loads((tmp_path / "sleep.json").read_text())
     table = capsys.readouterr().out
-    for operation in ("reference level-1 sleep", "level-1 wake", "switch to sdxl", "level-2 sleep", "level-2 wake"):
+    operations = ("reference level-1 sleep", "level-1 wake", "switch to sdxl", "switch to sdxl, cache kept", "level-2 sleep", "level-2 wake")
+    for operation in operations:
         assert any(key.startswith(operation) for key in results), operation
         assert f"| {operation}" in table
     assert "|   of which sdxl's wake into that cache" in table

@@ -196,6 +196,21 @@ def test_a_rotation_wakes_into_the_sleeping_pipelines_cache_and_gives_the_rest_b
         assert torch.equal(case.run(), case.reference)
 
 
+def test_a_rotation_keeping_the_cache_never_gives_it_back_and_never_piles_it_up() -> None:
+    from diffusers_residency import AwakeRotation
+
+    flux = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    sdxl = PipelineCase("sdxl", device="cuda", dtype=torch.float16)
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe}, keep_cache=True)
+    reserved = [torch.cuda.memory_reserved()]
+    for name, case in [("flux", flux), ("sdxl", sdxl)] * 3:
+        rotation.use(name)
+        assert torch.equal(case.run(), case.reference)
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved == sorted(reserved), f"a switch gave cache back: {reserved}"
+    assert reserved[-1] == reserved[2], f"the switches after the first two reserved more: {reserved}"
+
+
 def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
     pytest.importorskip("peft")
     from .test_changing_weights import lora_state_dict

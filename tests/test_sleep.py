@@ -254,14 +254,9 @@ def test_awake_rotation_between_two_pipelines() -> None:
         rotation.use("wan")
 
 
-def test_a_rotation_wakes_the_next_pipeline_before_giving_the_cache_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device memory of the pipeline put to sleep is left to the allocator's cache for the one
-    waking, and given back after (see AwakeRotation)."""
+def _record_wakes_and_releases(monkeypatch: pytest.MonkeyPatch, sdxl: PipelineCase, fail: bool = False) -> list[str]:
     from diffusers_residency.retention import RetentionBudget
 
-    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
-    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
-    rotation.use("flux")
     events = []
     real_release, real_wake = RetentionBudget.release, sleep_mode.wake_up
 
@@ -271,14 +266,44 @@ def test_a_rotation_wakes_the_next_pipeline_before_giving_the_cache_back(monkeyp
 
     def wake(pipe, components=None):
         events.append(f"wake {'sdxl' if pipe is sdxl.pipe else 'flux'}")
+        if fail:
+            raise RuntimeError("injected: out of device memory in the wake")
         real_wake(pipe, components)
 
     monkeypatch.setattr(RetentionBudget, "release", release)
     monkeypatch.setattr(sleep_mode, "wake_up", wake)
+    return events
+
+
+def test_a_rotation_wakes_the_next_pipeline_before_giving_the_cache_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device memory of the pipeline put to sleep is left to the allocator's cache for the one
+    waking, and given back after (see AwakeRotation)."""
+    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe})
+    rotation.use("flux")
+    events = _record_wakes_and_releases(monkeypatch, sdxl)
     rotation.use("sdxl")
     assert flux.pipe.is_sleeping and not sdxl.pipe.is_sleeping
     assert events == ["wake sdxl", "release (switch)"]
     assert torch.equal(sdxl.run(), sdxl.reference)
+
+
+def test_a_rotation_keeping_the_cache_gives_it_back_only_when_a_wake_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    flux, sdxl = PipelineCase("flux"), PipelineCase("sdxl")
+    rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe}, keep_cache=True)
+    rotation.use("flux")
+    with monkeypatch.context() as patch:
+        events = _record_wakes_and_releases(patch, sdxl, fail=True)
+        with pytest.raises(RuntimeError, match="injected"):
+            rotation.use("sdxl")
+    assert events == ["wake sdxl", "release (switch)"], "a failed wake gives the cache back"
+    events = _record_wakes_and_releases(monkeypatch, sdxl)
+    assert rotation.use("sdxl") is sdxl.pipe, "asked again, it wakes"
+    assert flux.pipe.is_sleeping and torch.equal(sdxl.run(), sdxl.reference)
+    events.clear()
+    rotation.use("flux")
+    assert events == ["wake flux"] and sdxl.pipe.is_sleeping, "the cache is kept for the next switch"
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_a_rotation_puts_a_pipeline_that_failed_to_wake_back_to_sleep(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,8 @@ against the reference design, in one process.
 - the same done vLLM's way, beside it: every weight copied device-to-host into newly allocated
   pinned memory at each sleep, and copied back at each wake;
 - level-2 sleep and wake from the pipeline's own safetensors files, in the page cache;
-- switching one device between two pipelines with :class:`AwakeRotation`.
+- switching one device between two pipelines with :class:`AwakeRotation`, giving the cache back
+  at each switch (the default) and keeping it (``keep_cache=True``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,19 @@ def _cycle_times(device: torch.device, go_to_sleep: Callable[[], object], wake: 
     return min(sleeps), min(wakes)
 
 
+def _switch_times(
+    device: torch.device, rotation: AwakeRotation, cycles: int, after: Callable[[str], object] = lambda name: None
+) -> dict[str, list[float]]:
+    """Each switch of ``rotation`` to ``sdxl`` and back to ``flux``, ``cycles`` times over, timed;
+    ``after`` is called with the name switched to after each."""
+    times: dict[str, list[float]] = {"flux": [], "sdxl": []}
+    for _ in range(cycles):
+        for name in ("sdxl", "flux"):
+            times[name].append(_timed(device, lambda: rotation.use(name)))
+            after(name)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffusers_residency.bench.sleep_wake", description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=("tiny", "full"), default="tiny")
@@ -176,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     sdxl = build_pipeline("sdxl", args.scale, dtype=dtype["sdxl"], device=device)
     sdxl_bytes = weight_bytes(sdxl)
     rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
-    switches = {"flux": [], "sdxl": []}
     cached = {"flux": 0, "sdxl": 0}  # the most a switch left in the allocator's cache
+
+    def note_cached(name: str) -> None:
+        memory = _device.read_memory_telemetry(device)
+        cached[name] = max(cached[name], memory.cached if memory is not None else 0)
+
     rotation.use("flux")
-    for _ in range(args.cycles):
-        for name in ("sdxl", "flux"):
-            switches[name].append(_timed(device, lambda: rotation.use(name)))
-            memory = _device.read_memory_telemetry(device)
-            cached[name] = max(cached[name], memory.cached if memory is not None else 0)
+    switches = _switch_times(device, rotation, args.cycles, after=note_cached)
     for name, other, nbytes in (("sdxl", "flux", sdxl_bytes), ("flux", "sdxl", flux_bytes)):
         detail = f"{nbytes / GB:.1f} GB; at most {cached[name] / GB:.1f} GB left cached"
         note(f"switch to {name} ({other} sleeps, {name} wakes)", min(switches[name]), nbytes / rate, detail)
@@ -200,9 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     sleep(sdxl)
     sdxl_wake = _timed(device, lambda: wake_up(sdxl))
     note("  sdxl's wake alone", sdxl_wake, sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
+    sleep(sdxl)
+    # The same switches keeping the cache (keep_cache=True): each wakes into memory already held.
+    rotation.keep_cache = True
+    kept = _switch_times(device, rotation, args.cycles)
+    reserved = torch.accelerator.memory_reserved(device) if _device.is_accelerator(device) else 0
+    for name, other, nbytes in (("sdxl", "flux", sdxl_bytes), ("flux", "sdxl", flux_bytes)):
+        detail = f"{nbytes / GB:.1f} GB; {reserved / GB:.1f} GB reserved after these switches"
+        note(f"switch to {name}, cache kept (keep_cache=True)", min(kept[name]), nbytes / rate, detail)
     # Level 2 reads FLUX.1-dev's files from the page cache into new host memory: SDXL's masters
     # would only take room from both.
-    sleep(sdxl)
+    sleep(sdxl)  # asleep already: gives the cache back
     del rotation, sdxl
     gc.collect()
 
