@@ -210,8 +210,8 @@ class StagingHook(ModelHook):
                 f"{component!r} is compiled to replay CUDA graphs, which capture its weights' device "
                 f"addresses, and pinned offload moves it ({moved[0].policy.value}): each load puts the "
                 "weights where the allocator has room, and each new set of addresses records the graphs "
-                "again (a warm-up, a capture and memory for each). Keep it on the device with "
-                f"pipe.enable_pinned_offload(components={{{component!r}: 'resident'}}), or compile "
+                "again (a warm-up, a capture and memory for each). Keep it on the device, where the budget "
+                f"has room, with pipe.enable_pinned_offload(components={{{component!r}: 'resident'}}), or compile "
                 "without CUDA graphs (mode='default' or 'max-autotune-no-cudagraphs').",
                 stacklevel=3,
             )
@@ -246,13 +246,20 @@ class StagingHook(ModelHook):
 
 def replays_cuda_graphs(compile_kwargs: dict[str, Any]) -> bool:
     """Whether ``torch.compile`` with these arguments records CUDA graphs and replays them: dynamo's
-    ``cudagraphs`` backend, and inductor's ``reduce-overhead`` and ``max-autotune`` modes or its
-    ``triton.cudagraphs`` option."""
-    if compile_kwargs.get("backend") == "cudagraphs":
+    ``cudagraphs`` backend, and inductor (the default backend) in its ``reduce-overhead`` and
+    ``max-autotune`` modes, with its ``triton.cudagraphs`` option, or with that set in its config."""
+    backend = compile_kwargs.get("backend", "inductor")
+    if backend == "cudagraphs":
         return True
+    if backend != "inductor":
+        return False
     mode = compile_kwargs.get("mode")
-    options = {} if mode in (None, "default") else torch._inductor.list_mode_options(mode)
-    return bool({**options, **(compile_kwargs.get("options") or {})}.get("triton.cudagraphs"))
+    if mode in (None, "default"):
+        settings = {"triton.cudagraphs": torch._inductor.config.triton.cudagraphs}
+    else:
+        settings = dict(torch._inductor.list_mode_options(mode))
+    settings.update(compile_kwargs.get("options") or {})
+    return bool(settings.get("triton.cudagraphs"))
 
 
 def attach_staging_hook(

@@ -14,6 +14,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from diffusers_residency.hooks import replays_cuda_graphs
+
 from .helpers import PipelineCase
 
 
@@ -153,3 +155,25 @@ def test_regional_compile_for_cuda_graphs_of_a_streamed_component_warns(flux: Pi
     flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
     with pytest.warns(UserWarning, match="pinned offload moves it \\(streamed\\)"):
         flux.pipe.transformer.compile_repeated_blocks(mode="reduce-overhead")
+
+
+@pytest.mark.parametrize(
+    ("compile_kwargs", "replays"),
+    [
+        ({}, False),
+        ({"mode": "default"}, False),
+        ({"mode": "max-autotune-no-cudagraphs"}, False),
+        ({"mode": "reduce-overhead"}, True),
+        ({"mode": "max-autotune"}, True),
+        ({"backend": "cudagraphs"}, True),
+        ({"options": {"triton.cudagraphs": True}}, True),
+        ({"backend": "eager", "mode": "reduce-overhead"}, False),  # only inductor takes modes
+    ],
+)
+def test_which_compiles_replay_cuda_graphs(compile_kwargs: dict, replays: bool) -> None:
+    assert replays_cuda_graphs(compile_kwargs) is replays
+
+
+def test_inductor_set_to_cuda_graphs_in_its_config_replays_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)
+    assert replays_cuda_graphs({}) and not replays_cuda_graphs({"options": {"triton.cudagraphs": False}})
