@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from diffusers_residency.bench.__main__ import (
     _runs,
     environment_line,
+    format_compile_table,
     format_round_ratios,
     format_table,
     judged_by_compile_spread,
@@ -389,7 +391,10 @@ def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, cap
     assert sleep_wake.main(["--scale", "tiny", "--cycles", "1", "--json", str(tmp_path / "sleep.json")]) == 0
     results = json.loads((tmp_path / "sleep.json").read_text())
     table = capsys.readouterr().out
-    operations = ("reference level-1 sleep", "level-1 wake", "switch to sdxl", "switch to sdxl, cache kept", "level-2 sleep", "level-2 wake")
+    operations = (
+        "reference level-1 sleep", "level-1 wake", "switch to sdxl (flux sleeps", "switch to flux (sdxl sleeps",
+        "switch to sdxl, cache kept", "switch to flux, cache kept", "level-2 sleep", "level-2 wake",
+    )  # fmt: skip
     for operation in operations:
         assert any(key.startswith(operation) for key in results), operation
         assert f"| {operation}" in table
@@ -398,12 +403,29 @@ def test_sleep_wake_benchmark_runs_every_operation_and_writes_json(tmp_path, cap
 
 
 def test_the_pinned_mode_keeps_the_policies_named_on_the_command_line(tmp_path) -> None:
-    argv = ["--modes", "resident,pinned", "--components", "transformer=resident,vae=staged", "--calls", "1"]
+    argv = ["--modes", "resident,pinned", "--components", "transformer = resident", "--calls", "1"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     pinned = json.loads((tmp_path / "results.json").read_text())["results"][1]
     policies = {line.split()[0]: line.split()[1] for line in pinned["plan"].splitlines()[2:]}
+    # Without a plan on the CPU, the others are staged, as in model_cpu_offload_seq.
     assert policies["transformer"] == "resident" and policies["vae"] == "staged", pinned["plan"]
     assert pinned["exact"] is True
+
+
+def test_a_compile_mode_without_a_compile_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--compile-mode", "reduce-overhead"])
+    assert "--compile regional or --compile whole" in capsys.readouterr().err
+
+
+def test_the_compile_table_counts_cuda_graphs_only_where_a_mode_recorded_them() -> None:
+    compiled = {"first_call_seconds": 2.0, "graphs_compiled_while_timed": 0}
+    plain = [ModeResult("resident", 1.0, 1, 1.0, None, **compiled), ModeResult("pinned", 1.0, 1, 1.0, True, **compiled)]
+    assert "CUDA graphs" not in format_compile_table(plain)
+    graphs = [replace(r, cuda_graphs_recorded_while_timed=n) for r, n in zip(plain, (0, 3))]
+    header, _, *rows = format_compile_table(graphs).splitlines()
+    assert header.endswith("| CUDA graphs recorded while timed |")
+    assert [row.split(" | ")[-1] for row in rows] == ["0 |", "3 |"]
 
 
 @pytest.mark.parametrize(

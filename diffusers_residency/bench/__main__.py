@@ -89,7 +89,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the package's decisions")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.compile_mode is not None and args.compile is None:
+        parser.error("--compile-mode applies to a compiled denoiser: give --compile regional or --compile whole too")
+    return args
 
 
 def _budget(text: str) -> int | None:
@@ -104,7 +107,7 @@ def _components(spec: str | None) -> dict[str, str] | None:
     """``--components unet=staged,vae=resident`` as ``enable_pinned_offload(components=...)`` takes it."""
     if spec is None:
         return None
-    pairs = [item.partition("=") for item in spec.split(",")]
+    pairs = [tuple(part.strip() for part in item.partition("=")) for item in spec.split(",")]
     if not all(name and sep and policy for name, sep, policy in pairs):
         raise SystemExit(f"--components takes name=policy pairs separated by commas, e.g. unet=staged; not {spec!r}")
     try:
@@ -248,8 +251,8 @@ def format_compile_table(results: list[ModeResult]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in shown:
         budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
-        cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}", str(r.graphs_compiled_while_timed)]
-        cells += [str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else []
+        cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}"]
+        cells += [str(r.graphs_compiled_while_timed)] + ([str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else [])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -194,12 +194,16 @@ class CompileSettings:
     backend: str = "inductor"
     mode: str | None = None
 
+    def kwargs(self) -> dict[str, Any]:
+        """What ``torch.compile`` is called with."""
+        return {"backend": self.backend, "mode": self.mode, "fullgraph": True}
+
 
 def compile_denoiser(pipe: DiffusionPipeline, settings: CompileSettings) -> None:
-    """Compile the denoiser the way a user would, with ``fullgraph=True``."""
+    """Compile the denoiser the way a user would."""
     denoiser = next(pipe.components[name] for name in _DENOISERS if name in pipe.components)
     compile_ = denoiser.compile_repeated_blocks if settings.how == "regional" else denoiser.compile
-    compile_(backend=settings.backend, mode=settings.mode, fullgraph=True)
+    compile_(**settings.kwargs())
 
 
 def uncompile(pipe: DiffusionPipeline) -> None:
@@ -334,9 +338,10 @@ def run_mode(
     compile: CompileSettings | None = None,
     trace: bool = False,
 ) -> tuple[ModeResult, torch.Tensor | None]:
-    """Cap the device at ``budget``, set the mode up (and compile its denoiser, with ``compile``), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more
-    under the profiler, see :mod:`.trace`), tear it down; return the figures and the first output
-    (the reference for the modes after it when this is the resident mode)."""
+    """Cap the device at ``budget``, set the mode up (and compile its denoiser, as ``compile``
+    says), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more under the
+    profiler, see :mod:`.trace`), tear it down; return the figures and the first output (the
+    reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
@@ -360,9 +365,8 @@ def run_mode(
             first_call = time.perf_counter() - started if first_call is None else first_call
             first = output if first is None else first
         graphs = _graphs() if compile is not None else None
-        count_cuda_graphs = compile is not None and _device.is_accelerator(device) and replays_cuda_graphs(
-            {"backend": compile.backend, "mode": compile.mode}
-        )
+        # Inductor's graph trees are CUDA's only.
+        count_cuda_graphs = compile is not None and device.type == "cuda" and replays_cuda_graphs(compile.kwargs())
         recorded = cuda_graphs_recorded(device) if count_cuda_graphs else None
         if _device.is_accelerator(device):
             torch.accelerator.reset_peak_memory_stats(device)
