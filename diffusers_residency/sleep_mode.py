@@ -225,8 +225,8 @@ class AwakeRotation:
     already holds. The cost of a switch is then a sleep and a wake into the cache; the price is
     that no other process can use that memory meanwhile. The allocator still gives the cache back
     where one of this process's own allocations would fail without it, a pipeline under a VRAM
-    budget gives it back at a component boundary where its retention budget says so, and a wake
-    that fails gives it back too::
+    budget gives it back at a component boundary where its retention budget says so, and a switch
+    whose wake fails gives it back too::
 
         rotation = AwakeRotation({"flux": flux, "sdxl": sdxl})
         image = rotation.use("flux")(prompt).images[0]

@@ -202,13 +202,15 @@ def test_a_rotation_keeping_the_cache_never_gives_it_back_and_never_piles_it_up(
     flux = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     sdxl = PipelineCase("sdxl", device="cuda", dtype=torch.float16)
     rotation = AwakeRotation({"flux": flux.pipe, "sdxl": sdxl.pipe}, keep_cache=True)
+    freed = torch.cuda.memory_stats()["segment.all.freed"]
     reserved = [torch.cuda.memory_reserved()]
     for name, case in [("flux", flux), ("sdxl", sdxl)] * 3:
         rotation.use(name)
         assert torch.equal(case.run(), case.reference)
         reserved.append(torch.cuda.memory_reserved())
+    assert torch.cuda.memory_stats()["segment.all.freed"] == freed, "a switch gave device memory back"
     assert reserved == sorted(reserved), f"a switch gave cache back: {reserved}"
-    assert reserved[-1] == reserved[2], f"the switches after the first two reserved more: {reserved}"
+    assert reserved[-1] <= reserved[2], f"the switches after the first two reserved more: {reserved}"
 
 
 def test_lora_loaded_after_enable_runs_on_cuda_and_matches_resident() -> None:
@@ -333,33 +335,41 @@ def test_cuda_graphs_of_a_staged_transformer_record_once_per_set_of_weight_addre
     import warnings
 
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from diffusers_residency.bench.modes import cuda_graphs_recorded
 
     torch._dynamo.reset()
-    resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
-    resident.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
-    expected = [resident.run() for _ in range(2)][-1]  # the first call only warms the graph up
-    del resident
-    torch._dynamo.reset()
-    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
-    case.pipe.to("cpu")
-    case.pipe.enable_pinned_offload(vram_budget=None, components={"transformer": "resident"} if policy == "resident" else None)
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
-        case.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
-    assert bool(warned) == (policy == "staged"), [str(w.message) for w in warned]
-    addresses = []
-    case.pipe.transformer.register_forward_hook(lambda module, *_: addresses.append(module.proj_out.weight.data_ptr()))
-    outputs = [case.run()]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        outputs += [case.run() for _ in range(5)]
-    assert cuda_graphs_recorded(CUDA) == len(set(addresses)), addresses
-    if policy == "resident":
-        assert len(set(addresses)) == 1
-    for output in outputs:
-        torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=1e-2)
-    torch._dynamo.reset()
+    try:
+        resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+        resident.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
+        expected = [resident.run() for _ in range(2)][-1]  # the first call only warms the graph up
+        del resident
+        torch._dynamo.reset()
+        counters.clear()
+        case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+        case.pipe.to("cpu")
+        kept = {"transformer": "resident"} if policy == "resident" else None
+        case.pipe.enable_pinned_offload(vram_budget=None, components=kept)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            case.pipe.transformer.compile(mode="reduce-overhead", fullgraph=True)
+        about_graphs = [str(w.message) for w in warned if "CUDA graphs" in str(w.message)]
+        assert bool(about_graphs) == (policy == "staged"), about_graphs
+        addresses = set()
+        weights = list(case.pipe.transformer.parameters())
+        case.pipe.transformer.register_forward_hook(lambda *_: addresses.add(tuple(w.data_ptr() for w in weights)))
+        outputs = [case.run()]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            outputs += [case.run() for _ in range(5)]
+        assert counters["inductor"]["cudagraph_skips"] == 0, "the graphs were replayed, not skipped"
+        assert cuda_graphs_recorded(CUDA) == len(addresses), len(addresses)
+        if policy == "resident":
+            assert len(addresses) == 1
+        for output in outputs:
+            torch.testing.assert_close(output, expected, rtol=1.6e-2, atol=1e-2)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first_call() -> None:
