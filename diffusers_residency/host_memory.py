@@ -27,7 +27,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -65,6 +65,12 @@ _HUGE_PAGE = 2 << 20
 # Reading the page cache is a copy the kernel makes on the calling thread: one thread read 6.1 GB/s
 # on the H200 machine, sixteen 44 GB/s.
 _READ_THREADS = max(1, min(16, os.cpu_count() or 1))
+# A load from masters mapped from files goes through a ring of this many page-locked slots of this
+# size (see copy_from_files). On the H200 machine, FLUX.1-dev's transformer (23.8 GB) went from
+# the page cache to the device at 29-32 GB/s through 32 slots of 32 MiB, and about as fast through
+# slots of 16 or 64 MiB; FLUX.1-dev's wake ran at 22 GB/s reading into new memory first.
+_RING_SLOT_BYTES = 32 << 20
+_RING_SLOTS = 32
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -346,11 +352,15 @@ class OpenFile:
         status = os.fstat(self.fd)
         return status.st_size, status.st_mtime_ns
 
-    def refuse_if_changed(self) -> None:
-        """Raise if the file was written since it was opened. Written in place (``save_pretrained``
+    def changed(self) -> bool:
+        """Whether the file was written since it was opened. Written in place (``save_pretrained``
         into the same folder rewrites each file), its mapping shows the new bytes at the old places;
         cut short, touching the mapping past the new end kills the process (SIGBUS)."""
-        if self._stat() != self._stamp:
+        return self._stat() != self._stamp
+
+    def refuse_if_changed(self) -> None:
+        """Raise if the file :meth:`changed`."""
+        if self.changed():
             raise RuntimeError(
                 f"{self.path} changed since the pipeline was put to sleep at level 2, which keeps its "
                 "weights only in that file; they cannot be brought back from it. Restore the file, "
@@ -369,6 +379,11 @@ class MappedBytes:
     offset: int = 0
 
 
+def files_of(sources: Iterable[MappedBytes]) -> list[OpenFile]:
+    """The open files the sources lie in, each once."""
+    return list({id(source.file): source.file for source in sources if source.file is not None}.values())
+
+
 def _written_pages(start: int, end: int) -> bool:
     """Whether this process wrote to any page of a private file mapping between addresses ``start``
     and ``end`` (or cannot tell): a written page is the process's own copy, no longer the file's
@@ -378,13 +393,22 @@ def _written_pages(start: int, end: int) -> bool:
     if end <= start:
         return False  # no bytes, no pages
     expected = 8 * ((end - start) // _PAGE)
+    # Asked for every chunk a load from the files reads (see copy_from_files), by sixteen threads
+    # at once: the plain descriptor calls and the test for all-zero entries (pages never touched)
+    # stay off the GIL that the thread queueing the copies needs, where a Python file object and
+    # tensor arithmetic took it for a few hundred microseconds a chunk.
     try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            entries = os.pread(pagemap.fileno(), expected, 8 * (start // _PAGE))
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            entries = os.pread(pagemap, expected, 8 * (start // _PAGE))
+        finally:
+            os.close(pagemap)
     except OSError:
         return True
     if len(entries) != expected:
         return True
+    if not entries.strip(b"\0"):
+        return False
     flags = torch.frombuffer(bytearray(entries), dtype=torch.int64)
     present, swapped, file_page = flags < 0, (flags >> 62) & 1 == 1, (flags >> 61) & 1 == 1
     return bool(((present & ~file_page) | swapped).any())
@@ -513,20 +537,31 @@ def _back_to_back(sources: Sequence[MappedBytes], members: Sequence[int]) -> lis
     return runs
 
 
-_readers: tuple[int, ThreadPoolExecutor] | None = None
-_readers_lock = threading.Lock()
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+_pools_lock = threading.Lock()
+
+
+def _thread_pool(name: str) -> ThreadPoolExecutor:
+    """The reader threads of one kind of work, made once per process (a fork does not copy the
+    parent's threads), each pool first come first served."""
+    with _pools_lock:
+        entry = _pools.get(name)
+        if entry is None or entry[0] != os.getpid():
+            entry = _pools[name] = (os.getpid(), ThreadPoolExecutor(_READ_THREADS, thread_name_prefix=name))
+        return entry[1]
 
 
 def _reader_pool() -> ThreadPoolExecutor:
-    """The threads that fill read-backs, shared by all of them, first come first served: a wake
-    starts reading every unit it wakes at once (see ``ModuleStager.read_ahead``), and the pieces of
-    the next unit are read while the last ones of this unit are copied. Made again in a child
-    process: a fork does not copy the parent's threads."""
-    global _readers
-    with _readers_lock:
-        if _readers is None or _readers[0] != os.getpid():
-            _readers = (os.getpid(), ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="read_back"))
-        return _readers[1]
+    """The threads that fill read-backs, shared by all of them: the masters of every unit a wake
+    brought back are read in the background, one unit after the other (see
+    ``ModuleStager.read_ahead``)."""
+    return _thread_pool("read_back")
+
+
+def _ring_pool() -> ThreadPoolExecutor:
+    """The threads that fill the ring of :func:`copy_from_files`: a pool apart from the read-backs',
+    so that a load waiting on its ring never queues behind a read-back running in the background."""
+    return _thread_pool("ring")
 
 
 class ReadBack:
@@ -556,7 +591,7 @@ class ReadBack:
     ) -> None:
         """``device``: the one whose context the pieces are locked in (see
         ``_device.register_host_memory``), the device the masters are copied to."""
-        for file in {id(source.file): source.file for source in sources if source.file is not None}.values():
+        for file in files_of(sources):
             file.refuse_if_changed()
         self._pin, self._device = pin, device
         self._sources = list(sources)
@@ -620,6 +655,9 @@ class ReadBack:
                 targets = [self._block[self._offsets[i] : self._offsets[i] + self._sources[i].view.numel()] for i in run]
                 if not _read(first.file, first.offset, targets):
                     _refuse_short(first.file, first.offset, sum(len(target) for target in targets))
+                # Written while it was read: the bytes may be a mix. (A read-back runs in the
+                # background after a wake, while the caller may be saving into the same folder.)
+                first.file.refuse_if_changed()
         except BaseException:
             self._unclaim(piece)
             raise
@@ -642,6 +680,10 @@ class ReadBack:
         while self._waited <= self.piece_of[index].number:
             self._fills[self._waited].result()
             self._waited += 1
+
+    def done(self) -> bool:
+        """Whether every piece has been filled (or failed): :meth:`finish` would not wait."""
+        return all(fill.done() for fill in self._fills)
 
     def finish(self) -> list[HostMaster]:
         """Wait for every piece; the masters, each with the registration that locks it, if any."""
@@ -674,3 +716,137 @@ def finished(reading: ReadBack) -> list[HostMaster]:
     except BaseException:
         reading.abandon()
         raise
+
+
+@dataclass(frozen=True)
+class _RingChunk:
+    """At most one ring slot of bytes lying back to back in a file and in its mapping, from
+    ``offset`` in the file and ``address`` in the mapping (``file`` None: one source without a
+    file), and where each source's share goes: ``parts`` holds ``(source, start in the source,
+    bytes, start in the slot)``."""
+
+    file: OpenFile | None
+    offset: int
+    address: int
+    nbytes: int
+    parts: tuple[tuple[int, int, int, int], ...]
+
+
+def _ring_chunks(sources: Sequence[MappedBytes], slot_bytes: int) -> list[_RingChunk]:
+    """The sources cut into slot-sized chunks, runs of sources back to back in a file sharing
+    chunks."""
+    chunks = []
+    for run in _back_to_back(sources, range(len(sources))):
+        first = sources[run[0]]
+        sizes = [sources[i].view.numel() for i in run]
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        total, next_source = starts[-1] + sizes[-1], 0
+        for begin in range(0, total, slot_bytes):
+            end = min(begin + slot_bytes, total)
+            while starts[next_source] + sizes[next_source] <= begin:
+                next_source += 1
+            parts = []
+            within = next_source
+            while within < len(run) and starts[within] < end:
+                low, high = max(begin, starts[within]), min(end, starts[within] + sizes[within])
+                if low < high:
+                    parts.append((run[within], low - starts[within], high - low, low - begin))
+                within += 1
+            chunks.append(
+                _RingChunk(first.file, first.offset + begin, first.view.data_ptr() + begin, end - begin, tuple(parts))
+            )
+    return chunks
+
+
+def copy_from_files(
+    sources: Sequence[MappedBytes],
+    targets: Sequence[torch.Tensor],
+    budget: int,
+    *,
+    pin: bool,
+    device: torch.device | None = None,
+) -> None:
+    """Copy each source's bytes into its target (a flat byte tensor on ``device``, the same size)
+    through a ring of slots: threads read the files into the slots, this thread queues the copies
+    out of them on the current stream, and a slot is read into again once its copy has run.
+    Returns when every copy has run.
+
+    A level-2 wake that read the masters into new memory of their own and copied them from there
+    moved each byte through host memory four times: the kernel zeroes each new page, the read
+    copies into it (reading the page cache and writing), and the device reads it back, and the
+    host's memory bandwidth set the pace (1.5 s for FLUX.1-dev's 33.7 GB on the H200 machine, 2.3x
+    its level-1 wake). Through a few hundred MB of slots, mapped and page-locked once per call,
+    the zeroing and the locking of every page go: the masters are read back into memory of their
+    own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
+
+    Slots are page-locked while ``pin`` and ``budget`` allow (each by the thread that first fills
+    it, in ``device``'s context); a copy out of a slot that is not waits for itself. Raises if a
+    file changed since its masters were mapped, before or while it is read (see
+    :meth:`OpenFile.refuse_if_changed`); nothing is left locked or reading when it raises."""
+    files = files_of(sources)
+    for file in files:
+        file.refuse_if_changed()
+    chunks = _ring_chunks(sources, _RING_SLOT_BYTES)
+    if not chunks:
+        return
+    slot_bytes = _align_up(max(chunk.nbytes for chunk in chunks), _HUGE_PAGE)
+    slot_count = min(_RING_SLOTS, len(chunks))
+    mapping, block, start = _new_block(slot_count * slot_bytes)
+    slots = [_slot(block, k * slot_bytes, slot_bytes) for k in range(slot_count)]
+    spans = [(start + k * slot_bytes, start + (k + 1) * slot_bytes) for k in range(slot_count)]
+    # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
+    claimed = [pin and _claim(*span, budget) for span in spans]
+    pins: list[HostPin | None] = [None] * slot_count
+    # The event of the last copy out of each slot, where that copy did not wait for itself.
+    copied: list[torch.Event | None] = [None] * slot_count
+    asynchronous = device is not None and _device.is_accelerator(device)
+
+    def fill(index: int) -> None:
+        chunk, k = chunks[index], index % slot_count
+        if copied[k] is not None:
+            copied[k].synchronize()
+        slot = slots[k]
+        # Read from the file where this process never wrote to the chunk's mapped pages, else
+        # copied from the views (see _fill).
+        if chunk.file is not None and not _written_pages(chunk.address, chunk.address + chunk.nbytes):
+            if not _read(chunk.file, chunk.offset, [_bytes_of(slot[: chunk.nbytes])]):
+                _refuse_short(chunk.file, chunk.offset, chunk.nbytes)
+        else:
+            for source, begin, size, at in chunk.parts:
+                slot[at : at + size].copy_(sources[source].view[begin : begin + size])
+        if claimed[k]:
+            claimed[k] = False
+            pins[k] = _register_claimed(*spans[k], (mapping,), device)
+
+    readers = _ring_pool()
+    fills: dict[int, Future[None]] = {}
+    try:
+        for index in range(slot_count):
+            fills[index] = readers.submit(fill, index)
+        for index, chunk in enumerate(chunks):
+            fills.pop(index).result()
+            k = index % slot_count
+            locked = pins[k] is not None
+            for source, begin, size, at in chunk.parts:
+                targets[source][begin : begin + size].copy_(slots[k][at : at + size], non_blocking=locked)
+            copied[k] = None
+            if locked and asynchronous:
+                copied[k] = torch.Event(device=device)
+                copied[k].record()
+            if index + slot_count < len(chunks):
+                fills[index + slot_count] = readers.submit(fill, index + slot_count)
+        for file in files:
+            file.refuse_if_changed()  # written while it was read: the bytes copied may be a mix
+    finally:
+        for pending in fills.values():
+            pending.cancel()
+        wait(fills.values())
+        for event in copied:
+            if event is not None:
+                event.synchronize()  # before the slots are unlocked and unmapped
+        for k, span in enumerate(spans):
+            if claimed[k]:
+                LOCKED.remove(*span)
+        pins.clear()  # unlocks them (HostPin's finalizer)

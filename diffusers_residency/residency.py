@@ -91,8 +91,8 @@ class StagedUnit:
         ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does. ``slots``:
         device storage to load into, where it has some of the right layout."""
         if self.sleep_level:
-            # Masters mapped from files (level 2) are read back by the load itself, which copies
-            # each piece to the device as it arrives (see ModuleStager._copy_to_device).
+            # Masters mapped from files (level 2) are copied from the files, and read back into
+            # memory of their own after (see ModuleStager.read_ahead).
             logger.info("Waking %r (asleep at level %d)", self.name, self.sleep_level)
         self.stager.retake_masters()
         # Layerwise casting moves each cast weight to storage of its own at every forward, and
@@ -101,10 +101,6 @@ class StagedUnit:
         # load: it may be enabled after the hooks; a whole component loads at most once a call.)
         self.stager.one_buffer = self.one_buffer and not casts_layerwise(self.module)
         self.stager.load(ahead=ahead, slots=slots)
-        self.sleep_level = 0
-
-    def wake_masters(self) -> None:
-        self.stager.unmap_masters()
         self.sleep_level = 0
 
 
@@ -455,18 +451,25 @@ class ResidencyGroup:
         unit.stager.offload()
         if level == 2:
             unit.stager.map_masters(sources or {})
+        else:
+            # Level 1 keeps masters in memory: those still mapped since a level-2 wake are read
+            # back first (the read that wake started, waited for).
+            unit.stager.unmap_masters()
         unit.load_on_wake = load_on_wake
         unit.sleep_level = level
         if self.active_component == unit.component:
             self.active_component = None
 
     def wake(self, unit: StagedUnit) -> None:
-        """Wake ``unit``: masters back in memory of their own, and on the device again if it was there
-        (or is resident). A no-op for a unit that is awake."""
+        """Wake ``unit``: on the device again if it was there (or is resident). A no-op for a unit
+        that is awake. Masters mapped from files stay so: the caller reads them back (see
+        ModuleStager.read_ahead)."""
         if not unit.sleep_level:
             return
         if not unit.load_on_wake:
-            unit.wake_masters()
+            for file in unit.stager.mapped_files():
+                file.refuse_if_changed()
+            unit.sleep_level = 0
         elif unit.stream is None:
             self.activate(unit)
         else:

@@ -5,8 +5,9 @@ level-1 sleep. A pipeline under pinned offload already holds a host master of ev
 level-1 sleep is an offload: rebind to the masters, drop the device storage, release the cache; no
 copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
 of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
-byte, so a weight changed since loading keeps its own master); waking reads them back from the
-files into pinned memory and onto the device, piece by piece (see host_memory.ReadBack).
+byte, so a weight changed since loading keeps its own master); waking copies them from the files
+to the device through a ring of pinned slots (see host_memory.copy_from_files), then reads them
+back into pinned memory of their own in the background (see host_memory.ReadBack).
 
 A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.
 """
@@ -167,9 +168,14 @@ def sleep(
 
 
 def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = None) -> None:
-    """Wake every sleeping component, or the named ones: host masters back in memory of their own,
-    and on the device again those that were there (and every resident one). Waking what is awake is
-    a no-op."""
+    """Wake every sleeping component, or the named ones: on the device again those that were there
+    (and every resident one). Waking what is awake is a no-op.
+
+    Masters of a level-2 sleep are read back into memory of their own in the background after the
+    wake returns (see ModuleStager.read_ahead): a load takes them as they arrive, an eviction once
+    they are all read, and a level-1 sleep waits for them. Until then they are the files' pages,
+    and the files must stay as they are (one that changes under a loaded component is noticed at
+    its offload, and its masters are copied from the device)."""
     state = pipeline_state(pipe)
     if state is None:
         return
@@ -189,17 +195,25 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
         key=lambda units: -sum(unit.stager.staged_bytes for unit in units),
     )
     order = [unit for units in by_size + [units for units, kept in zip(woken, resident) if not kept] for unit in units]
+    # Masters mapped from files (level 2) are copied from the files to the device, unit after unit,
+    # and read back into memory of their own once every unit is on the device: read back while the
+    # next unit is copied, they would take the host memory bandwidth that copy runs on.
+    for unit in order:
+        unit.stager.reads_back_after_loading = False
     try:
-        # Every read from the files starts now, in that order: the reader threads go from one
-        # unit's pieces to the next one's without waiting for the wake to get there.
-        for unit in order:
-            if unit.sleep_level == 2:
-                unit.stager.read_ahead()
         for unit in order:
             state.group.wake(unit)
     finally:
         for unit in order:
-            unit.stager.drop_read_ahead()
+            unit.stager.reads_back_after_loading = True
+            if unit.sleep_level:
+                continue  # not woken: the wake failed before it
+            try:
+                unit.stager.read_ahead()
+            except Exception:
+                # The wake stands: the masters stay mapped, and the next load from the files says
+                # what is wrong with them.
+                logger.warning("Could not start reading %r's masters back from its files", unit.name, exc_info=True)
 
 
 def is_sleeping(pipe: DiffusionPipeline) -> bool:

@@ -476,8 +476,12 @@ class ModuleStager:
         # offload was replaced while loaded.
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
-        # A read-back started ahead of the load or wake that takes it, with the groups it reads.
+        # A read-back of masters mapped from files, with the groups it reads: started when a load
+        # copied them from the files (see read_ahead), taken by the next load or offload.
         self._reading_ahead: tuple[tuple[StorageGroup, ...], host_memory.ReadBack] | None = None
+        # Whether a load from masters mapped from files starts reading them back as soon as its
+        # copies are done; a wake sets it False while it loads, and reads them back after.
+        self.reads_back_after_loading = True
         # Where each group's copy goes in a load's buffer, the buffer's size, and the copies that
         # fill it (see _placed), for a layout and the masters' addresses.
         self._placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]] = ((), (), 0, ())
@@ -672,29 +676,37 @@ class ModuleStager:
         return self._placement[1:]
 
     def read_ahead(self) -> None:
-        """Start reading back the masters mapped from checkpoint files now, for the load (or
-        :meth:`unmap_masters`) that takes them: a wake of several components reads the next one's
-        while this one's are copied. A no-op when none are mapped or a read is under way."""
+        """Start reading the masters mapped from checkpoint files back into memory of their own, in
+        the background, for the next load, offload or :meth:`unmap_masters` to take. A no-op when
+        none are mapped or a read is under way.
+
+        A load copies masters mapped from files straight to the device (see
+        host_memory.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
+        device first and reads the masters back after, rather than reading them all before the
+        first copy. Until then a level-1 sleep or an eviction would have nothing but the page cache
+        to rebind to, hence the read here."""
         if self._reading_ahead is None and self._maps_files:
             self._reading_ahead = (self._groups, self._new_read_back(pin=True))
 
     def drop_read_ahead(self) -> None:
-        """Stop a read started by :meth:`read_ahead` that nothing took (the wake failed before)."""
+        """Stop a read started by :meth:`read_ahead` that nothing took (the masters are about to be
+        mapped from the files again)."""
         ahead, self._reading_ahead = self._reading_ahead, None
         if ahead is not None:
             ahead[1].abandon()
 
     def _read_back(self, *, pin: bool = True) -> host_memory.ReadBack | None:
-        """The read-back of the masters mapped from checkpoint files (a unit asleep at level 2): the
-        one started ahead if it reads these masters, else a new one; None when there are none. A load
-        copies each piece as it arrives, and the masters are taken once every copy is queued; a load
-        that fails leaves them mapped, as they were."""
+        """The read-back started by :meth:`read_ahead` if it reads the current masters (and locks
+        pages, when ``pin``), taken from it; None otherwise, and one that reads other masters
+        (retaken since) or locks pages when asked not to is stopped. A load copies each piece as it
+        arrives, and the masters are taken once every copy is queued; a load that fails leaves
+        them mapped, as they were."""
         ahead, self._reading_ahead = self._reading_ahead, None
         if ahead is not None:
             if ahead[0] is self._groups and pin:
                 return ahead[1]
-            ahead[1].abandon()  # the masters changed since it started (retaken), or it locks pages
-        return self._new_read_back(pin=pin) if self._maps_files else None
+            ahead[1].abandon()
+        return None
 
     def _new_read_back(self, *, pin: bool) -> host_memory.ReadBack:
         mapped = [group for group in self._groups if group.mapped]
@@ -710,8 +722,10 @@ class ModuleStager:
     def _copy_to_device(self, slots: DeviceSlots | None, reading: host_memory.ReadBack | None) -> list[torch.Tensor]:
         """Allocate the device storage, queue the copies into it and return a storage per group to
         bind; with ``reading``, each copy from a master being read back waits for its piece, and the
-        groups take the masters read back once all are queued."""
+        groups take the masters read back once all are queued; without, masters mapped from files
+        are copied from the files (see host_memory.copy_from_files) and stay mapped."""
         groups, locked_in, arriving = self._groups, None, None
+        from_files = [] if reading is not None else [i for i, group in enumerate(groups) if group.mapped]
         if reading is not None:
             # Each group's place in the read-back, if it has one: its copy waits for that piece.
             arriving = [None] * len(groups)
@@ -731,12 +745,14 @@ class ModuleStager:
             elif storages is None:
                 storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in groups]
             self._device_storages = storages
-            # A load that reads its masters back is not timed: its time is the files' read, not the
-            # bus's, and the load rate feeds the plan of streamed components (see StepTiming).
-            with self._copy.running(timed=reading is None):
+            # A load from the files is not timed: its time is the files' read, not the bus's, and
+            # the load rate feeds the plan of streamed components (see StepTiming).
+            with self._copy.running(timed=reading is None and not from_files):
                 if one_buffer:
                     (buffer,) = storages
                     for first, last in runs:
+                        if groups[first].mapped:
+                            continue  # a run of its own (see _placed), copied from the files below
                         if arriving is not None and arriving[first] is not None:
                             reading.wait_for(arriving[first])
                         begin, end = offsets[first], offsets[last] + groups[last].nbytes
@@ -745,9 +761,19 @@ class ModuleStager:
                         buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
                 else:
                     for index, (storage, group) in enumerate(zip(storages, groups)):
+                        if group.mapped:
+                            continue  # copied from the files below
                         if arriving is not None and arriving[index] is not None:
                             reading.wait_for(arriving[index])
                         storage.copy_(group.master, non_blocking=self.pin_memory)
+                if from_files:
+                    host_memory.copy_from_files(
+                        [groups[i].mapped_from for i in from_files],
+                        [buffer[offsets[i] : offsets[i] + groups[i].nbytes] if one_buffer else storages[i] for i in from_files],
+                        self.pin_budget or 0,
+                        pin=self.pin_budget is not None,
+                        device=self.device,
+                    )
             if reading is not None:
                 masters = reading.finish()
                 self._groups = tuple(
@@ -771,6 +797,7 @@ class ModuleStager:
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         reading = self._read_back()
+        from_files = reading is None and self._maps_files
         try:
             backings = self._copy_to_device(slots, reading)
         except BaseException:
@@ -792,8 +819,10 @@ class ModuleStager:
         self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
         self.loaded = True
         self.loads += 1
-        if reading is None:
+        if reading is None and not from_files:
             self.loaded_bytes += self.staged_bytes
+        if from_files and self.reads_back_after_loading:
+            self.read_ahead()
 
     def _fall_back_to_masters(self) -> None:
         """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
@@ -813,6 +842,8 @@ class ModuleStager:
         layout; a no-op when they are there (the compute stream then waits for them, unless
         ``ahead``: loaded before they are needed, :meth:`ready` is called where they are)."""
         if self.loaded:
+            if self._reading_ahead is not None and self._reading_ahead[1].done():
+                self._settle_mapped_masters()
             if not ahead:
                 self.ready()
             return
@@ -863,6 +894,8 @@ class ModuleStager:
         # A copy made ahead and never used: order it before the compute work that may get its
         # storage next.
         self.ready()
+        if self._maps_files:
+            self._settle_mapped_masters()
         storages, self._device_storages = self._device_storages, []
         replaced = self._replaced_while_loaded()
         if not replaced:
@@ -882,6 +915,64 @@ class ModuleStager:
         self._loaded_addresses = ()
         self.loaded = False
         self.retake_masters()
+
+    def mapped_files(self) -> list[host_memory.OpenFile]:
+        """The checkpoint files that masters are mapped from."""
+        return host_memory.files_of(group.mapped_from for group in self._groups if group.mapped)
+
+    def _settle_mapped_masters(self) -> None:
+        """For a loaded unit whose masters are mapped from files: take the masters read back since
+        it was loaded from them (see :meth:`read_ahead`) if that read is done, without waiting for
+        one under way. Called by an offload, and by a load of a loaded unit once the read is done.
+
+        Masters left mapped are as good as their files, which are checked here: where one changed
+        (a save into the same folder), the mapping no longer holds the weights, but the device copy,
+        loaded before, does, and the masters are copied from it."""
+        ahead = self._reading_ahead
+        if ahead is not None and (ahead[0] is not self._groups or ahead[1].done()):
+            reading = self._read_back()  # stops one that reads other masters
+            if reading is not None:
+                try:
+                    self._groups = self._over_masters_read_back(reading.finish())
+                    return
+                except Exception:
+                    reading.abandon()
+                    logger.warning("Could not read masters back from their checkpoint files", exc_info=True)
+        if not any(file.changed() for file in self.mapped_files()):
+            return
+        self.drop_read_ahead()
+        logger.warning(
+            "Copying %d bytes of masters from the device: their checkpoint files changed",
+            self.host_bytes()["mapped"],
+        )
+        self._groups = self._over_masters_read_back(self._copies_of_mapped_on_host())
+
+    def _copies_of_mapped_on_host(self) -> list[host_memory.HostMaster]:
+        """Host copies of the loaded device bytes of every group whose master is mapped from a file
+        (each such group holds one tensor that fills its storage; see :meth:`map_masters`)."""
+        sources, alignments = [], []
+        for group in self._groups:
+            if group.mapped:
+                binding = group.bindings[0]
+                start = (binding.target.storage_offset() - binding.storage_offset) * binding.dtype.itemsize
+                sources.append(
+                    torch.empty(0, dtype=torch.uint8, device=binding.target.device).set_(
+                        binding.target.untyped_storage(), start, (group.nbytes,), (1,)
+                    )
+                )
+                alignments.append(group.alignment)
+        return host_memory.copy_to_host(sources, alignments, self.pin_budget or 0, pin=self.pin_budget is not None)
+
+    def _over_masters_read_back(self, masters: list[host_memory.HostMaster]) -> tuple[StorageGroup, ...]:
+        """The groups, each mapped one over its master read back (``masters``, in group order)."""
+        read_back = iter(masters)
+        groups = []
+        for group in self._groups:
+            if group.mapped:
+                master = next(read_back)
+                group = replace(group, master=master.data, mapped_from=None, pinned=master.pinned, pin=master.pin)
+            groups.append(group)
+        return tuple(groups)
 
     def _replaced_while_loaded(self) -> frozenset[int]:
         """Tensors given a new dtype, shape or stride since the last load. A tensor elsewhere with
@@ -1080,6 +1171,7 @@ class ModuleStager:
         memory was released.
         """
         self._require_offloaded("map_masters()")
+        self.drop_read_ahead()  # of masters still mapped, which stay so
         self._copy.wait()  # the masters released here may still be read by the last load
         self.forget_conversions()
         candidates = {
@@ -1103,18 +1195,16 @@ class ModuleStager:
 
     def unmap_masters(self, *, pin: bool = True) -> None:
         """Give masters mapped from a file memory of their own again (see host_memory.ReadBack), so
-        the file is not read at every load: page-locked when this stager pins and ``pin``
-        (``close()`` passes False: the memory is about to be handed back to the module as it was)."""
+        the file is not read at every load: the read :meth:`read_ahead` started, waited for, else a
+        new one; page-locked when this stager pins and ``pin`` (``close()`` passes False: the memory
+        is about to be handed back to the module as it was)."""
         self._require_offloaded("unmap_masters()")
         self._copy.wait()
         reading = self._read_back(pin=pin)
-        if reading is None:
-            return
-        mapped = [i for i, group in enumerate(self._groups) if group.mapped]
-        groups = list(self._groups)
-        for i, master in zip(mapped, host_memory.finished(reading)):
-            groups[i] = replace(groups[i], master=master.data, mapped_from=None, pinned=master.pinned, pin=master.pin)
-        self._swap_masters(tuple(groups))
+        if reading is None and self._maps_files:
+            reading = self._new_read_back(pin=pin)
+        if reading is not None:
+            self._swap_masters(self._over_masters_read_back(host_memory.finished(reading)))
 
     def _swap_masters(self, groups: tuple[StorageGroup, ...]) -> None:
         """Take ``groups`` (the same tensors over other masters) and bind the tensors to them, but

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import subprocess
 import sys
 import threading
@@ -349,6 +350,53 @@ def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path,
     assert all(count == 1 for _, count in reads), "one master per read in a run with a written page"
 
 
+def _six_mapped_weights(tmp_path, monkeypatch) -> list[MappedBytes]:
+    """Six 256 KiB weights back to back in a file, going through a ring of two slots of 100 KiB: a
+    slot holds parts of two weights, a weight spans slots, and each slot is filled eight times."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(6)))
+    views = _mapped_checkpoint(tmp_path, module)
+    monkeypatch.setattr(host_memory, "_RING_SLOT_BYTES", 100 << 10)
+    monkeypatch.setattr(host_memory, "_RING_SLOTS", 2)
+    return [views[id(layer.weight)] for layer in module]
+
+
+@pytest.mark.parametrize("budget", [1 << 40, 0])
+def test_copying_from_files_goes_through_a_ring_of_slots_locked_once(tmp_path, driver: FakeDriver, monkeypatch, budget: int) -> None:
+    sources = _six_mapped_weights(tmp_path, monkeypatch)
+    sources[4].view[PAGE : PAGE + 8] = 7  # written through the mapping: copied from the view, not the file
+    targets = [torch.zeros(source.view.numel(), dtype=torch.uint8) for source in sources]
+    registered: list[int] = []
+    register = driver.register
+    monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered.append(args[1]) or register(*args))
+    host_memory.copy_from_files(sources, targets, budget, pin=True, device=CPU)
+    assert all(torch.equal(target, source.view) for target, source in zip(targets, sources))
+    assert len(registered) == (2 if budget else 0), "each slot locked once, within the budget"
+    assert driver.ranges == {} and host_memory.locked_bytes() == 0, "and unlocked before it returns"
+
+
+@pytest.mark.parametrize("failure", ["read", "file written"])
+def test_copying_from_files_that_fails_part_way_leaves_nothing_locked(tmp_path, driver: FakeDriver, monkeypatch, failure: str) -> None:
+    sources = _six_mapped_weights(tmp_path, monkeypatch)
+    targets = [torch.zeros(source.view.numel(), dtype=torch.uint8) for source in sources]
+    real_preadv, reads = host_memory.os.preadv, []
+    (path,) = tmp_path.glob("*.safetensors")
+
+    def preadv(fd, buffers, offset):
+        reads.append(offset)
+        if len(reads) == 5:
+            if failure == "read":
+                raise OSError("injected: unreadable")
+            stamp = path.stat()
+            os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # a save into the folder
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(host_memory.os, "preadv", preadv)
+    with pytest.raises((OSError, RuntimeError), match="injected" if failure == "read" else "changed since"):
+        host_memory.copy_from_files(sources, targets, 1 << 40, pin=True, device=CPU)
+    assert driver.ranges == {} and host_memory.locked_bytes() == 0
+
+
 def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: FakeDriver, monkeypatch) -> None:
     monkeypatch.setattr(host_memory, "_PIECE_BYTES", 3 * PAGE)
     sizes = [PAGE, 2 * PAGE, PAGE + 100, 5 * PAGE, 7]
@@ -470,8 +518,9 @@ def _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch) -> tuple[torch.
 
 
 def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, driver: FakeDriver, monkeypatch) -> None:
-    """Waking from level 2 reads the masters back and copies them to the device: each piece goes as
-    soon as it is read and locked, while the next ones are read, rather than after all of them."""
+    """A load that finds its masters being read back (a unit woken without a load, called next)
+    copies each piece as soon as it is read and locked, while the next ones are read, rather than
+    after all of them."""
     module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
     expected = module(x)
     copied = [threading.Event() for _ in range(4)]
@@ -489,6 +538,7 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
 
     monkeypatch.setattr(ReadBack, "wait_for", wait_for)
     monkeypatch.setattr(ReadBack, "_fill_piece", fill_piece)
+    stager.read_ahead()
     stager.load()
     assert pieces_read_before_the_copy_ahead == []
     assert stager.host_bytes()["mapped"] == 0 and stager.pinned
@@ -532,17 +582,20 @@ def test_a_read_ahead_serves_the_load_unless_the_masters_changed_since(tmp_path,
     module[1].weight.data = module[1].weight.data * 2  # replaced while its read was under way
     expected = module(x)
     stager.retake_masters()
-    stager.load()
+    stager.load()  # from the files, then reads back the masters it loaded
     assert len(started) == 2, "the read started ahead read the old masters: a new one reads the new"
-    assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 0
+    assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 3 * module[0].weight.nbytes
     stager.offload()
+    stager.unmap_masters()  # waits for that read, rather than reading again
+    assert len(started) == 2 and stager.host_bytes()["mapped"] == 0 and stager.pinned
+    assert torch.equal(module(x), expected)
     stager.close()
     started.clear()  # a finished read-back holds the registrations of its pieces too
     gc.collect()
     assert driver.ranges == {}
 
 
-def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver: FakeDriver, monkeypatch) -> None:
+def test_a_load_from_the_files_that_fails_leaves_the_masters_mapped(tmp_path, driver: FakeDriver, monkeypatch) -> None:
     module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
     expected = module(x)
     mapped, registered = stager.host_bytes()["mapped"], dict(driver.ranges)
@@ -550,7 +603,7 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
     third = stager._groups[2].mapped_from
 
     def failing_preadv(fd, buffers, offset):
-        if offset == third.offset:
+        if offset <= third.offset < offset + sum(len(buffer) for buffer in buffers):
             raise OSError("injected: unreadable")
         return real_preadv(fd, buffers, offset)
 
@@ -559,7 +612,7 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
         with pytest.raises(OSError, match="injected"):
             stager.load()
         assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
-        assert driver.ranges == registered, "the pieces locked before the failure are unlocked"
+        assert driver.ranges == registered, "the slots locked before the failure are unlocked"
         assert host_memory.locked_bytes() == sum(registered.values())
 
         def failing_synchronize(device):
@@ -571,6 +624,8 @@ def test_a_load_whose_read_back_fails_leaves_the_masters_mapped(tmp_path, driver
         assert driver.ranges == registered, "unlocked even when the device cannot be waited for"
     assert torch.equal(module(x), expected), "the weights are their mapped masters again"
     stager.load()
+    stager.offload()
+    stager.unmap_masters()
     assert stager.host_bytes()["mapped"] == 0 and torch.equal(module(x), expected)
     stager.close()
     assert driver.ranges == {}
@@ -595,6 +650,7 @@ def test_tensors_remade_over_mapped_masters_keep_a_master_per_view(tmp_path, mon
     assert torch.equal(module(x), expected)
     assert module[2].alias.data_ptr() == module[3].weight.data_ptr(), "still tied"
     stager.offload()
+    stager.unmap_masters()
     assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 0
 
 

@@ -74,7 +74,12 @@ def test_level_2_maps_masters_to_the_checkpoint_and_reloads_exactly(flux: Pipeli
     assert torch.equal(flux.run(), flux.reference), "a call after level 2 wakes from the files"
     flux.pipe.sleep(level=2)
     flux.pipe.wake_up()
-    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep()
+    assert set(states(flux.pipe).values()) == {"asleep (1)"}
+    report = flux.pipe.residency_report()
+    assert all(c.mapped_bytes == 0 for c in report.components), "read back by the next offload"
+    flux.pipe.wake_up()
     assert torch.equal(flux.run(), flux.reference)
 
 
@@ -97,7 +102,9 @@ def test_weights_written_before_or_during_a_level_2_sleep_wake_as_written(flux: 
         written_asleep[1:2].mul_(-1.0)  # through the mapping: the process's own pages from here on
     expected_asleep = written_asleep.detach().clone()
     flux.pipe.wake_up()
+    flux.pipe.sleep()  # the masters read back, taken by the offload
     assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
+    flux.pipe.wake_up()
     flux.pipe.transformer.to("cpu")
     assert torch.equal(changed_before, expected_before) and torch.equal(written_asleep, expected_asleep)
 
@@ -164,6 +171,7 @@ def test_a_lora_loaded_while_asleep_at_level_2_keeps_a_master_per_storage(flux: 
     largest = max(t.untyped_storage().nbytes() for t in transformer.parameters())
     stager = flux.pipe.__dict__["_pinned_residency"].group.units_of("transformer")[0].stager
     assert max(group.nbytes for group in stager._groups) == largest, "one master per storage"
+    flux.pipe.sleep()  # waits for the masters read back since the call loaded them from the files
     assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
 
 
@@ -375,86 +383,100 @@ def test_failure_inside_wake_leaves_the_pipeline_usable(flux: PipelineCase, monk
     assert torch.equal(flux.run(), flux.reference)
 
 
-def test_a_level_2_wake_reads_every_component_ahead_of_waking_the_first(flux: PipelineCase, monkeypatch) -> None:
-    """The reader threads go from one component's files to the next without waiting for the wake to
-    reach it: each component's copies overlap the reads of those after it."""
+def test_a_level_2_wake_reads_masters_back_once_every_component_is_on_the_device(flux: PipelineCase, monkeypatch) -> None:
+    """The wake copies each component from the files, and only then are the masters read back into
+    memory of their own: read back during the wake, they would slow its copies."""
     from diffusers_residency import host_memory
     from diffusers_residency.residency import ResidencyGroup
 
     flux.pipe.sleep(level=2)
     units = flux.pipe.__dict__["_pinned_residency"].group.units
     events: list[str] = []
-    real_init, real_wake = host_memory.ReadBack.__init__, ResidencyGroup.wake
+    real_init, real_wake, real_copy = host_memory.ReadBack.__init__, ResidencyGroup.wake, host_memory.copy_from_files
 
     def read_back(read, *args, **kwargs):
-        events.append("read")
+        events.append("read back")
         real_init(read, *args, **kwargs)
 
     def wake(group, unit):
         events.append("wake")
         real_wake(group, unit)
 
+    def copy_from_files(*args, **kwargs):
+        events.append("copy from files")
+        real_copy(*args, **kwargs)
+
     monkeypatch.setattr(host_memory.ReadBack, "__init__", read_back)
+    monkeypatch.setattr(host_memory, "copy_from_files", copy_from_files)
     monkeypatch.setattr(ResidencyGroup, "wake", wake)
     flux.pipe.wake_up()
-    assert events == ["read"] * len(units) + ["wake"] * len(units)
+    assert events == ["wake", "copy from files"] * len(units) + ["read back"] * len(units)
+    assert all(unit.stager._reading_ahead is not None for unit in units)
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep()
     assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
+    assert all(unit.stager._reading_ahead is None for unit in units)
+    flux.pipe.wake_up()
     assert torch.equal(flux.run(), flux.reference)
 
 
-def test_a_level_2_wake_whose_read_fails_stops_the_reads_ahead(flux: PipelineCase, monkeypatch) -> None:
+def test_a_level_2_wake_whose_copy_from_a_file_fails_leaves_that_component_asleep(flux: PipelineCase, monkeypatch) -> None:
     from diffusers_residency import host_memory
 
     flux.pipe.sleep(level=2)
     units = flux.pipe.__dict__["_pinned_residency"].group.units
-    abandoned: list[object] = []
-    real_preadv, real_abandon = host_memory.os.preadv, host_memory.ReadBack.abandon
+    real_preadv = host_memory.os.preadv
 
     def preadv(fd, buffers, offset):
         if f"{os.sep}text_encoder_2{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
             raise OSError("injected: unreadable")
         return real_preadv(fd, buffers, offset)
 
-    def abandon(read):
-        abandoned.append(read)
-        real_abandon(read)
-
     with monkeypatch.context() as patch:
         patch.setattr(host_memory.os, "preadv", preadv)
-        patch.setattr(host_memory.ReadBack, "abandon", abandon)
         with pytest.raises(OSError, match="injected"):
             flux.pipe.wake_up()
-    state = states(flux.pipe)
-    assert state["text_encoder_2"] == "asleep (2)"
-    asleep = sum(1 for value in state.values() if value == "asleep (2)")
-    assert len(abandoned) == asleep, "the failed read and every one ahead of it are stopped"
-    assert all(unit.stager._reading_ahead is None for unit in units)
-    assert_no_meta_or_foreign_device(flux.pipe)
+        state = states(flux.pipe)
+        assert state["text_encoder_2"] == "asleep (2)"
+        for unit in units:
+            asleep = state[unit.component] != "awake"
+            assert (unit.stager._reading_ahead is None) == asleep, "what woke is read back, what sleeps is not"
+        assert_no_meta_or_foreign_device(flux.pipe)
     flux.pipe.wake_up()
-    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
     assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep()
+    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
 
 
-def test_a_level_2_wake_that_cannot_start_a_read_stops_those_started(flux: PipelineCase, monkeypatch) -> None:
-    from diffusers_residency import host_memory
+def test_masters_that_cannot_be_read_back_are_copied_from_the_device(
+    flux: PipelineCase, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint written after the wake (a save into the same folder) no longer holds the weights:
+    the wake stands, and the next offload takes the masters from the device copy."""
+    from pathlib import Path
+
+    from diffusers_residency.residency import ResidencyGroup
 
     flux.pipe.sleep(level=2)
-    units = flux.pipe.__dict__["_pinned_residency"].group.units
-    real_init = host_memory.ReadBack.__init__
-    started: list[object] = []
+    (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
+    units = flux.pipe.__dict__["_pinned_residency"].group.units_of("transformer")
+    real_wake = ResidencyGroup.wake
 
-    def init(read, *args, **kwargs):
-        if len(started) == 1:
-            raise OSError("injected: a checkpoint file cannot be read")
-        real_init(read, *args, **kwargs)
-        started.append(read)
+    def wake_then_save(group, unit):
+        real_wake(group, unit)
+        if unit in units:  # after its copy from the file, before its read back starts
+            stamp = os.stat(written)
+            os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
 
-    with monkeypatch.context() as patch:
-        patch.setattr(host_memory.ReadBack, "__init__", init)
-        with pytest.raises(OSError, match="injected"):
-            flux.pipe.wake_up()
-    assert all(unit.stager._reading_ahead is None for unit in units), "the read started first is stopped"
-    assert set(states(flux.pipe).values()) == {"asleep (2)"}
+    monkeypatch.setattr(ResidencyGroup, "wake", wake_then_save)
+    with caplog.at_level(logging.WARNING, logger="diffusers_residency"):
+        flux.pipe.wake_up()
+        assert "Could not start reading 'transformer'" in caplog.text
+        assert flux.pipe.residency_report()["transformer"].mapped_bytes > 0
+        assert torch.equal(flux.run(), flux.reference)
+        flux.pipe.sleep()
+    assert "Copying" in caplog.text
+    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
     flux.pipe.wake_up()
     assert torch.equal(flux.run(), flux.reference)
 
