@@ -384,6 +384,10 @@ def files_of(sources: Iterable[MappedBytes]) -> list[OpenFile]:
     return list({id(source.file): source.file for source in sources if source.file is not None}.values())
 
 
+# For each value of a pagemap entry's top byte, 1 where the page is the process's own copy.
+_WRITTEN_BY_TOP_BYTE = bytes(1 if (top & 0x40) or (top & 0xA0) == 0x80 else 0 for top in range(256))
+
+
 def _written_pages(start: int, end: int) -> bool:
     """Whether this process wrote to any page of a private file mapping between addresses ``start``
     and ``end`` (or cannot tell): a written page is the process's own copy, no longer the file's
@@ -394,9 +398,9 @@ def _written_pages(start: int, end: int) -> bool:
         return False  # no bytes, no pages
     expected = 8 * ((end - start) // _PAGE)
     # Asked for every chunk a load from the files reads (see copy_from_files), by sixteen threads
-    # at once: the plain descriptor calls and the test for all-zero entries (pages never touched)
-    # stay off the GIL that the thread queueing the copies needs, where a Python file object and
-    # tensor arithmetic took it for a few hundred microseconds a chunk.
+    # at once: plain descriptor calls and a byte translation stay off the GIL that the thread
+    # queueing the copies needs, where a Python file object and tensor arithmetic took it for a
+    # few hundred microseconds a chunk.
     try:
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -407,11 +411,9 @@ def _written_pages(start: int, end: int) -> bool:
         return True
     if len(entries) != expected:
         return True
-    if not entries.strip(b"\0"):
-        return False
-    flags = torch.frombuffer(bytearray(entries), dtype=torch.int64)
-    present, swapped, file_page = flags < 0, (flags >> 62) & 1 == 1, (flags >> 61) & 1 == 1
-    return bool(((present & ~file_page) | swapped).any())
+    # The flags are in each little-endian entry's last byte: present (bit 63), swapped (62), a
+    # page of the file (61).
+    return 1 in entries[7::8].translate(_WRITTEN_BY_TOP_BYTE)
 
 
 def _view_written(view: torch.Tensor) -> bool:
@@ -796,8 +798,7 @@ def copy_from_files(
     mapping, block, start = _new_block(slot_count * slot_bytes)
     slots = [_slot(block, k * slot_bytes, slot_bytes) for k in range(slot_count)]
     spans = [(start + k * slot_bytes, start + (k + 1) * slot_bytes) for k in range(slot_count)]
-    # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
-    claimed = [pin and _claim(*span, budget) for span in spans]
+    claimed = [False] * slot_count
     pins: list[HostPin | None] = [None] * slot_count
     # The event of the last copy out of each slot, where that copy did not wait for itself.
     copied: list[torch.Event | None] = [None] * slot_count
@@ -823,10 +824,14 @@ def copy_from_files(
     readers = _ring_pool()
     fills: dict[int, Future[None]] = {}
     try:
+        # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
+        for k, span in enumerate(spans):
+            claimed[k] = pin and _claim(*span, budget)
         for index in range(slot_count):
             fills[index] = readers.submit(fill, index)
         for index, chunk in enumerate(chunks):
-            fills.pop(index).result()
+            fills[index].result()
+            del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
             k = index % slot_count
             locked = pins[k] is not None
             for source, begin, size, at in chunk.parts:
@@ -843,9 +848,10 @@ def copy_from_files(
         for pending in fills.values():
             pending.cancel()
         wait(fills.values())
-        for event in copied:
-            if event is not None:
-                event.synchronize()  # before the slots are unlocked and unmapped
+        if asynchronous:
+            # Every copy out of the slots has run before they are unlocked and unmapped, one
+            # interrupted before its event was recorded included.
+            torch.accelerator.current_stream(device).synchronize()
         for k, span in enumerate(spans):
             if claimed[k]:
                 LOCKED.remove(*span)

@@ -451,7 +451,7 @@ class ResidencyGroup:
         unit.stager.offload()
         if level == 2:
             unit.stager.map_masters(sources or {})
-        else:
+        elif unit.stager.maps_files:
             # Level 1 keeps masters in memory: those still mapped since a level-2 wake are read
             # back first (the read that wake started, waited for).
             unit.stager.unmap_masters()

@@ -172,8 +172,8 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     (and every resident one). Waking what is awake is a no-op.
 
     Masters of a level-2 sleep are read back into memory of their own in the background after the
-    wake returns (see ModuleStager.read_ahead): a load takes them as they arrive, an eviction once
-    they are all read, and a level-1 sleep waits for them. Until then they are the files' pages,
+    wake returns (see ModuleStager.read_ahead): a load takes them as they arrive, a forward or an
+    eviction once they are all read, and a level-1 sleep waits for them. Until then they are the files' pages,
     and the files must stay as they are (one that changes under a loaded component is noticed at
     its offload, and its masters are copied from the device)."""
     state = pipeline_state(pipe)
@@ -184,10 +184,8 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     unknown = sorted(set(names) - set(staged))
     if unknown:
         raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
-    # Resident components first, largest first: each one's copy to the device overlaps the reads of
-    # those after it (a level-2 wake reads its masters back from the files), and the one copy that
-    # nothing hides, the last, is the smallest. The others keep their order: waking one that was on
-    # the device evicts the others' evictable units, so the last of them is the one left loaded.
+    # Resident components first, largest first. The others keep their order: waking one that was
+    # on the device evicts the others' evictable units, so the last of them is the one left loaded.
     woken = list(_units(state, names).values())
     resident = [all(unit.policy is Policy.RESIDENT for unit in units) for units in woken]
     by_size = sorted(
@@ -206,13 +204,14 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     finally:
         for unit in order:
             unit.stager.reads_back_after_loading = True
+        for unit in order:
             if unit.sleep_level:
                 continue  # not woken: the wake failed before it
             try:
                 unit.stager.read_ahead()
             except Exception:
-                # The wake stands: the masters stay mapped, and the next load from the files says
-                # what is wrong with them.
+                # The wake stands: the masters stay mapped, and an offload checks their files
+                # (see ModuleStager._settle_mapped_masters).
                 logger.warning("Could not start reading %r's masters back from its files", unit.name, exc_info=True)
 
 

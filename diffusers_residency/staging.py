@@ -477,7 +477,8 @@ class ModuleStager:
         self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         # A read-back of masters mapped from files, with the groups it reads: started when a load
-        # copied them from the files (see read_ahead), taken by the next load or offload.
+        # copied them from the files (see read_ahead), taken by the next load, by a forward or an
+        # offload once done, or waited for by unmap_masters.
         self._reading_ahead: tuple[tuple[StorageGroup, ...], host_memory.ReadBack] | None = None
         # Whether a load from masters mapped from files starts reading them back as soon as its
         # copies are done; a wake sets it False while it loads, and reads them back after.
@@ -512,6 +513,15 @@ class ModuleStager:
         # Whether a load has masters to read back from files: found here, where the masters change,
         # and not at every load (a streamed block loads at every step).
         self._maps_files = any(group.mapped for group in groups)
+        # A read of masters that are no longer the current ones (taken again after a cast) would
+        # hold its memory, unused, until the next load: stopped here, where the masters change.
+        if self._reading_ahead is not None and self._reading_ahead[0] is not groups:
+            self.drop_read_ahead()
+
+    @property
+    def maps_files(self) -> bool:
+        """Whether some masters are views of checkpoint files (see :meth:`map_masters`)."""
+        return self._maps_files
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The modules' parameters and buffers that this stager holds masters of."""
@@ -725,7 +735,7 @@ class ModuleStager:
         groups take the masters read back once all are queued; without, masters mapped from files
         are copied from the files (see host_memory.copy_from_files) and stay mapped."""
         groups, locked_in, arriving = self._groups, None, None
-        from_files = [] if reading is not None else [i for i, group in enumerate(groups) if group.mapped]
+        from_files = [i for i, group in enumerate(groups) if group.mapped] if reading is None and self._maps_files else []
         if reading is not None:
             # Each group's place in the read-back, if it has one: its copy waits for that piece.
             arriving = [None] * len(groups)
@@ -751,7 +761,7 @@ class ModuleStager:
                 if one_buffer:
                     (buffer,) = storages
                     for first, last in runs:
-                        if groups[first].mapped:
+                        if from_files and groups[first].mapped:
                             continue  # a run of its own (see _placed), copied from the files below
                         if arriving is not None and arriving[first] is not None:
                             reading.wait_for(arriving[first])
@@ -761,7 +771,7 @@ class ModuleStager:
                         buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
                 else:
                     for index, (storage, group) in enumerate(zip(storages, groups)):
-                        if group.mapped:
+                        if from_files and group.mapped:
                             continue  # copied from the files below
                         if arriving is not None and arriving[index] is not None:
                             reading.wait_for(arriving[index])
@@ -822,7 +832,11 @@ class ModuleStager:
         if reading is None and not from_files:
             self.loaded_bytes += self.staged_bytes
         if from_files and self.reads_back_after_loading:
-            self.read_ahead()
+            try:
+                self.read_ahead()
+            except Exception:
+                # The load stands: the masters stay mapped, and the offload checks their files.
+                logger.warning("Could not start reading masters back from their checkpoint files", exc_info=True)
 
     def _fall_back_to_masters(self) -> None:
         """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
@@ -842,8 +856,6 @@ class ModuleStager:
         layout; a no-op when they are there (the compute stream then waits for them, unless
         ``ahead``: loaded before they are needed, :meth:`ready` is called where they are)."""
         if self.loaded:
-            if self._reading_ahead is not None and self._reading_ahead[1].done():
-                self._settle_mapped_masters()
             if not ahead:
                 self.ready()
             return
@@ -857,7 +869,11 @@ class ModuleStager:
         self._load(ahead, slots)
 
     def ready(self) -> None:
-        """Make the compute stream wait for the last load's copy (on the device, not the host)."""
+        """Make the compute stream wait for the last load's copy (on the device, not the host). Called
+        before every forward of a loaded unit, which also takes masters read back since it was
+        loaded from the files, once that read is done (see :meth:`_settle_mapped_masters`)."""
+        if self._reading_ahead is not None and self._reading_ahead[1].done():
+            self._settle_mapped_masters()
         self._copy.join()
 
     def _load(self, ahead: bool, slots: DeviceSlots | None) -> None:
@@ -923,7 +939,7 @@ class ModuleStager:
     def _settle_mapped_masters(self) -> None:
         """For a loaded unit whose masters are mapped from files: take the masters read back since
         it was loaded from them (see :meth:`read_ahead`) if that read is done, without waiting for
-        one under way. Called by an offload, and by a load of a loaded unit once the read is done.
+        one under way. Called by an offload, and before a forward once the read is done.
 
         Masters left mapped are as good as their files, which are checked here: where one changed
         (a save into the same folder), the mapping no longer holds the weights, but the device copy,

@@ -167,12 +167,14 @@ def test_a_lora_loaded_while_asleep_at_level_2_keeps_a_master_per_storage(flux: 
     flux.pipe.sleep(level=2)
     flux.pipe.load_lora_weights(lora, adapter_name="style")
     assert torch.equal(flux.run(), expected)
+    # Waits for the masters read back since the call loaded them from the files: until then, a
+    # tensor over a mapped master has the whole file's mapping as its storage.
+    flux.pipe.sleep()
+    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
     transformer = flux.pipe.transformer
     largest = max(t.untyped_storage().nbytes() for t in transformer.parameters())
     stager = flux.pipe.__dict__["_pinned_residency"].group.units_of("transformer")[0].stager
     assert max(group.nbytes for group in stager._groups) == largest, "one master per storage"
-    flux.pipe.sleep()  # waits for the masters read back since the call loaded them from the files
-    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
 
 
 def test_a_cast_back_while_asleep_at_level_2_gives_masters_of_their_own(flux: PipelineCase) -> None:
@@ -478,6 +480,47 @@ def test_masters_that_cannot_be_read_back_are_copied_from_the_device(
     assert "Copying" in caplog.text
     assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
     flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_forward_takes_the_masters_read_back_once_read(flux: PipelineCase) -> None:
+    """Resident components stay loaded after a wake: their masters read back are taken before a
+    forward once the read is done, not left mapped until the next sleep."""
+    flux.pipe.sleep(level=2)
+    flux.pipe.wake_up()
+    units = flux.pipe.__dict__["_pinned_residency"].group.units
+    reads = [unit.stager._reading_ahead[1] for unit in units]
+    for read in reads:
+        read.finish()  # waits for it, as time passing would
+    assert all(c.mapped_bytes for c in flux.pipe.residency_report().components)
+    assert torch.equal(flux.run(), flux.reference)
+    assert all(c.mapped_bytes == 0 and c.loaded for c in flux.pipe.residency_report().components)
+
+
+def test_a_call_whose_read_back_cannot_start_keeps_what_it_loaded(flux: PipelineCase, caplog) -> None:
+    """A call that wakes a component loads it from the files and starts reading its masters back:
+    a file changed in between fails that read, not the call, and the masters come from the device."""
+    from pathlib import Path
+
+    from diffusers_residency import host_memory
+
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    flux.pipe.sleep(level=2)
+    (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
+    real_copy = host_memory.copy_from_files
+
+    def copy_then_save(sources, *args, **kwargs):
+        real_copy(sources, *args, **kwargs)
+        if any(source.file is not None and source.file.path == str(written) for source in sources):
+            stamp = os.stat(written)
+            os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="diffusers_residency"):
+        patch.setattr(host_memory, "copy_from_files", copy_then_save)
+        assert torch.equal(flux.run(), flux.reference)  # which ends with the transformer evicted
+    assert "Could not start reading masters back" in caplog.text and "Copying" in caplog.text
+    assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
     assert torch.equal(flux.run(), flux.reference)
 
 
