@@ -779,7 +779,7 @@ def copy_from_files(
     moved each byte through host memory four times: the kernel zeroes each new page, the read
     copies into it (reading the page cache and writing), and the device reads it back, and the
     host's memory bandwidth set the pace (1.5 s for FLUX.1-dev's 33.7 GB on the H200 machine, 2.3x
-    its level-1 wake). Through a few hundred MB of slots, mapped and page-locked once per call,
+    its level-1 wake). Through at most 1 GiB of slots, mapped and page-locked once per call,
     the zeroing and the locking of every page go: the masters are read back into memory of their
     own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
 
