@@ -66,9 +66,6 @@ class StagedUnit:
     # 0 awake; 1 asleep with host masters; 2 asleep with masters mapped from checkpoint files.
     sleep_level: int = 0
     load_on_wake: bool = False
-    # Whether its loads may take one device buffer for all its storages (a whole component, or a
-    # streamed one's trunk; see ModuleStager._placed).
-    one_buffer: bool = True
     # Host time the package spent for this unit: making it ready at each forward (evictions, loads
     # issued, replans), at a wake or a move to the device, and casting its weights; waits for the
     # device in there (a cache release, the previous copy collected) included. A pipeline whose
@@ -85,21 +82,14 @@ class StagedUnit:
         return self.policy is Policy.STAGED or (self.policy is Policy.STREAMED and self.stream is not None)
 
     def load(self, *, ahead: bool = False, slots: DeviceSlots | None = None) -> None:
-        """Load, waking a sleeping unit, and taking masters for weights replaced or added while
-        offloaded (a LoRA adapter injected, projections fused, a submodule cast); masters of
-        unchanged storages are reused as they are, so that copies only what is new.
-        ``ahead``: loaded before it runs; ``stager.ready()`` is called where it does. ``slots``:
-        device storage to load into, where it has some of the right layout."""
+        """Load, waking a sleeping unit (the stager takes masters for weights replaced or added
+        while offloaded; see ModuleStager.load). ``ahead``: loaded before it runs;
+        ``stager.ready()`` is called where it does. ``slots``: device storage to load into, where
+        it has some of the right layout."""
         if self.sleep_level:
             # Masters mapped from files (level 2) are copied from the files, and read back into
             # memory of their own after (see ModuleStager.read_ahead).
             logger.info("Waking %r (asleep at level %d)", self.name, self.sleep_level)
-        self.stager.retake_masters()
-        # Layerwise casting moves each cast weight to storage of its own at every forward, and
-        # leaves the rest (norms, embeddings) where the load put them: in one buffer, those would
-        # hold every replaced copy's memory too, for as long as the unit is loaded. (Checked at each
-        # load: it may be enabled after the hooks; a whole component loads at most once a call.)
-        self.stager.one_buffer = self.one_buffer and not casts_layerwise(self.module)
         self.stager.load(ahead=ahead, slots=slots)
         self.sleep_level = 0
 
@@ -307,8 +297,13 @@ class ResidencyGroup:
         policy = Policy.parse(policy, name)
         self.check_can_add(module, name, exclude)
         original_device = next((t.device for t in module_tensors((module,), exclude)), torch.device("cpu"))
-        # A component's blocks load one allocation per storage: see ModuleStager._placed.
-        one_buffer = component is None or component == name
+        # A whole component, or a streamed one's trunk, may load into one device buffer; its blocks
+        # load one allocation per storage (see ModuleStager._placed). So do units under layerwise
+        # casting: it moves each cast weight to storage of its own at every forward and leaves the
+        # rest (norms, embeddings) where the load put them, which in one buffer would hold every
+        # replaced copy's memory too, for as long as the unit is loaded. (Asked at each load: it
+        # may be enabled after the hooks.)
+        whole = component is None or component == name
         stager = ModuleStager(
             module,
             self.device,
@@ -317,7 +312,7 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
-            one_buffer=one_buffer,
+            one_buffer=lambda: whole and not casts_layerwise(module),
         )
         unit = StagedUnit(
             name=name,
@@ -326,7 +321,6 @@ class ResidencyGroup:
             stager=stager,
             component=component or name,
             original_device=original_device,
-            one_buffer=one_buffer,
         )
         self.units.append(unit)
         return unit

@@ -117,6 +117,25 @@ def test_retake_masters_after_a_cast() -> None:
         stager.retake_masters()
 
 
+def test_a_load_takes_weights_changed_since_the_last_one() -> None:
+    """After its first load a stager queues the copies before checking the modules (see
+    ModuleStager._load_once): a change found then is loaded again, not bound over."""
+    module = nn.Linear(4, 4).eval()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    stager.load()
+    stager.offload()
+    module.weight.data = torch.full((4, 4), 2.0)  # the same Parameter, new data
+    module.bias = nn.Parameter(torch.full((4,), 3.0), requires_grad=False)  # a new Parameter
+    stager.load()
+    assert torch.equal(module.weight, torch.full((4, 4), 2.0)) and torch.equal(module.bias, torch.full((4,), 3.0))
+    assert stager.loaded_bytes == 3 * stager.staged_bytes, "the first load, the copy thrown away, and its redo"
+    stager.offload()
+    assert stager.masters_current()
+    assert torch.equal(module.weight, torch.full((4, 4), 2.0)) and torch.equal(module.bias, torch.full((4,), 3.0))
+    stager.load()
+    assert stager.loaded_bytes == 4 * stager.staged_bytes, "nothing changed: one copy"
+
+
 @pytest.fixture
 def single_process_group():
     import torch.distributed as dist
