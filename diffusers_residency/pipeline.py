@@ -383,7 +383,7 @@ def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
                 block.stager.offload()
             block.policy = policy
         if units[0].policy is Policy.STREAMED:
-            units[1].stream.replan()
+            units[1].stream.replan(component.prefetch_blocks)
     state.plan = plan
     group = state.group
     group.weight_room = None if plan.budget is None else plan.weight_room

@@ -29,6 +29,9 @@ reserve stands in for them.
    alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
    double-stream block resident, then 38 single-stream blocks to stream behind a third of the
    compute), slower than fewer resident bytes spread out. See :func:`simulated_step_seconds`.
+   Once every component is planned, the same simulation chooses how many of its blocks load ahead
+   (:data:`PREFETCH_CHOICES`), the others' room left as it is: one, where the bus is the bound,
+   gives a window slot to blocks that stay.
 4. A per-step component that streams keeps, while it runs, as many of its other blocks as its own
    moment of the call has room for (*staged* blocks): loaded when first reached, dropped when a
    component that is not resident starts, so they move once per call instead of once per step.
@@ -49,6 +52,11 @@ from enum import Enum
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
 # resident blocks, which are never moved at all.
 PREFETCH_BLOCKS = 2
+# The depths a timed plan chooses from at its end (see plan_residency), the default first: where
+# loading a block takes longer than computing one, one block in flight keeps the bus as busy as two
+# (the next copy is queued behind the one running), and the slot it frees holds blocks that do not
+# move at every step.
+PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
 # Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
 # budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
 # (the VAE decoding at full resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated,
@@ -492,7 +500,13 @@ def plan_residency(
             if fits(trial):
                 plans = trial
         plans = _grow_streamed(plans, by_name, fits, timings)
-    return finish(_stage_blocks(plans, by_name, fits))
+    plans = _stage_blocks(plans, by_name, fits)
+    # Last, for a timed component, the window's depth: chosen before the once-per-call components
+    # took their room, a shallower window's slot would go to them, not to blocks of this one.
+    for name, timing in timings.items():
+        if name in plans and plans[name].policy is Policy.STREAMED:
+            plans = _stage_blocks(_grown(plans, name, by_name, fits, timing, PREFETCH_CHOICES), by_name, fits)
+    return finish(plans)
 
 
 def _grow_streamed(
@@ -507,19 +521,32 @@ def _grow_streamed(
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
-        sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
-        fitting = (
-            {**plans, name: replace(plan, resident_blocks=resident)}
-            for resident, _, _ in _resident_block_choices(sizes, plan.prefetch_blocks)
-        )
-        fitting = (trial for trial in fitting if fits(trial))
-        timing = timings.get(name)
-        if timing is None:
-            plans = next(fitting, plans)
-        else:
-            seconds = functools.partial(_step_seconds, name=name, by_name=by_name, fits=fits, timing=timing)
-            plans = min(fitting, key=seconds, default=plans)
+        plans = _grown(plans, name, by_name, fits, timings.get(name), (plans[name].prefetch_blocks,))
     return plans
+
+
+def _grown(
+    plans: dict[str, ComponentPlan],
+    name: str,
+    by_name: Mapping[str, ComponentSizes],
+    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    timing: StepTiming | None,
+    depths: Sequence[int],
+) -> dict[str, ComponentPlan]:
+    """``plans`` with streamed component ``name``'s resident blocks (and window depth, one of
+    ``depths``) chosen to fit: the most bytes, or with a timing the shortest simulated step (among
+    equals the first depth, then the most bytes); its staged blocks are left to :func:`_stage_blocks`."""
+    sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
+    fitting = (
+        {**plans, name: replace(plan, resident_blocks=resident, prefetch_blocks=depth)}
+        for depth in depths
+        for resident, _, _ in _resident_block_choices(sizes, depth)
+    )
+    fitting = (trial for trial in fitting if fits(trial))
+    if timing is None:
+        return next(fitting, plans)
+    seconds = functools.partial(_step_seconds, name=name, by_name=by_name, fits=fits, timing=timing)
+    return min(fitting, key=seconds, default=plans)
 
 
 def _step_seconds(

@@ -131,8 +131,11 @@ class BlockStream:
                 ahead.append(candidate)
         return tuple(ahead)
 
-    def replan(self) -> None:
-        """Recompute the windows after block policies changed (other resident blocks)."""
+    def replan(self, prefetch_blocks: int | None = None) -> None:
+        """Recompute the windows after block policies changed (other resident blocks), loading
+        ``prefetch_blocks`` ahead from here on where given."""
+        if prefetch_blocks is not None:
+            self.prefetch_blocks = prefetch_blocks
         self._compute_windows()
 
     def step_compute_seconds(self) -> tuple[float, float] | None:

@@ -178,12 +178,45 @@ def test_a_timed_step_chooses_resident_blocks_that_keep_the_bus_busy() -> None:
     assert by_bytes["transformer"].resident_blocks >= frozenset(range(19)), str(by_bytes)
 
     def step(plan) -> float:
-        kept = plan["transformer"].resident_blocks | plan["transformer"].staged_blocks
-        return simulated_step_seconds(blocks, kept, PREFETCH_BLOCKS, timing)
+        transformer = plan["transformer"]
+        kept = transformer.resident_blocks | transformer.staged_blocks
+        return simulated_step_seconds(blocks, kept, transformer.prefetch_blocks, timing)
 
     assert step(timed) < step(by_bytes) - 0.05, (str(timed), str(by_bytes))
     assert timed.peak_bytes <= 16 * GB and timed.timings == {"transformer": timing}
     assert "chosen from a timed step" in str(timed)
+
+
+@pytest.mark.parametrize("budget", [16 * GB, 8 * GB])
+def test_a_bus_bound_step_loads_one_block_ahead_and_keeps_the_slot_it_frees(budget: int, monkeypatch) -> None:
+    # FLUX.1-dev's double-stream block loads in 13 ms at 52.6 GB/s and computes in about 5 ms: the
+    # bus sets the pace with one block in flight as with two, and the second one's 680 MB slot can
+    # hold blocks that do not move at every step. Compute-bound (ten times slower), the window
+    # stays deep.
+    blocks = FLUX[2].block_bytes
+    activations = {"text_encoder": 291 * MB, "text_encoder_2": 463 * MB, "transformer": 1114 * MB, "vae": 3417 * MB}
+    bus_bound = StepTiming(compute_per_byte=0.182 / sum(blocks), load_per_byte=1 / 52.6e9)
+    compute_bound = StepTiming(compute_per_byte=1.82 / sum(blocks), load_per_byte=1 / 52.6e9)
+
+    def planned(timing: StepTiming):
+        plan = plan_residency(FLUX, budget, 1 * GB, activations=activations, timings={"transformer": timing})
+        assert plan.peak_bytes <= budget, str(plan)
+        return plan["transformer"]
+
+    def kept(transformer) -> frozenset[int]:
+        return transformer.resident_blocks | transformer.staged_blocks
+
+    def moved(transformer) -> int:
+        return sum(nbytes for i, nbytes in enumerate(blocks) if i not in kept(transformer))
+
+    assert planned(compute_bound).prefetch_blocks == PREFETCH_BLOCKS
+    shallow = planned(bus_bound)
+    monkeypatch.setattr("diffusers_residency.planner.PREFETCH_CHOICES", (PREFETCH_BLOCKS,))
+    deep = planned(bus_bound)
+    assert deep.prefetch_blocks == PREFETCH_BLOCKS and shallow.prefetch_blocks == 1, (deep, shallow)
+    assert moved(shallow) <= moved(deep) - 680 * MB
+    step = simulated_step_seconds(blocks, kept(shallow), 1, bus_bound)
+    assert step < simulated_step_seconds(blocks, kept(deep), PREFETCH_BLOCKS, bus_bound) - 0.005
 
 
 def test_budget_too_small_says_what_is_needed() -> None:

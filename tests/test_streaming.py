@@ -11,8 +11,15 @@ from diffusers.hooks import FirstBlockCacheConfig
 from diffusers_residency import _device
 from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
-from diffusers_residency.pipeline import RESERVE_MARGIN, _component_sizes, _module_components, _replan_in_place, pipeline_state
-from diffusers_residency.planner import MIN_RESERVE_BYTES, Policy, plan_residency
+from diffusers_residency.pipeline import (
+    RESERVE_MARGIN,
+    _apply_policies,
+    _component_sizes,
+    _module_components,
+    _replan_in_place,
+    pipeline_state,
+)
+from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, Policy, StepTiming, plan_residency
 from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, count_device_allocations
@@ -806,6 +813,39 @@ def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: Pipeline
     monkeypatch.setattr(_device, "peak_allocated", lambda device: budget + 10**6)
     assert torch.equal(_run(flux, 3), reference)
     assert flux.pipe.residency_plan() is not plan and flux.pipe.residency_plan().timings == plan.timings
+
+
+def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: PipelineCase) -> None:
+    """A bus-bound step (loads slower than compute) may be planned with one block in flight (see
+    planner.PREFETCH_CHOICES); the stream in place takes that depth when the plan is applied."""
+    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    transformer = next(s for s in sizes if s.name == "transformer")
+    bus_bound = {"transformer": StepTiming(compute_per_byte=1e-12, load_per_byte=1e-9)}
+
+    def depth(budget: int) -> int | None:
+        try:
+            return plan_residency(sizes, budget, RESERVE, timings=bus_bound)["transformer"].prefetch_blocks
+        except BudgetTooSmallError:
+            return None
+
+    # The largest budget (in steps of a quarter block) that the bus-bound plan fills with one block ahead.
+    budgets = range(_streaming_budget(flux), 0, -max(transformer.block_bytes) // 4)
+    budget = next(b for b in budgets if depth(b) in (1, None))
+    assert depth(budget) == 1
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
+    assert torch.equal(flux.run(), flux.reference)
+    state = pipeline_state(flux.pipe)
+    blocks = state.group.units_of("transformer")[1:]
+    assert blocks[0].stream.prefetch_blocks == PREFETCH_BLOCKS, "not timed: the default"
+    plan = _replan_in_place(state, {}, bus_bound)
+    assert plan["transformer"].prefetch_blocks == 1, str(plan)
+    _apply_policies(state, plan)
+    assert blocks[0].stream.prefetch_blocks == 1
+    loaded_while_running = _record_loaded_while_running(blocks, Policy.STREAMED)
+    assert torch.equal(flux.run(), flux.reference)
+    streamed = [b for b in blocks if b.policy is Policy.STREAMED]
+    assert streamed and all(len(loaded_while_running[b.name]) <= 2 for b in streamed), str(loaded_while_running)
+    assert any(len(loaded_while_running[b.name]) == 2 for b in streamed), "the next one loads ahead"
 
 
 def test_host_time_in_the_hooks_is_reported_and_a_cast_through_blocks_counts_once() -> None:
