@@ -150,6 +150,8 @@ class ResidencyGroup:
         # Told what each component of the first whole call needed above the weights, once: see
         # watch_budget.
         self.on_first_call: Callable[[dict[str, int]], None] | None = None
+        # Called once, as the next call starts (a call ran under the plan the first one measured for).
+        self.on_next_call: Callable[[], None] | None = None
         self._measured: dict[str, int] = {}
         self._call_start: str | None = None
         self._call_end: str | None = None
@@ -187,6 +189,7 @@ class ResidencyGroup:
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self.on_first_call = on_first_call
+        self.on_next_call = None
         self._measured = {}
         self._running = None
         self._call_start = call_start
@@ -203,6 +206,7 @@ class ResidencyGroup:
         self.vram_budget = None
         self.on_over_budget = None
         self.on_first_call = None
+        self.on_next_call = None
 
     def _watch_peak(self, component: str) -> bool:
         """Check the peak as ``component`` starts; True when a measured component just ended, and the
@@ -238,10 +242,13 @@ class ResidencyGroup:
             # Retries are told once a call, as the next one starts: a component that runs
             # between the steps of another (a resident ControlNet) switches at every step, and
             # the plan made for the first retries applies only at the next switch that evicts.
-            if self._retried and (self._call_start is None or component == self._call_start):
+            if self._call_start is None or component == self._call_start:
                 retried, self._retried = self._retried, {}
                 for short in retried:
                     self.on_over_budget(short, 0, True)
+                on_next_call, self.on_next_call = self.on_next_call, None
+                if on_next_call is not None:
+                    on_next_call()
             return False
         # While measuring, a peak over the budget is measured like any other.
         if component == ran:

@@ -804,6 +804,7 @@ def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: Pipeline
     monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
     assert torch.equal(_run(flux, 3), reference)  # measures, a step timed among them
     assert torch.equal(_run(flux, 3), reference)
+    assert torch.equal(_run(flux, 3), reference)  # timed again as it starts, and planned for once more if moved
     plan = flux.pipe.residency_plan()
     timing = plan.timings["transformer"]
     assert timing.compute_per_byte > 0 and timing.load_per_byte > 0, str(plan)
@@ -846,6 +847,29 @@ def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: Pipel
     streamed = [b for b in blocks if b.policy is Policy.STREAMED]
     assert streamed and all(len(loaded_while_running[b.name]) <= 2 for b in streamed), str(loaded_while_running)
     assert any(len(loaded_while_running[b.name]) == 2 for b in streamed), "the next one loads ahead"
+
+
+def test_a_step_timed_again_under_the_plan_is_planned_for_once(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measuring call's step can be stretched (on a GPU under a tight cap, by the allocator's
+    synchronising retries): the call after it times the step again, and the plan follows, once."""
+    reference = _run(flux, 3)
+    budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    group = pipeline_state(flux.pipe).group
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
+    stalled = [True]
+    for block in group.units_of("transformer")[1:]:
+        block.module.register_forward_pre_hook(lambda *_: time.sleep(0.02) if stalled[0] else None)
+    assert torch.equal(_run(flux, 3), reference)  # measures, its step stretched
+    stalled[0] = False
+    assert torch.equal(_run(flux, 3), reference)  # under the plan for the stretched step
+    first = flux.pipe.residency_plan()
+    assert torch.equal(_run(flux, 3), reference)
+    second = flux.pipe.residency_plan()
+    assert second is not first, "planned again as this call started"
+    assert second.timings["transformer"].compute_per_byte < first.timings["transformer"].compute_per_byte / 2
+    assert torch.equal(_run(flux, 3), reference)
+    assert flux.pipe.residency_plan() is second, "once"
 
 
 def test_host_time_in_the_hooks_is_reported_and_a_cast_through_blocks_counts_once() -> None:
