@@ -819,8 +819,16 @@ class ModuleStager:
             # (a parameter replaced while offloaded, layerwise casting enabled) throws the copy
             # away and loads again. Masters read back or mapped from files are checked before:
             # the load itself changes them.
-            backings = self._copy_to_device(slots, None)
-            if self.one_buffer == self._one_buffer_wanted() and self.masters_current():
+            try:
+                backings = self._copy_to_device(slots, None)
+                current = self.one_buffer == self._one_buffer_wanted() and self.masters_current()
+            except BaseException:
+                # Nothing is bound to the copies yet, but a weight replaced while offloaded has no
+                # master yet either: the failed load's fallback (see _load) rebinds every tensor to
+                # its master, and would put the old weight back.
+                self.retake_masters()
+                raise
+            if current:
                 self._bind_loaded(backings, slots, timed=True, from_files=False)
                 return
             logger.debug("Modules changed since their last load: copying again")

@@ -61,6 +61,23 @@ def test_out_of_memory_on_both_attempts_raises_and_leaves_masters_bound(
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_out_of_memory_after_a_weight_changed_between_calls_keeps_the_change(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert torch.equal(flux.run(), flux.reference)
+    # CLIP's final norm; the text encoder is offloaded, and the first to load in the next call.
+    norm = [m for m in flux.pipe.text_encoder.modules() if isinstance(m, torch.nn.LayerNorm)][-1]
+    norm.weight.data = norm.weight.detach() * 2
+    with monkeypatch.context() as patch:
+        oom = OutOfMemoryOnAllocation(patch, failures=1)
+        changed = flux.run()
+        assert oom.raised == 1
+    assert not torch.equal(changed, flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert torch.equal(flux.run(), changed), "resident, with the same change"
+
+
 def test_exception_inside_a_forward(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     block = flux.pipe.transformer.transformer_blocks[0]

@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from diffusers_residency import ModuleStager
+from diffusers_residency import ModuleStager, _device
 from diffusers_residency.host_memory import MappedBytes
 from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
 
@@ -134,6 +134,34 @@ def test_a_load_takes_weights_changed_since_the_last_one() -> None:
     assert torch.equal(module.weight, torch.full((4, 4), 2.0)) and torch.equal(module.bias, torch.full((4,), 3.0))
     stager.load()
     assert stager.loaded_bytes == 4 * stager.staged_bytes, "nothing changed: one copy"
+
+
+def test_a_load_out_of_memory_before_its_check_keeps_weights_changed_since_the_last_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure after the copies start and before the modules are checked (here out of memory,
+    injected where device storage is allocated) leaves a weight replaced while offloaded as it was
+    replaced: the fallback rebinds every tensor to its master, which must be the new weight's by
+    then. The load's retry then takes it."""
+    module = nn.Linear(4, 4).eval()
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    stager.load()
+    stager.offload()
+    module.weight.data = torch.full((4, 4), 2.0)
+    allocate, failures = _device.allocate_device_storage, [1]
+
+    def out_of_memory_once(nbytes: int, device: torch.device, **kwargs: object) -> torch.Tensor:
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("injected: out of device memory")
+        return allocate(nbytes, device, **kwargs)
+
+    monkeypatch.setattr(_device, "allocate_device_storage", out_of_memory_once)
+    stager.load()
+    assert not failures[0] and stager.loaded
+    assert torch.equal(module.weight, torch.full((4, 4), 2.0))
+    stager.offload()
+    assert torch.equal(module.weight, torch.full((4, 4), 2.0))
 
 
 @pytest.fixture
