@@ -226,15 +226,22 @@ def _replan_in_place(
     return state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
 
 
-def _retime(state: PipelineResidency) -> None:
-    """Once, after the first call under the plan the measuring call made: plan again for the step
-    timed in that call, if it moved by more than RETIME_TOLERANCE from the one planned for.
+def _retime(state: PipelineResidency, steps_timed_before: Mapping[str, int]) -> bool:
+    """As a call starts, once a step was timed under the plan the measuring call made (the counts
+    of ``steps_timed_before`` were taken as it was applied): plan again for that step if it moved by
+    more than RETIME_TOLERANCE from the one planned for. True once done; False, to be asked again
+    at the next call start, while no step was timed under the plan (a call-start component may
+    run twice in one call, as the text encoders do under true CFG, and a call of fewer than three
+    steps times none).
 
     The measuring call keeps the least on the device, and under a tight cap the allocator's retries
     (each a device synchronisation) fell inside its timed step: FLUX.1-dev at 8 GB on the H200
     machine timed 0.434 s of compute for a step that computes in 0.170 s, and the plan took the
     bus for the compute's equal."""
     planned = state.plan.timings
+    steps_timed = _steps_timed(state)
+    if not any(steps_timed.get(name, 0) > steps_timed_before.get(name, 0) for name in planned):
+        return not any(name in steps_timed for name in planned)  # none streams now: nothing to wait for
     timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
     moved = [
         name
@@ -242,12 +249,17 @@ def _retime(state: PipelineResidency) -> None:
         if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
         or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
     ]
-    if not moved:
-        return
-    # The same activations as the plan in place: it fits (timings choose among fitting plans).
-    new_plan = _replan_in_place(state, state.plan.activations, {**planned, **timed})
-    _apply_policies(state, new_plan)
-    logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
+    if moved:
+        # The same activations as the plan in place: it fits (timings choose among fitting plans).
+        new_plan = _replan_in_place(state, state.plan.activations, {**planned, **timed})
+        _apply_policies(state, new_plan)
+        logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
+    return True
+
+
+def _steps_timed(state: PipelineResidency) -> dict[str, int]:
+    """How many steps each streamed component has timed so far (see BlockStream.steps_timed)."""
+    return {unit.component: unit.stream.steps_timed for unit in state.group.units if unit.stream is not None}
 
 
 def _step_timings(state: PipelineResidency) -> dict[str, StepTiming]:
@@ -351,7 +363,7 @@ def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) ->
         return
     _apply_policies(state, new_plan)
     if new_plan.timings:
-        state.group.on_next_call = functools.partial(_retime, state)
+        state.group.on_call_start = functools.partial(_retime, state, _steps_timed(state))
     logger.info(
         "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
         needs,

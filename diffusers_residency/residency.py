@@ -150,8 +150,8 @@ class ResidencyGroup:
         # Told what each component of the first whole call needed above the weights, once: see
         # watch_budget.
         self.on_first_call: Callable[[dict[str, int]], None] | None = None
-        # Called once, as the next call starts (a call ran under the plan the first one measured for).
-        self.on_next_call: Callable[[], None] | None = None
+        # Called as each call starts, until it returns True (done).
+        self.on_call_start: Callable[[], bool] | None = None
         self._measured: dict[str, int] = {}
         self._call_start: str | None = None
         self._call_end: str | None = None
@@ -189,7 +189,7 @@ class ResidencyGroup:
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self.on_first_call = on_first_call
-        self.on_next_call = None
+        self.on_call_start = None
         self._measured = {}
         self._running = None
         self._call_start = call_start
@@ -206,7 +206,7 @@ class ResidencyGroup:
         self.vram_budget = None
         self.on_over_budget = None
         self.on_first_call = None
-        self.on_next_call = None
+        self.on_call_start = None
 
     def _watch_peak(self, component: str) -> bool:
         """Check the peak as ``component`` starts; True when a measured component just ended, and the
@@ -246,9 +246,10 @@ class ResidencyGroup:
                 retried, self._retried = self._retried, {}
                 for short in retried:
                     self.on_over_budget(short, 0, True)
-                on_next_call, self.on_next_call = self.on_next_call, None
-                if on_next_call is not None:
-                    on_next_call()
+                # Unset while it runs: one that raises is not called again at every call.
+                on_call_start, self.on_call_start = self.on_call_start, None
+                if on_call_start is not None and not on_call_start():
+                    self.on_call_start = on_call_start
             return False
         # While measuring, a peak over the budget is measured like any other.
         if component == ran:

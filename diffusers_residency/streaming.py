@@ -96,6 +96,8 @@ class BlockStream:
         # The first pass ever timed and the latest: their stamps until read, then their sums.
         self._first_step: dict[StagedUnit, tuple] | float | None = None
         self._latest_step: dict[StagedUnit, tuple] | float | None = None
+        # How many passes were timed: whether the latest was timed after a given moment.
+        self.steps_timed = 0
         self._compute_windows()
 
     @property
@@ -160,6 +162,7 @@ class BlockStream:
             if self._running is not None:
                 self._stamp_end(unit)
             self._latest_step, self._stamps = self._stamps, None
+            self.steps_timed += 1
             if self._first_step is None:
                 self._first_step = self._latest_step
         self._passes += 1

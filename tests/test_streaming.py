@@ -849,10 +849,22 @@ def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: Pipel
     assert any(len(loaded_while_running[b.name]) == 2 for b in streamed), "the next one loads ahead"
 
 
-def test_a_step_timed_again_under_the_plan_is_planned_for_once(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("true_cfg", [False, True], ids=["plain", "true-cfg"])
+def test_a_step_timed_again_under_the_plan_is_planned_for_once(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, true_cfg: bool
+) -> None:
     """The measuring call's step can be stretched (on a GPU under a tight cap, by the allocator's
-    synchronising retries): the call after it times the step again, and the plan follows, once."""
-    reference = _run(flux, 3)
+    synchronising retries): the first step timed under the plan is planned for, once. Not before:
+    a call whose transformer runs fewer than three passes times none (two steps; one under true
+    CFG, which runs it twice a step), and under true CFG the text encoders that start a call run
+    twice in it."""
+    cfg = {"negative_prompt": "blurry", "true_cfg_scale": 2.0} if true_cfg else {}
+    short = 1 if true_cfg else 2
+
+    def run(steps: int) -> torch.Tensor:
+        return pipeline_output(flux.pipe, {**call_kwargs("flux", steps=steps), **cfg})
+
+    reference = {steps: run(steps) for steps in (short, 3)}
     budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     group = pipeline_state(flux.pipe).group
@@ -860,15 +872,18 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(flux: PipelineCas
     stalled = [True]
     for block in group.units_of("transformer")[1:]:
         block.module.register_forward_pre_hook(lambda *_: time.sleep(0.02) if stalled[0] else None)
-    assert torch.equal(_run(flux, 3), reference)  # measures, its step stretched
+    assert torch.equal(run(3), reference[3])  # measures, its step stretched
     stalled[0] = False
-    assert torch.equal(_run(flux, 3), reference)  # under the plan for the stretched step
-    first = flux.pipe.residency_plan()
-    assert torch.equal(_run(flux, 3), reference)
+    first = None
+    for steps in (short, 3):  # under the plan for the stretched step
+        assert torch.equal(run(steps), reference[steps])
+        assert first is None or flux.pipe.residency_plan() is first, "no step timed under the plan yet"
+        first = flux.pipe.residency_plan()
+    assert torch.equal(run(3), reference[3])
     second = flux.pipe.residency_plan()
     assert second is not first, "planned again as this call started"
     assert second.timings["transformer"].compute_per_byte < first.timings["transformer"].compute_per_byte / 2
-    assert torch.equal(_run(flux, 3), reference)
+    assert torch.equal(run(3), reference[3])
     assert flux.pipe.residency_plan() is second, "once"
 
 
