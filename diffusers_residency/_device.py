@@ -323,11 +323,18 @@ class TimedCopy:
         compute_stream = torch.accelerator.current_stream(self.device)
         self.copy_stream.wait_stream(compute_stream)
         self._start.record(self.copy_stream)
-        with self.copy_stream:
-            yield
-        self._done.record(self.copy_stream)
-        self._pending, self._timed = True, timed
-        self._unjoined = True
+        completed = False
+        try:
+            with self.copy_stream:
+                yield
+            completed = True
+        finally:
+            # Recorded after a failure in the body too: the copies it queued before failing still
+            # read their sources, and whoever lets those go first waits for this event (see wait).
+            # Their time is not counted: their bytes are not.
+            self._done.record(self.copy_stream)
+            self._pending, self._timed = True, timed and completed
+            self._unjoined = True
 
     def join(self) -> None:
         """Make the compute stream wait for the last copy (on the device; the host goes on). Needed
