@@ -49,7 +49,7 @@ _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 # budget: the next call's activations may differ a little (another prompt length, say).
 RESERVE_MARGIN = 0.02
 # How far a step timed under the plan may be from the one the plan was made for before it is planned
-# for again (see _retime), as a fraction of the latter's compute or load time per byte.
+# for again (see _Retime), as a fraction of the latter's compute or load time per byte.
 RETIME_TOLERANCE = 0.1
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
@@ -226,35 +226,49 @@ def _replan_in_place(
     return state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
 
 
-def _retime(state: PipelineResidency, steps_timed_before: Mapping[str, int]) -> bool:
-    """As a call starts, once a step was timed under the plan the measuring call made (the counts
-    of ``steps_timed_before`` were taken as it was applied): plan again for that step if it moved by
-    more than RETIME_TOLERANCE from the one planned for. True once done; False, to be asked again
-    at the next call start, while no step was timed under the plan (a call-start component may
-    run twice in one call, as the text encoders do under true CFG, and a call of fewer than three
-    steps times none).
+@dataclass
+class _Retime:
+    """Asked as each call starts (ResidencyGroup.on_call_start) after the measuring call's plan is
+    applied: once every timed component has timed a step under the plan in place, plan again for
+    those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
+    once done; False, to be asked again at the next call start, while some step was not timed yet
+    (a call-start component may run twice in one call, as the text encoders do under true CFG, and
+    a call of fewer than three steps times none).
 
     The measuring call keeps the least on the device, and under a tight cap the allocator's retries
     (each a device synchronisation) fell inside its timed step: FLUX.1-dev at 8 GB on the H200
     machine timed 0.434 s of compute for a step that computes in 0.170 s, and the plan took the
     bus for the compute's equal."""
-    planned = state.plan.timings
-    steps_timed = _steps_timed(state)
-    if not any(steps_timed.get(name, 0) > steps_timed_before.get(name, 0) for name in planned):
-        return not any(name in steps_timed for name in planned)  # none streams now: nothing to wait for
-    timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
-    moved = [
-        name
-        for name, timing in timed.items()
-        if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
-        or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
-    ]
-    if moved:
-        # The same activations as the plan in place: it fits (timings choose among fitting plans).
-        new_plan = _replan_in_place(state, state.plan.activations, {**planned, **timed})
-        _apply_policies(state, new_plan)
-        logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
-    return True
+
+    state: PipelineResidency
+    # The plan the steps are to be timed under, and each component's steps timed when it was applied.
+    plan: ResidencyPlan
+    steps_timed: dict[str, int]
+
+    def __call__(self) -> bool:
+        state = self.state
+        if state.plan is not self.plan:
+            # Planned again since (a component that retried under the cap, told as this call
+            # started): the steps timed meanwhile may be stretched by those retries too.
+            self.plan, self.steps_timed = state.plan, _steps_timed(state)
+            return False
+        planned = state.plan.timings
+        steps_timed = _steps_timed(state)
+        if not all(steps_timed.get(name, 0) > self.steps_timed.get(name, 0) for name in planned):
+            return False
+        timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
+        moved = [
+            name
+            for name, timing in timed.items()
+            if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
+            or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
+        ]
+        if moved:
+            # The same activations as the plan in place: it fits (timings choose among fitting plans).
+            new_plan = _replan_in_place(state, state.plan.activations, {**planned, **timed})
+            _apply_policies(state, new_plan)
+            logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
+        return True
 
 
 def _steps_timed(state: PipelineResidency) -> dict[str, int]:
@@ -363,7 +377,7 @@ def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) ->
         return
     _apply_policies(state, new_plan)
     if new_plan.timings:
-        state.group.on_call_start = functools.partial(_retime, state, _steps_timed(state))
+        state.group.on_call_start = _Retime(state, new_plan, _steps_timed(state))
     logger.info(
         "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
         needs,
