@@ -571,17 +571,27 @@ def _stage_blocks(
     """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
     largest first: each one kept moves once per call instead of once per step. Once-per-call
     components keep none (they gain nothing: each of their blocks moves once a call either way, and
-    a streamed one loads behind the compute)."""
+    a streamed one loads behind the compute).
+
+    Blocks of one size are taken as a run: while some of that size still stream, the window keeps
+    its slot size and each one more kept only adds bytes, so the most that fit are found by
+    bisection (a timed plan asks this for every candidate, and block by block it was most of a
+    replan's time). The last one of a size may shrink the window's slots: it is tried on its own."""
     for name, plan in plans.items():
         sizes = by_name[name]
         if plan.policy is not Policy.STREAMED or not sizes.per_step:
             continue
-        streamed = sorted(
-            (i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks),
-            key=lambda i: (-sizes.block_bytes[i], i),
-        )
-        for index in streamed:
-            trial = {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | {index})}
-            if fits(trial):
-                plans = trial
+        streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
+        for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):
+            run = [i for i in streamed if sizes.block_bytes[i] == size]
+
+            def staging(count: int, run: list[int] = run) -> dict[str, ComponentPlan]:
+                return {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | set(run[:count]))}
+
+            low, high = 0, len(run) - 1  # the most of run[:-1] that fit lies in [low, high]
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if fits(staging(middle)) else (low, middle - 1)
+            count = len(run) if low == len(run) - 1 and fits(staging(len(run))) else low
+            plans = staging(count)
     return plans
