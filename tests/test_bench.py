@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import types
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from diffusers_residency.bench import __main__ as bench_main
 from diffusers_residency.bench.__main__ import (
     _runs,
     environment_line,
+    format_calls,
     format_compile_table,
     format_round_ratios,
     format_table,
@@ -28,7 +34,8 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
-from diffusers_residency.bench import modes
+from diffusers_residency.bench import modes, processes
+from diffusers_residency.bench.timing import calls_to_steady
 from diffusers_residency.bench.trace import summarise, traced_call
 
 from .helpers import PipelineCase
@@ -73,6 +80,154 @@ def test_compiled_denoiser_is_timed_and_never_recompiles(tmp_path, capsys) -> No
     assert all(r["cuda_graphs_recorded_while_timed"] is None for r in results), "no CUDA graphs on the CPU"
     out = capsys.readouterr().out
     assert "first call s (compiling)" in out and "CUDA graphs recorded" not in out
+
+
+def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_calls(tmp_path, capsys) -> None:
+    argv = ["--device", "cpu", "--modes", "resident,pinned", "--warmup", "2", "--calls", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    out = capsys.readouterr().out
+    header, _, *rows = out[out.index("| mode |") :].split("\n\n")[0].splitlines()
+    assert header.startswith("| mode | budget GB | call 1 s | call 2 s | steady s/call | steady from call | x resident |")
+    assert header.count("s/call |") == 2, "one steady s/call column, and the hooks' host s/call"
+    for r, row in zip(results, rows, strict=True):
+        seconds = r["call_seconds"]
+        assert len(seconds) == 4 and all(s > 0 for s in seconds), "the warm-up calls are timed too"
+        assert r["seconds_per_call"] == pytest.approx(sum(seconds[2:]) / 2), "the steady figure is the last calls'"
+        assert r["calls_to_steady"] == calls_to_steady(seconds, 2)
+        steady_from = "-" if r["calls_to_steady"] is None else str(r["calls_to_steady"])
+        cells = [f"{seconds[0]:.3f}", f"{seconds[1]:.3f}", f"{r['seconds_per_call']:.3f}", steady_from]
+        assert row.split(" | ")[2:6] == cells
+        assert f"- {r['mode']} @ unlimited: {', '.join(f'{s:.3f}' for s in seconds)} s" in out
+    assert results[1]["exact"] is True
+
+
+@pytest.mark.parametrize(
+    ("seconds", "steady_calls", "steady_from"),
+    [
+        ((5.12, 2.71, 2.66, 2.65), 2, 2),  # the first call pays for the set-up
+        ((1.0, 1.0, 1.0), 2, 1),  # steady from the start
+        ((3.0, 1.0, 1.6, 1.0, 1.0), 2, 4),  # a slow call after a fast one: steady only after it
+        ((0.5, 1.0, 1.0), 2, 2),  # a call faster than the steady figure is not steady either
+        ((1.05, 0.96, 1.0), 1, 1),  # 1.05x either way is within
+        ((1.0, 1.0, 2.0, 1.0), 3, 4),  # the median of the last calls, not their mean
+        ((1.0, 1.0, 1.2), 2, None),  # even the last call is over 1.05x off the last two's median
+        ((2.0,), 1, None),  # one call: nothing to settle from
+    ],
+)
+def test_calls_to_steady_is_the_first_call_from_which_every_call_is_within_5_percent_of_steady(
+    seconds: tuple[float, ...], steady_calls: int, steady_from: int | None
+) -> None:
+    assert calls_to_steady(seconds, steady_calls) == steady_from
+
+
+def test_the_table_shows_a_dash_for_a_call_that_did_not_run_and_lists_every_call() -> None:
+    results = [
+        ModeResult("resident", 1.0, 1, 1.0, None, call_seconds=(1.0,)),
+        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=8 * 10**9, call_seconds=(5.0, 2.1, 2.0), calls_to_steady=2),
+        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=4 * 10**9, call_seconds=(2.0, 2.0, 3.0)),
+        ModeResult("group_offload_leaf", float("nan"), None, float("nan"), None, error="out of memory"),
+    ]
+    rows = [row.split(" | ")[2:7] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
+    assert rows == [
+        ["1.000", "-", "1.000", "-", "1.00"],
+        ["5.000", "2.100", "2.000", "2", "2.00"],
+        ["2.000", "2.000", "2.000", "-", "2.00"],
+        ["out of memory", "-", "-", "-", "-"],
+    ]
+    assert format_calls(results).splitlines() == [
+        "- resident @ unlimited: 1.000 s",
+        "- pinned @ 8.00 GB: 5.000, 2.100, 2.000 s (steady from call 2)",
+        "- pinned @ 4.00 GB: 2.000, 2.000, 3.000 s (never within 1.05x of steady)",
+        "- group_offload_leaf @ unlimited: out of memory",
+    ]
+
+
+@pytest.mark.parametrize("counts", [["--warmup", "-1"], ["--calls", "0"]])
+def test_calls_without_a_steady_figure_are_refused(counts: list[str], capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(counts)
+    assert "--calls 1 or more" in capsys.readouterr().err
+
+
+def test_fresh_process_runs_each_mode_in_a_process_of_its_own_with_exact_results(tmp_path, monkeypatch, capsys) -> None:
+    commands = []
+    subprocess_run = subprocess.run
+
+    def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        commands.append(command)
+        return subprocess_run(command, **kwargs)
+
+    def no_pipeline_here(*args, **kwargs):
+        raise AssertionError("the parent builds no pipeline: every child builds its own")
+
+    monkeypatch.setattr(processes.subprocess, "run", run)
+    monkeypatch.setattr(bench_main, "build_pipeline", no_pipeline_here)
+    argv = ["--device", "cpu", "--fresh-process", "--modes", "resident,pinned", "--warmup", "1", "--calls", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert [command[command.index("--only-run") + 1] for command in commands] == ["0", "1"]
+    assert "--reference" not in commands[0] and "--reference" in commands[1], "the resident output is the reference"
+    data = json.loads((tmp_path / "results.json").read_text())
+    resident, pinned = data["results"]
+    assert (resident["mode"], resident["exact"], pinned["mode"], pinned["exact"]) == ("resident", None, "pinned", True)
+    for r in (resident, pinned):
+        assert len(r["call_seconds"]) == 2 and all(s > 0 for s in r["call_seconds"]) and r["error"] is None
+        assert r["seconds_per_call"] == r["call_seconds"][1]
+    assert pinned["plan"] and pinned["host_rss_bytes"] > 0
+    assert "each mode in a fresh process" in data["setting"] and not data["setting"].startswith("tiny flux, unknown")
+    out = capsys.readouterr().out
+    assert "| pinned | - | " in out and "- pinned @ unlimited: " in out
+
+
+def test_a_child_process_that_fails_is_an_error_row(tmp_path, monkeypatch, capfd) -> None:
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\necho 'child crashed on purpose' >&2\nexit 3\n")
+    crashing.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(crashing))
+    argv = ["--device", "cpu", "--fresh-process", "--modes", "resident,pinned", "--calls", "1"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 1, "the pinned mode failed"
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["mode"], r["error"]) for r in data["results"]] == [
+        ("resident", "process failed (exit 3)"),
+        ("pinned", "process failed (exit 3)"),
+    ]
+    assert data["setting"].startswith("tiny flux, unknown bytes of weights,"), "no child lived to count them"
+    captured = capfd.readouterr()
+    assert "| pinned | - | process failed (exit 3) | - |" in captured.out
+    assert captured.err.count("child crashed on purpose") == 2, "a child's stderr is the parent's"
+
+
+def _recording_resident(seen: list[tuple[str | None, list[str]]]) -> Mode:
+    """The resident mode, noting the profile cache it runs under and what that folder holds then."""
+    resident = MODES["resident"]
+
+    def setup(pipe, device: torch.device, budget: int | None) -> None:
+        folder = os.environ.get(processes.PROFILE_CACHE_VARIABLE)
+        seen.append((folder, sorted(os.listdir(folder)) if folder else []))
+        resident.setup(pipe, device, budget)
+
+    return replace(resident, setup=setup)
+
+
+def test_each_run_gets_a_new_empty_profile_cache_unless_profile_dir_names_one(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(processes.PROFILE_CACHE_VARIABLE, str(tmp_path / "from the environment"))
+    seen: list[tuple[str | None, list[str]]] = []
+    monkeypatch.setitem(MODES, "resident", _recording_resident(seen))
+    argv = ["--device", "cpu", "--modes", "resident", "--warmup", "0", "--calls", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == main(argv) == 0
+    (first, first_held), (second, second_held) = seen
+    assert first != second and first_held == second_held == [], "a new empty folder per run"
+    assert all(Path(folder).parent == Path(tempfile.gettempdir()) and not Path(folder).exists() for folder in (first, second))
+    assert f"residency profiles in {second}" in capsys.readouterr().out
+    assert os.environ[processes.PROFILE_CACHE_VARIABLE] == str(tmp_path / "from the environment"), "restored after"
+
+    saved = tmp_path / "profiles"
+    saved.mkdir()
+    (saved / "flux.json").write_text("{}")
+    assert main([*argv, "--profile-dir", str(saved)]) == 0
+    assert seen[2] == (str(saved), ["flux.json"])
+    assert (saved / "flux.json").exists(), "a folder given is the user's: it is kept"
+    assert f"residency profiles in {saved}" in capsys.readouterr().out
 
 
 def test_a_compiled_mode_is_held_to_a_tolerance_and_an_eager_one_to_bit_equality() -> None:
@@ -138,8 +293,8 @@ def test_rounds_repeat_the_modes_in_turn_and_take_each_ratio_within_its_round() 
         ModeResult("resident", 2.0, 1, 1.0, True, round=2),
         ModeResult("pinned", 2.2, 1, 1.0, True, budget_bytes=8 * 10**9, round=2),
     ]
-    rows = [row.split(" | ")[:4] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
-    assert [row[3] for row in rows] == ["1.00", "1.20", "1.00", "1.10"]
+    rows = [row.split(" | ")[:7] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
+    assert [row[6] for row in rows] == ["1.00", "1.20", "1.00", "1.10"]
     assert rows[3][0] == "| pinned (round 2)"
     assert format_round_ratios(results) == "- pinned @ 8.00 GB: 1.20, 1.10 (median 1.15)"
     assert format_round_ratios(results[:2]) == "", "nothing to add for one round"

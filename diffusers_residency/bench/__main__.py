@@ -9,9 +9,15 @@ picks SDXL, SD3 or Wan 2.1 instead; ``--checkpoint DIR`` loads a saved pipeline.
 (as a smaller GPU would be); ``--modes pinned,group_offload_leaf@16GB`` runs a mode named with
 ``@`` at that budget only. A mode that runs out of memory is reported as such. ``mmgp`` (CUDA only;
 ``pip install mmgp==3.8.2 optimum-quanto==0.2.7``) cannot be undone, so it runs once, after the
-others. The table is printed;
-``--out`` gets ``results.json`` and, with matplotlib installed, ``results.png`` (s/call against peak
-memory, one point per mode and budget).
+others.
+
+Every call is timed, the first ones included: the table gives each mode's first two calls, its
+steady s/call (the mean of the ``--calls`` after ``--warmup``) and the call it is steady from, and
+lists every call under it. ``--fresh-process`` runs each mode, per budget and round, in a process of
+its own that builds the pipeline again: host memory, the allocator and first calls as a first run
+meets them. Residency profiles (``DIFFUSERS_RESIDENCY_CACHE``) start from a new empty folder unless
+``--profile-dir`` names one. The table is printed; ``--out`` gets ``results.json`` and, with
+matplotlib installed, ``results.png`` (s/call against peak memory, one point per mode and budget).
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import diffusers
 import torch
@@ -35,12 +44,17 @@ from ..planner import Policy, parse_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .modes import MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
+from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
+from .timing import STEADY_WITHIN
 
 # What a plain run compares; sequential offload and block-level group offload are slow enough
 # (seconds per denoising step at full scale) to be asked for by name.
 DEFAULT_MODES = ("resident", "pinned", "model_cpu_offload", "group_offload_leaf")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A run's output as later runs are compared with it: a tensor here, or the file a child saved it to.
+Output = TypeVar("Output", torch.Tensor, Path)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -72,8 +86,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="torch.compile's mode, e.g. reduce-overhead (CUDA graphs: the table counts their recordings)",
     )
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=2, help="timed calls per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="calls per mode before the steady ones (timed too)")
+    parser.add_argument("--calls", type=int, default=2, help="calls per mode after those, the steady figures' own")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -87,11 +101,31 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
         "time went and how long the device waited for it, per component",
     )
+    parser.add_argument(
+        "--fresh-process",
+        action="store_true",
+        help="run each mode, per budget and round, in a Python process of its own that builds the pipeline again: "
+        "host memory, the allocator and the first calls as a first run meets them",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help=f"the residency-profile cache ({PROFILE_CACHE_VARIABLE}) for the whole run, fresh processes included: "
+        "by default a new empty folder per run; give a folder to start from profiles saved by an earlier run",
+    )
+    # Internal to --fresh-process: what the parent passes a child (the run it makes, where it writes
+    # its result, the resident output it compares with).
+    parser.add_argument("--only-run", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--reference", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for results.json and results.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the package's decisions")
     args = parser.parse_args(argv)
     if args.compile_mode is not None and args.compile is None:
         parser.error("--compile-mode applies to a compiled denoiser: give --compile regional or --compile whole too")
+    if args.warmup < 0 or args.calls < 1:
+        parser.error("--warmup takes 0 or more, --calls 1 or more: the steady figures are the latter's")
     return args
 
 
@@ -99,8 +133,9 @@ def _budget(text: str) -> int | None:
     return None if text.strip().lower() in ("unlimited", "none", "") else parse_bytes(text, "budget")
 
 
-def _label(mode: str, budget: int | None) -> str:
-    return f"{mode} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}"
+def _label(mode: str, budget: int | None, round_: int | None = None) -> str:
+    """``pinned @ 16.00 GB``, with `` (round 2)`` when a round is given (there are several)."""
+    return f"{mode} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}" + (f" (round {round_})" if round_ else "")
 
 
 def _components(spec: str | None) -> dict[str, str] | None:
@@ -170,12 +205,18 @@ def _resident_by_round(results: list[ModeResult]) -> dict[int, float]:
     return resident
 
 
-def format_table(results: list[ModeResult], weight_bytes: int) -> str:
+def _call_seconds(r: ModeResult, index: int) -> str:
+    return f"{r.call_seconds[index]:.3f}" if index < len(r.call_seconds) else "-"
+
+
+def format_table(results: list[ModeResult], weight_bytes: int | None) -> str:
+    """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with."""
     resident_by_round = _resident_by_round(results)
     several = any(r.round > 1 for r in results)
     header = (
-        "mode", "budget GB", "s/call", "x resident", "peak alloc GB", "peak reserved GB", "within budget", "alloc retries", "setup s",
-        "host RSS GB", "RSS x weights", "loaded GB/call", "load GB/s", "hooks' host s/call", "equal to resident",
+        "mode", "budget GB", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident", "peak alloc GB",
+        "peak reserved GB", "within budget", "alloc retries", "setup s", "host RSS GB", "RSS x weights", "loaded GB/call",
+        "load GB/s", "hooks' host s/call", "equal to resident",
     )  # fmt: skip
     rows = []
     for r in results:
@@ -184,14 +225,18 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
         within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
             reserved = _gb(r.peak_reserved_bytes)
-            rows.append((mode, budget, r.error, "-", _gb(r.peak_allocated_bytes), reserved, *("-",) * (len(header) - 6)))
+            allocated = _gb(r.peak_allocated_bytes)
+            rows.append((mode, budget, r.error, *("-",) * 4, allocated, reserved, *("-",) * (len(header) - 9)))
             continue
         resident = resident_by_round.get(r.round)
         rows.append(
             (
                 mode,
                 budget,
+                _call_seconds(r, 0),
+                _call_seconds(r, 1),
                 f"{r.seconds_per_call:.3f}",
+                "-" if r.calls_to_steady is None else str(r.calls_to_steady),
                 "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
                 _gb(r.peak_reserved_bytes),
@@ -199,7 +244,7 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
                 "-" if r.alloc_retries is None else str(r.alloc_retries),
                 f"{r.setup_seconds:.2f}",
                 _gb(r.host_rss_bytes),
-                "-" if r.host_rss_bytes is None else f"{r.host_rss_bytes / weight_bytes:.2f}",
+                "-" if r.host_rss_bytes is None or not weight_bytes else f"{r.host_rss_bytes / weight_bytes:.2f}",
                 _gb(r.loaded_bytes_per_call),
                 "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
                 "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
@@ -208,6 +253,23 @@ def format_table(results: list[ModeResult], weight_bytes: int) -> str:
         )
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_calls(results: list[ModeResult]) -> str:
+    """Every call's seconds, one line per run: the first calls are what a user meets first."""
+    several = any(r.round > 1 for r in results)
+    lines = []
+    for r in results:
+        label = _label(r.mode, r.budget_bytes, r.round if several else None)
+        if r.error:
+            lines.append(f"- {label}: {r.error}")
+            continue
+        if r.calls_to_steady is not None:
+            steady = f" (steady from call {r.calls_to_steady})"
+        else:
+            steady = f" (never within {STEADY_WITHIN}x of steady)" if len(r.call_seconds) > 1 else ""
+        lines.append(f"- {label}: {', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}")
     return "\n".join(lines)
 
 
@@ -288,20 +350,15 @@ def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
     return sum(storages.values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # `diffusers-residency bench ...`
-        argv = argv[1:]
-    args = _parse(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
-    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components))
-    if runs[0][0].name != "resident":
-        print("note: without 'resident' first, outputs are not checked against a reference", file=sys.stderr)
+def _source(args: argparse.Namespace) -> str:
+    return str(args.checkpoint or f"{args.scale} {args.pipeline}")
 
-    source = args.checkpoint or f"{args.scale} {args.pipeline}"
-    print(f"building {source} ({dtype}) ...", file=sys.stderr, flush=True)
+
+def _pipeline(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[diffusers.DiffusionPipeline, Callable[[], torch.Tensor]]:
+    """The pipeline on the host, and one call of it as every mode makes it."""
+    print(f"building {_source(args)} ({dtype}) ...", file=sys.stderr, flush=True)
     # Build where the resident mode runs (random init on a GPU takes seconds), then start every
     # mode from the host, as a pipeline loaded from disk would.
     if args.checkpoint:
@@ -310,38 +367,93 @@ def main(argv: list[str] | None = None) -> int:
         pipe = build_pipeline(args.pipeline, args.scale, dtype=dtype, device=device)
     pipe.set_progress_bar_config(disable=True)
     pipe.to("cpu")
-    weight_bytes = _weight_bytes(pipe)
     kwargs = dict(steps=args.steps, height=args.height, width=args.width)
 
     def call() -> torch.Tensor:
         return pipeline_output(pipe, call_kwargs(args.pipeline, args.scale, **kwargs))
 
+    return pipe, call
+
+
+def _run_mode(
+    args: argparse.Namespace,
+    pipe: diffusers.DiffusionPipeline,
+    call: Callable[[], torch.Tensor],
+    device: torch.device,
+    run: tuple[Mode, int | None, int],
+    reference: torch.Tensor | None,
+) -> tuple[ModeResult, torch.Tensor | None]:
+    """``run_mode`` as the command line asks for it."""
+    mode, budget, _ = run
+    compile_settings = CompileSettings(args.compile, args.compile_backend, args.compile_mode) if args.compile else None
+    return run_mode(pipe, mode, device, call, warmup=args.warmup, calls=args.calls, reference=reference, budget=budget,
+                    compile=compile_settings, trace=args.trace)  # fmt: skip
+
+
+def _child(args: argparse.Namespace, run: tuple[Mode, int | None, int], device: torch.device, dtype: torch.dtype) -> int:
+    """A child of --fresh-process: its one run on a pipeline of its own, written where the parent reads it."""
+    pipe, call = _pipeline(args, device, dtype)
+    reference = None if args.reference is None else torch.load(args.reference)
+    result, output = _run_mode(args, pipe, call, device, run, reference)
+    write_child_result(args.child_out, result, output, _weight_bytes(pipe))
+    return 0
+
+
+def _measure(
+    runs: list[tuple[Mode, int | None, int]],
+    several: bool,
+    measure: Callable[[int, Output | None], tuple[ModeResult, Output | None]],
+) -> list[ModeResult]:
+    """Every run in turn, each compared with the first resident run's output."""
     results: list[ModeResult] = []
     reference = None
     progress = tqdm(runs, desc="bench", unit="mode", file=sys.stderr)
-    for mode, budget, round_ in progress:
-        label = _label(mode.name, budget) + (f" (round {round_})" if args.rounds > 1 else "")
+    for index, (mode, budget, round_) in enumerate(progress):
+        label = _label(mode.name, budget, round_ if several else None)
         progress.set_postfix_str(label)
-        result, output = run_mode(
-            pipe,
-            mode,
-            device,
-            call,
-            warmup=args.warmup,
-            calls=args.calls,
-            reference=reference,
-            budget=budget,
-            compile=CompileSettings(args.compile, args.compile_backend, args.compile_mode) if args.compile else None,
-            trace=args.trace,
-        )
+        result, output = measure(index, reference)
         if mode.name == "resident" and reference is None and output is not None:
             reference = output
         results.append(replace(result, round=round_))
-        progress.write(f"{label}: {result.error or f'{result.seconds_per_call:.3f} s/call'}")
+        first = _call_seconds(result, 0)
+        progress.write(f"{label}: {result.error or f'call 1 {first} s, steady {result.seconds_per_call:.3f} s/call'}")
+    return results
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # `diffusers-residency bench ...`
+        argv = argv[1:]
+    args = _parse(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
+    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components))
+    if args.only_run is not None:
+        return _child(args, runs[args.only_run], device, dtype)
+    if runs[0][0].name != "resident":
+        print("note: without 'resident' first, outputs are not checked against a reference", file=sys.stderr)
+    with profile_cache(args.profile_dir) as profiles:
+        if args.fresh_process:
+            with tempfile.TemporaryDirectory(prefix="diffusers_residency_bench_") as folder:
+                children = Children(argv, runs, Path(folder))
+                results = _measure(runs, args.rounds > 1, children)
+            weight_bytes = children.weight_bytes
+        else:
+            pipe, call = _pipeline(args, device, dtype)
+            weight_bytes = _weight_bytes(pipe)
+
+            def here(index: int, reference: torch.Tensor | None) -> tuple[ModeResult, torch.Tensor | None]:
+                return _run_mode(args, pipe, call, device, runs[index], reference)
+
+            results = _measure(runs, args.rounds > 1, here)
+
+    weights = "unknown bytes" if weight_bytes is None else f"{weight_bytes / 1e9:.2f} GB"
     setting = (
-        f"{source}, {weight_bytes / 1e9:.2f} GB of weights, {dtype}, {args.steps or 'default'} steps, "
-        f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} warm-up + {args.calls} timed calls per mode"
+        f"{_source(args)}, {weights} of weights, {dtype}, {args.steps or 'default'} steps, "
+        f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} + {args.calls} calls per mode, every one "
+        f"timed, steady figures over the last {args.calls}, {'each mode in a fresh process, ' if args.fresh_process else ''}"
+        f"residency profiles in {profiles}"
     )
     environment = environment_line(device)
     print(f"{setting}\n{environment}\n")
@@ -351,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Compiled again, the resident pipeline differs from its first compile by up to {spread:.1e}: "
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
     print(format_table(results, weight_bytes))
+    print(f"\nevery call in order, the first ones included:\n\n{format_calls(results)}")
     ratios = format_round_ratios(results)
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
@@ -367,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nresidency_report() after its calls:\n\n```\n{result.report}\n```")
     for result in results:  # every round's: each is a call of its own
         if result.trace:
-            where = _label(result.mode, result.budget_bytes) + (f" (round {result.round})" if args.rounds > 1 else "")
+            where = _label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
             print(f"\none more call traced, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))

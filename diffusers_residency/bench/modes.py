@@ -1,7 +1,7 @@
 """Offloading modes measured side by side on one pipeline, in one process.
 
 Each mode sets the pipeline up from the same starting point (weights on the host, nothing hooked),
-runs warm-up calls, then timed calls, and tears itself down. Outputs are compared bit for bit with
+runs its calls, every one timed, and tears itself down. Outputs are compared bit for bit with
 the resident mode's, so a speed figure never hides a wrong pixel.
 """
 
@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from .. import _device
 from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
+from .timing import calls_to_steady, timed_calls
 from .trace import traced_call
 
 logger = logging.getLogger(__name__)
@@ -245,6 +247,7 @@ def cuda_graphs_recorded(device: torch.device) -> int:
 @dataclass(frozen=True)
 class ModeResult:
     mode: str
+    # The steady figure: the mean of the last `calls` calls (those after the `warmup` first ones).
     seconds_per_call: float
     peak_allocated_bytes: int | None
     setup_seconds: float
@@ -255,20 +258,25 @@ class ModeResult:
     # the next request. A cap counts this, not the allocated peak.
     peak_reserved_bytes: int | None = None
     # Times the caching allocator ran out under the cap, synchronised the device to free its cache
-    # and retried, over the timed calls: each one stalls the copies and the compute alike.
+    # and retried, over the steady calls: each one stalls the copies and the compute alike.
     alloc_retries: int | None = None
+    # Every call's seconds, in order, the first ones included: what a user meets before the steady
+    # figure; and from which call on they are steady (see calls_to_steady). The other figures
+    # per call, and the peaks, are the steady calls' (the last `calls`, after the `warmup` first).
+    call_seconds: tuple[float, ...] = ()
+    calls_to_steady: int | None = None
     # With --compile: the first call (tracing and compiling included), and graphs compiled during
-    # the timed calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
+    # the steady calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
     first_call_seconds: float | None = None
     graphs_compiled_while_timed: int | None = None
     # With --compile-mode reduce-overhead (or another that replays CUDA graphs): CUDA graphs
-    # recorded during the timed calls (0 when the weights come back where they were captured).
+    # recorded during the steady calls (0 when the weights come back where they were captured).
     cuda_graphs_recorded_while_timed: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
-    # Host time in the package's hooks per timed call (residency_report()'s `host s`), waits for
+    # Host time in the package's hooks per steady call (residency_report()'s `host s`), waits for
     # the device inside them included: on a call whose host is slower than its device, it adds to
     # the call's time nearly in full.
     host_seconds_per_call: float | None = None
@@ -339,9 +347,10 @@ def run_mode(
     trace: bool = False,
 ) -> tuple[ModeResult, torch.Tensor | None]:
     """Cap the device at ``budget``, set the mode up (and compile its denoiser, as ``compile``
-    says), run ``warmup`` then ``calls`` timed calls (and, with ``trace``, one more under the
-    profiler, see :mod:`.trace`), tear it down; return the figures and the first output (the
-    reference for the modes after it when this is the resident mode)."""
+    says), run ``warmup`` then ``calls`` calls, every one timed, the steady figures taken over the
+    last ``calls`` (and, with ``trace``, one more under the profiler, see :mod:`.trace`), tear it
+    down; return the figures and the first output (the reference for the modes after it when this
+    is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
@@ -356,14 +365,8 @@ def run_mode(
         rss = host_rss_bytes()
         if compile is not None:
             compile_denoiser(pipe, compile)
-        first = None
-        first_call = None
-        for _ in range(warmup):
-            started = time.perf_counter()
-            output = call()
-            _device.synchronize(device)
-            first_call = time.perf_counter() - started if first_call is None else first_call
-            first = output if first is None else first
+        seconds: list[float] = []
+        first = timed_calls(call, device, warmup, seconds)
         graphs = _graphs() if compile is not None else None
         # Inductor's graph trees are CUDA's only.
         count_cuda_graphs = compile is not None and device.type == "cuda" and replays_cuda_graphs(compile.kwargs())
@@ -372,13 +375,8 @@ def run_mode(
             torch.accelerator.reset_peak_memory_stats(device)
         before = _counters(pipe) if pinned else None
         retries = _device.allocator_retries(device)
-        timings = []
-        for _ in range(calls):
-            started = time.perf_counter()
-            output = call()
-            _device.synchronize(device)
-            timings.append(time.perf_counter() - started)
-            first = output if first is None else first
+        output = timed_calls(call, device, calls, seconds)
+        first = output if first is None else first
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
         graphs = None if graphs is None else _graphs() - graphs
@@ -410,14 +408,16 @@ def run_mode(
         close = comparable and bool(torch.allclose(first.float(), reference.float(), **COMPILED_TOLERANCE))
     result = ModeResult(
         mode=mode.name,
-        seconds_per_call=sum(timings) / len(timings),
+        seconds_per_call=statistics.fmean(seconds[warmup:]),
         peak_allocated_bytes=peak,
         setup_seconds=setup_seconds,
         exact=exact,
         budget_bytes=budget,
         peak_reserved_bytes=peak_reserved,
         alloc_retries=retries,
-        first_call_seconds=first_call if compile is not None else None,
+        call_seconds=tuple(seconds),
+        calls_to_steady=calls_to_steady(seconds, calls),
+        first_call_seconds=seconds[0] if compile is not None else None,
         graphs_compiled_while_timed=graphs,
         cuda_graphs_recorded_while_timed=recorded,
         host_rss_bytes=rss,
@@ -490,7 +490,7 @@ def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float]:
 
 
 def _traffic(pipe: DiffusionPipeline, before: tuple[int, float, float], calls: int) -> tuple[int, float | None, float]:
-    """Per timed call, the bytes loaded and the host seconds in the package's hooks; and the
+    """Per steady call, the bytes loaded and the host seconds in the package's hooks; and the
     effective host-to-device rate over those loads."""
     moved, seconds, host = (now - then for now, then in zip(_counters(pipe), before))
     calls = max(calls, 1)

@@ -1,0 +1,49 @@
+"""Timing a mode's calls one by one, and from which call on they are steady.
+
+A user meets the first calls too: set-up work a mode defers (allocations, pinning, compiling)
+lands on them, so the benchmark times every call and says how many it takes to reach the steady
+figure, not the steady figure alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import _device
+
+# How close to the steady figure a call must be to count as steady (see calls_to_steady).
+STEADY_WITHIN = 1.05
+
+
+def calls_to_steady(call_seconds: Sequence[float], steady_calls: int) -> int | None:
+    """The 1-based index of the first call from which every call is within STEADY_WITHIN (either
+    way) of the median of the last ``steady_calls``: how many calls a user waits for the speed the
+    steady figure promises. None with fewer than two calls, or when even the last call is outside."""
+    if len(call_seconds) < 2:
+        return None
+    steady = statistics.median(call_seconds[-steady_calls:])
+    settled = None
+    for index in range(len(call_seconds), 0, -1):
+        if not steady / STEADY_WITHIN <= call_seconds[index - 1] <= steady * STEADY_WITHIN:
+            break
+        settled = index
+    return settled
+
+
+def timed_calls(
+    call: Callable[[], torch.Tensor], device: torch.device, n: int, seconds: list[float]
+) -> torch.Tensor | None:
+    """Call ``n`` times, appending each call's seconds (up to the device's last kernel) to
+    ``seconds``; return the first output (None when ``n`` is 0)."""
+    first = None
+    for _ in range(n):
+        started = time.perf_counter()
+        output = call()
+        _device.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+        first = output if first is None else first
+    return first
