@@ -1,7 +1,8 @@
 """Pinned-master offloading for diffusers pipelines.
 
 Importing the package adds ``enable_pinned_offload``, ``disable_pinned_offload``,
-``residency_report``, ``residency_plan``, ``sleep``, ``wake_up`` and ``is_sleeping`` to ``diffusers.DiffusionPipeline``;
+``residency_report``, ``residency_plan``, ``residency_profile``, ``save_residency_profile``,
+``load_residency_profile``, ``sleep``, ``wake_up`` and ``is_sleeping`` to ``diffusers.DiffusionPipeline``;
 the same operations are functions here that take the pipeline first. For scripts, :func:`attach_staging_hook` stages any one module (a component
 or a submodule) through a :class:`ResidencyGroup`.
 """
@@ -9,8 +10,17 @@ or a submodule) through a :class:`ResidencyGroup`.
 from diffusers import DiffusionPipeline
 
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, detach_staging_hook
-from .pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
+from .pipeline import (
+    disable_pinned_offload,
+    enable_pinned_offload,
+    load_residency_profile,
+    residency_plan,
+    residency_profile,
+    residency_report,
+    save_residency_profile,
+)
 from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan, plan_residency
+from .profile import ResidencyProfile
 from .report import ComponentReport, ResidencyReport
 from .residency import Policy, ResidencyGroup, StagedUnit
 from .retention import RetentionBudget, RetentionDecision
@@ -23,6 +33,9 @@ DiffusionPipeline.enable_pinned_offload = enable_pinned_offload
 DiffusionPipeline.disable_pinned_offload = disable_pinned_offload
 DiffusionPipeline.residency_report = residency_report
 DiffusionPipeline.residency_plan = residency_plan
+DiffusionPipeline.residency_profile = residency_profile
+DiffusionPipeline.save_residency_profile = save_residency_profile
+DiffusionPipeline.load_residency_profile = load_residency_profile
 DiffusionPipeline.sleep = sleep
 DiffusionPipeline.wake_up = wake_up
 DiffusionPipeline.is_sleeping = property(is_sleeping)
@@ -37,6 +50,7 @@ __all__ = [
     "Policy",
     "ResidencyGroup",
     "ResidencyPlan",
+    "ResidencyProfile",
     "ResidencyReport",
     "RetentionBudget",
     "RetentionDecision",
@@ -48,9 +62,12 @@ __all__ = [
     "disable_pinned_offload",
     "enable_pinned_offload",
     "is_sleeping",
+    "load_residency_profile",
     "plan_residency",
     "residency_plan",
+    "residency_profile",
     "residency_report",
+    "save_residency_profile",
     "sleep",
     "wake_up",
 ]

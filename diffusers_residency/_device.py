@@ -121,6 +121,14 @@ def read_memory_telemetry(device: torch.device) -> MemoryTelemetry | None:
     )
 
 
+def device_model(device: torch.device) -> str:
+    """What the device is, for telling measurements made on one kind of device from another's:
+    the CUDA device's product name, else the device type."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
 def peak_allocated(device: torch.device) -> int | None:
     """The most memory tensors held on ``device`` at once since the process started or the peak was
     last reset; None where the platform does not count (the CPU)."""

@@ -10,9 +10,12 @@ masters) as soon as it meets a component without ``_hf_hook``. The hooks are nev
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import os
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -21,6 +24,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
+from .adaptive import PipelineResidency, apply_plan, begin_call, end_call
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .planner import (
     BudgetTooSmallError,
@@ -33,6 +37,7 @@ from .planner import (
     plan_as_given,
     plan_residency,
 )
+from .profile import ResidencyProfile, cache_folder, call_shape, profile_key, profile_path, read_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
 from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere, storage_bytes
@@ -45,41 +50,8 @@ _STATE_ATTR = "_pinned_residency"
 # merged by a function, not a component method the hooks could wrap): run with every component
 # offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
 _IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
-# Kept on top of what a component was measured to need above its weights, as a fraction of the
-# budget: the next call's activations may differ a little (another prompt length, say).
-RESERVE_MARGIN = 0.02
-# How far a step timed under the plan may be from the one the plan was made for before it is planned
-# for again (see _Retime), as a fraction of the latter's compute or load time per byte.
-RETIME_TOLERANCE = 0.1
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
-
-
-@dataclass
-class PipelineResidency:
-    """What ``enable_pinned_offload`` set up on one pipeline."""
-
-    group: ResidencyGroup
-    hooks: dict[str, StagingHook]
-    plan: ResidencyPlan
-    # The plan for given per-component activations, with everything else as enabled (and the
-    # policies given pinned besides).
-    replan: Callable[..., ResidencyPlan]
-    # Whether the first call measures each component's activations (no reserve given, and a plan
-    # that does not keep everything on the device).
-    measuring: bool = False
-    # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
-    call_start: str | None = None
-    call_end: str | None = None
-    # Per component, the calls it was planned more room in for allocator retries, and the
-    # components no plan could give more room to for them (see _learn_overshoot).
-    retry_replans: dict[str, int] = field(default_factory=dict)
-    retries_left_alone: set[str] = field(default_factory=set)
-
-    @property
-    def active(self) -> bool:
-        """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
-        return bool(self.group.units)
 
 
 def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
@@ -151,8 +123,9 @@ def _component_sizes(pipe: DiffusionPipeline, modules: Mapping[str, nn.Module]) 
 
 def _resolve_budget(
     vram_budget: int | str | None, reserve: int | str | None, device: torch.device, modules: Mapping[str, nn.Module]
-) -> tuple[int, int] | None:
-    """The budget and activation reserve in bytes, or None where there is nothing to plan for."""
+) -> tuple[int, int | None] | None:
+    """The budget and the activation reserve given, in bytes (None: the default, which depends on
+    the plan), or None where there is nothing to plan for."""
     if vram_budget is None:
         return None
     if isinstance(vram_budget, str) and vram_budget.strip().lower() == "auto":
@@ -168,7 +141,9 @@ def _resolve_budget(
         budget = memory.free + memory.cached + held
     else:
         budget = parse_bytes(vram_budget)
-    reserve_bytes = default_reserve(budget) if reserve is None else parse_bytes(reserve, "activation_reserve")
+    if reserve is None:
+        return budget, None
+    reserve_bytes = parse_bytes(reserve, "activation_reserve")
     if reserve_bytes >= budget:
         raise ValueError(
             f"activation_reserve ({format_bytes(reserve_bytes)}) leaves nothing of vram_budget ({format_bytes(budget)}) "
@@ -177,11 +152,23 @@ def _resolve_budget(
     return budget, reserve_bytes
 
 
+def _default_reserve(sizes: list[ComponentSizes], budget: int, fixed: Mapping[str, Policy]) -> int:
+    """The activation reserve when none is given: :func:`~diffusers_residency.planner.default_reserve`,
+    but never more than the least plan leaves of the budget. A small pipeline under a small budget
+    (SD 1.5 on a 4 GB card) is then planned rather than refused, and its first call measures what
+    its components really need."""
+    try:
+        least = plan_residency(sizes, budget, 0, fixed, least=True)
+    except BudgetTooSmallError:
+        return default_reserve(budget)  # the weights alone do not fit: the plan's own error says so
+    return min(default_reserve(budget), budget - least.peak_weight_bytes)
+
+
 def _planner(
     pipe: DiffusionPipeline,
     modules: Mapping[str, nn.Module],
     components: Mapping[str, str] | None,
-    budget: tuple[int, int] | None,
+    budget: tuple[int, int | None] | None,
 ) -> Callable[..., ResidencyPlan]:
     """The plan for these components as a function of per-component activations, of policies to pin
     besides the user's, of components that can only move whole, and of ``least`` (see
@@ -195,6 +182,8 @@ def _planner(
     # places the rest.
     fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
     budget_bytes, reserve = budget
+    if reserve is None:
+        reserve = _default_reserve(sizes, budget_bytes, fixed)
 
     def plan(
         activations: Mapping[str, int],
@@ -210,180 +199,6 @@ def _planner(
         )
 
     return plan
-
-
-def _replan_in_place(
-    state: PipelineResidency, activations: Mapping[str, int], timings: Mapping[str, StepTiming] | None = None
-) -> ResidencyPlan:
-    """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
-    components that stream keep streaming (their blocks have hooks of their own; with every block
-    resident, one is as good as resident), the others may move between staged and resident, not to
-    streaming (they have no block hooks).
-
-    Raises :class:`BudgetTooSmallError` when nothing fits."""
-    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
-    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
-    return state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
-
-
-@dataclass
-class _Retime:
-    """Asked as each call starts (ResidencyGroup.on_call_start) after the measuring call's plan is
-    applied: once every timed component has timed a step under the plan in place, plan again for
-    those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
-    once done; False, to be asked again at the next call start, while some step was not timed yet
-    (a call-start component may run twice in one call, as the text encoders do under true CFG, and
-    a call of fewer than three steps times none).
-
-    The measuring call keeps the least on the device, and under a tight cap the allocator's retries
-    (each a device synchronisation) fell inside its timed step: FLUX.1-dev at 8 GB on the H200
-    machine timed 0.434 s of compute for a step that computes in 0.170 s, and the plan took the
-    bus for the compute's equal."""
-
-    state: PipelineResidency
-    # The plan the steps are to be timed under, and each component's steps timed when it was applied.
-    plan: ResidencyPlan
-    steps_timed: dict[str, int]
-
-    def __call__(self) -> bool:
-        state = self.state
-        if state.plan is not self.plan:
-            # Planned again since (a component that retried under the cap, told as this call
-            # started): the steps timed meanwhile may be stretched by those retries too.
-            self.plan, self.steps_timed = state.plan, _steps_timed(state)
-            return False
-        planned = state.plan.timings
-        steps_timed = _steps_timed(state)
-        if not all(steps_timed.get(name, 0) > self.steps_timed.get(name, 0) for name in planned):
-            return False
-        timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
-        moved = [
-            name
-            for name, timing in timed.items()
-            if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
-            or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
-        ]
-        if moved:
-            # The same activations as the plan in place: it fits (timings choose among fitting plans).
-            new_plan = _replan_in_place(state, state.plan.activations, {**planned, **timed})
-            _apply_policies(state, new_plan)
-            logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
-        return True
-
-
-def _steps_timed(state: PipelineResidency) -> dict[str, int]:
-    """How many steps each streamed component has timed so far (see BlockStream.steps_timed)."""
-    return {unit.component: unit.stream.steps_timed for unit in state.group.units if unit.stream is not None}
-
-
-def _step_timings(state: PipelineResidency) -> dict[str, StepTiming]:
-    """What the last call measured of each streamed per-step component's step: its blocks' compute
-    seconds per block byte (the step the report shows, latest), and its loads' seconds per byte."""
-    rows = {row.name: row for row in report_for(state.group).components}
-    timings = {}
-    for sizes in state.plan.sizes:
-        row = rows.get(sizes.name) if sizes.per_step and state.plan[sizes.name].policy is Policy.STREAMED else None
-        if row is None or row.step_compute_seconds is None or not row.loaded_bytes or row.load_seconds <= 0:
-            continue
-        timings[sizes.name] = StepTiming(
-            compute_per_byte=row.step_compute_seconds[1] / sum(sizes.block_bytes),
-            load_per_byte=row.load_seconds / row.loaded_bytes,
-        )
-    return timings
-
-
-def _plan_summary(plan: ResidencyPlan) -> str:
-    return ", ".join(
-        f"{p.name} {p.policy.value}"
-        + (f" ({len(p.resident_blocks)} blocks resident, {len(p.staged_blocks)} staged)" if p.policy is Policy.STREAMED else "")
-        for p in plan.components
-    )
-
-
-def _learn_overshoot(state: PipelineResidency, component: str, overshoot: int, retried: bool) -> None:
-    """``component`` needed more room than the plan gave it: the device's peak went ``overshoot``
-    bytes over the budget while it ran, or (``retried``) the allocator ran out under a cap and had
-    to free its cache and synchronise to go on. Count that, with a margin, and plan again. A retry
-    says nothing of how much was missing: the margin alone is added, doubled at each call of the
-    component that retries again (one margin once the doubled one finds no room), until none does.
-    (SDXL's VAE decoding at 1024x1024 under an 8 GB cap retried twice a call, some 45 ms, with its
-    measured need planned to the byte; it took three margins, so three calls with retries at one
-    margin each, two when they double.) Retries that no plan has room for are warned about once,
-    then left alone: they come at every call."""
-    plan = state.plan
-    margin = int(plan.budget * RESERVE_MARGIN)
-    margins = [margin]
-    if retried:
-        if component in state.retries_left_alone:
-            return
-        times = state.retry_replans.get(component, 0)
-        state.retry_replans[component] = times + 1
-        # Doubled while the room lasts, then one margin at a time.
-        margins = [margin << times, margin] if times else margins
-    what = (
-        f"Peak device memory went {format_bytes(overshoot)} over vram_budget"
-        if overshoot
-        else "The allocator ran out of room under its cap and retried"
-    )
-    for margin in margins:
-        need = plan.activation_bytes_of(component) + overshoot + margin
-        try:
-            new_plan = _replan_in_place(state, {**plan.activations, component: need})
-            break
-        except BudgetTooSmallError:
-            continue
-    else:
-        if retried:
-            # Told once: the same retries come at every call, and nothing can be done about them.
-            state.retries_left_alone.add(component)
-        logger.warning(
-            "%s while %r ran, and no plan leaves it more room; raise vram_budget (%s).",
-            what,
-            component,
-            format_bytes(plan.budget),
-        )
-        return
-    _apply_policies(state, new_plan)
-    logger.warning(
-        "%s while %r ran; planned again with %s for its activations: %s",
-        what,
-        component,
-        format_bytes(need),
-        _plan_summary(new_plan),
-    )
-
-
-def _learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
-    """The first call ran with the least on the device and measured what each component needed
-    above the weights, and how long a step of a streamed per-step component computes and loads.
-    Plan for those figures, each need with a margin, and apply the plan.
-
-    Measured, not guessed: what a call needs varies across components far more than across calls
-    (an SDXL VAE decoding at 1024x1024 in float32 needs about 5 GB, its UNet a fraction of that),
-    and one reserve for all would either waste the denoiser's room or leave the decoder short."""
-    plan = state.plan
-    margin = int(plan.budget * RESERVE_MARGIN)
-    activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
-    needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
-    try:
-        new_plan = _replan_in_place(state, activations, _step_timings(state))
-    except BudgetTooSmallError:
-        logger.warning(
-            "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "
-            "measuring plan stays (the least on the device). Raise vram_budget.",
-            needs,
-            format_bytes(plan.budget),
-        )
-        return
-    _apply_policies(state, new_plan)
-    if new_plan.timings:
-        state.group.on_call_start = _Retime(state, new_plan, _steps_timed(state))
-    logger.info(
-        "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
-        needs,
-        format_bytes(plan.budget),
-        _plan_summary(new_plan),
-    )
 
 
 def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
@@ -415,45 +230,6 @@ def _same_setup(
         and all(getattr(h.unit.module, "_hf_hook", None) is h and h.unit in previous.group.units for h in previous.hooks.values())
         and streamed == {p.name for p in previous.plan.components if p.policy is Policy.STREAMED}
     )
-
-
-def _apply_policies(state: PipelineResidency, plan: ResidencyPlan) -> None:
-    """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
-    for component in plan.components:
-        if component.name not in state.hooks:
-            continue
-        units = state.group.units_of(component.name)
-        units[0].policy = component.policy
-        for index, block in enumerate(units[1:]):
-            policy = (
-                Policy.RESIDENT
-                if index in component.resident_blocks
-                else Policy.STAGED
-                if index in component.staged_blocks
-                else Policy.STREAMED
-            )
-            if block.policy is not Policy.STREAMED and policy is Policy.STREAMED and block.stager.loaded:
-                # Now streamed: its room goes to the blocks that now stay, before they load (and the
-                # stream drops only blocks it loaded itself).
-                block.stager.offload()
-            block.policy = policy
-        if units[0].policy is Policy.STREAMED:
-            units[1].stream.replan(component.prefetch_blocks)
-    state.plan = plan
-    group = state.group
-    group.weight_room = None if plan.budget is None else plan.weight_room
-    if plan.budget is None:
-        group.retention.reserved_limit = None  # under a budget, set at each switch (evict_others)
-    if plan.budget is None:
-        group.unwatch_budget()
-    elif group.vram_budget != plan.budget:
-        group.watch_budget(
-            plan.budget,
-            lambda component, overshoot, retried: _learn_overshoot(state, component, overshoot, retried),
-            on_first_call=(lambda measured: _learn_activations(state, measured)) if state.measuring else None,
-            call_start=state.call_start,
-            call_end=state.call_end,
-        )
 
 
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
@@ -493,7 +269,7 @@ def enable_pinned_offload(
             same for every component. Default: measured per component, in the first call under a
             budget that cannot keep everything on the device; that call runs with the least on the
             device, then the plan keeps the most that fits what each component was measured to
-            need (see :func:`_learn_activations`). Until then, and for a component not measured, a
+            need (see :func:`.adaptive.learn_activations`). Until then, and for a component not measured, a
             tenth of the budget, at least 3 GiB. Either way a component whose peak goes over the
             budget gets more room from the next call on.
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
@@ -526,19 +302,23 @@ def enable_pinned_offload(
     measuring = (
         budget is not None and activation_reserve is None and not plan.keeps_everything and len(set(sequence)) > 1
     )
+    profile, profile_file = _profile(pipe, modules, budget[0], group.device) if measuring else (None, None)
     if measuring:
         plan = replan({}, {}, least=True)
+    _wrap_call(type(pipe))
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan
         previous.measuring = measuring
+        previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
+        previous.measured_shapes.clear()
         # What retries taught was for the budget and plan before: learned again for these.
         previous.retry_replans.clear()
         previous.retries_left_alone.clear()
         previous.group.retention.release_over_limit_before.clear()
         previous.group.unwatch_budget()  # watched again for the new plan, the peak reset
-        _apply_policies(previous, plan)
+        apply_plan(previous, plan)
         _load_excluded(pipe, previous)
         return
     if previous is not None:
@@ -570,9 +350,11 @@ def enable_pinned_offload(
             measuring=measuring,
             call_start=sequence[0] if sequence else None,
             call_end=sequence[-1] if sequence else None,
+            profile=profile,
+            profile_file=profile_file,
         )
         group.call_order = tuple(modules)
-        _apply_policies(state, plan)
+        apply_plan(state, plan)
         _load_excluded(pipe, state)
     except BaseException:
         for name in hooks:
@@ -586,6 +368,47 @@ def enable_pinned_offload(
         if hasattr(pipe, name):
             pipe.__dict__[name] = _offloaded_first(pipe, state, getattr(pipe, name))
     logger.info("Pinned offload on %s:\n%s", group.device, plan)
+
+
+def _profile(
+    pipe: DiffusionPipeline, modules: Mapping[str, nn.Module], budget: int, device: torch.device
+) -> tuple[ResidencyProfile, Path | None]:
+    """The residency profile this setup starts from (the one saved in the cache folder, if any, or
+    an empty one), and the file it is kept in (None when profiles are turned off)."""
+    memory = _device.read_memory_telemetry(device)
+    key = profile_key(type(pipe).__name__, modules, budget, device, _device.device_model(device), memory and memory.total)
+    folder = cache_folder()
+    if folder is None:
+        return ResidencyProfile(key), None
+    file = profile_path(folder, key)
+    saved = read_profile(file, key)
+    if saved is not None:
+        logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
+    return saved or ResidencyProfile(key), file
+
+
+def _wrap_call(cls: type[DiffusionPipeline]) -> None:
+    """Have calls of ``cls``'s pipelines tell the plan their shape before they start and that they
+    ended after: ``pipe(...)`` looks ``__call__`` up on the class, so the class is wrapped, once, and
+    the wrapper passes straight through for a pipeline with nothing measured (one dict look-up)."""
+    original = cls.__call__
+    if getattr(original, "_residency_wrapper", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None or state.profile is None:
+            return original(self, *args, **kwargs)
+        begin_call(state, call_shape(signature, args, kwargs))
+        result = original(self, *args, **kwargs)
+        # Not after a call that raised: what it measured is incomplete, and its figures are not kept.
+        end_call(state)
+        return result
+
+    call._residency_wrapper = True
+    cls.__call__ = call
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
@@ -627,6 +450,47 @@ def residency_plan(pipe: DiffusionPipeline) -> ResidencyPlan:
     if state is None:
         raise RuntimeError("Pinned offload is not enabled on this pipeline; call pipe.enable_pinned_offload() first.")
     return state.plan
+
+
+def _profile_of(pipe: DiffusionPipeline) -> ResidencyProfile:
+    state = pipeline_state(pipe)
+    if state is None or state.profile is None:
+        raise RuntimeError(
+            "This pipeline has no residency profile: calls are measured only under a vram_budget with no "
+            "activation_reserve given, where the plan cannot keep everything on the device. Call "
+            "pipe.enable_pinned_offload(vram_budget=...) first."
+        )
+    return state.profile
+
+
+def residency_profile(pipe: DiffusionPipeline) -> ResidencyProfile:
+    """What calls measured so far, per call shape, with what it holds for (device, budget, versions);
+    printing it gives a summary. Kept in the cache folder as calls measure (see :mod:`.profile`)."""
+    return _profile_of(pipe)
+
+
+def save_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> None:
+    """Write the pipeline's residency profile to ``path`` (a JSON file), e.g. to ship it with a
+    service's image so that its first calls are planned from it."""
+    write_profile(Path(path), _profile_of(pipe))
+
+
+def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> bool:
+    """Plan from the figures in ``path`` (saved by :func:`save_residency_profile`) for the call
+    shapes it holds, from the next call on. A profile measured for another setup (GPU, budget,
+    checkpoint, library version) is not used: the log says why, and this returns False."""
+    profile = _profile_of(pipe)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no residency profile at {path}")
+    loaded = read_profile(path, profile.key)
+    if loaded is None:
+        return False
+    profile.shapes.update(loaded.shapes)
+    state = pipeline_state(pipe)
+    state.measured_shapes.difference_update(loaded.shapes)
+    state.shape = None  # the next call plans for its shape again, from these figures if it has them
+    return True
 
 
 def _offloaded_first(

@@ -62,7 +62,7 @@ PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
 # (the VAE decoding at full resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated,
 # resident, over 33.74 GB of weights), plus room for the allocator's rounding. It decides whether a
 # budget keeps everything on the device and whether the least-on-the-device plan of a measuring
-# call fits (see pipeline._learn_activations).
+# call fits (see adaptive.learn_activations).
 DEFAULT_RESERVE_FRACTION = 0.1
 MIN_RESERVE_BYTES = 3 << 30
 
@@ -231,6 +231,10 @@ class ResidencyPlan:
     sizes: tuple[ComponentSizes, ...] = field(repr=False, default=())
     activations: Mapping[str, int] = field(default_factory=dict)
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
+    # Where ``activations`` and ``timings`` come from, said when the plan prints: "measured" in this
+    # process, a saved "profile", or "" (the reserve stands in); and the call shape they are for.
+    source: str = ""
+    shape: str | None = None
 
     def __getitem__(self, name: str) -> ComponentPlan:
         for plan in self.components:
@@ -310,6 +314,8 @@ class ResidencyPlan:
             )
         if self.timings:
             head += f", resident blocks of {', '.join(self.timings)} chosen from a timed step"
+        if self.source:
+            head += f"; figures {self.source}" + (f" for calls of {self.shape}" if self.shape else "")
         return "\n".join([head, *table])
 
 

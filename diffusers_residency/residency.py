@@ -202,6 +202,30 @@ class ResidencyGroup:
         self._retries_seen = _device.allocator_retries(self.device)
         self._retried = {}
 
+    @property
+    def measures_next_call(self) -> bool:
+        """Whether the next whole call is measured (see :meth:`watch_budget`)."""
+        return self.on_first_call is not None
+
+    def stop_measuring(self) -> None:
+        """Measure no call, and time no step again: the plan in place was made from figures
+        measured before (see ``adaptive.begin_call``)."""
+        self.on_first_call = None
+        self.on_call_start = None
+
+    def end_call(self) -> None:
+        """The pipeline call returned: what its last component needed, overshot or retried is read
+        now, and what the call taught is told now, rather than when the next call's first component
+        starts: the next call may be of another shape, planned otherwise."""
+        if self.on_over_budget is None or self._running is None:
+            return
+        measured = self.on_first_call is not None
+        self._watch_peak(self._call_start)
+        self._running = None
+        if measured:
+            # The measured call's peaks were measured, not overshot: the next call starts afresh.
+            _device.reset_peak_allocated(self.device)
+
     def unwatch_budget(self) -> None:
         self.vram_budget = None
         self.on_over_budget = None

@@ -26,7 +26,8 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from .host_memory import MappedBytes, OpenFile
-from .pipeline import PipelineResidency, enable_pinned_offload, pipeline_state
+from .adaptive import PipelineResidency
+from .pipeline import enable_pinned_offload, pipeline_state
 from .planner import Policy
 from .residency import StagedUnit
 from .staging import local_tensor

@@ -26,6 +26,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _profile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Residency profiles saved by one test (or by a run on this machine) must not plan another's calls.
+    monkeypatch.setenv("DIFFUSERS_RESIDENCY_CACHE", str(tmp_path_factory.mktemp("residency-cache")))
+
+
 @pytest.fixture
 def flux() -> PipelineCase:
     return PipelineCase("flux")

@@ -11,12 +11,10 @@ from diffusers.hooks import FirstBlockCacheConfig
 from diffusers_residency import _device
 from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.pipeline import (
-    RESERVE_MARGIN,
-    _apply_policies,
     _component_sizes,
     _module_components,
-    _replan_in_place,
     pipeline_state,
 )
 from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, Policy, StepTiming, plan_residency
@@ -331,9 +329,11 @@ def test_the_first_call_measures_each_component_and_the_plan_keeps_what_fits(
 
     monkeypatch.setattr(_device, "peak_allocated", peak)
     assert torch.equal(flux.run(), flux.reference)
-    assert flux.pipe.residency_plan() is before, "the first call is not over until the next one starts"
-    assert torch.equal(flux.run(), flux.reference)
     after = flux.pipe.residency_plan()
+    assert after is not before and after.source == "measured", "planned as the measuring call returns"
+    assert after.shape and "height=32 width=32" in after.shape and f"for calls of {after.shape}" in str(after)
+    assert torch.equal(flux.run(), flux.reference)
+    assert flux.pipe.residency_plan() is after, "a call of the same shape changes nothing"
     margin = int(budget * 0.02)
     assert after.activations == {
         "text_encoder": 1000 + margin, "text_encoder_2": 1000 + margin, "transformer": 5000 + margin, "vae": 1000 + margin
@@ -750,7 +750,7 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
 
     def planned(vae_need: int):
         try:
-            return _replan_in_place(state, {name: need + margin for name, need in measured(vae_need).items()})
+            return replan_in_place(state, {name: need + margin for name, need in measured(vae_need).items()})
         except BudgetTooSmallError:
             return None
 
@@ -775,9 +775,10 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
     monkeypatch.setattr(
         _device, "peak_allocated", lambda device: group.loaded_bytes() + measured(vae_need).get(ran[-1] if ran else "", small)
     )
-    assert torch.equal(case.run(), case.reference)  # measures
-    assert torch.equal(case.run(), case.reference)  # planned from the measures as it starts
-    assert case.pipe.residency_plan() == expected
+    assert torch.equal(case.run(), case.reference)  # measures, and plans as it returns
+    assert torch.equal(case.run(), case.reference)
+    plan = case.pipe.residency_plan()
+    assert (plan.components, plan.activations) == (expected.components, expected.activations)
 
     blocks = group.units_of("unet")[1:]
     staged = [block for block in blocks if block.policy is Policy.STAGED]
@@ -838,9 +839,9 @@ def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: Pipel
     state = pipeline_state(flux.pipe)
     blocks = state.group.units_of("transformer")[1:]
     assert blocks[0].stream.prefetch_blocks == PREFETCH_BLOCKS, "not timed: the default"
-    plan = _replan_in_place(state, {}, bus_bound)
+    plan = replan_in_place(state, {}, bus_bound)
     assert plan["transformer"].prefetch_blocks == 1, str(plan)
-    _apply_policies(state, plan)
+    apply_plan(state, plan)
     assert blocks[0].stream.prefetch_blocks == 1
     loaded_while_running = _record_loaded_while_running(blocks, Policy.STREAMED)
     assert torch.equal(flux.run(), flux.reference)
@@ -872,16 +873,14 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(
     stalled = [True]
     for block in group.units_of("transformer")[1:]:
         block.module.register_forward_pre_hook(lambda *_: time.sleep(0.05) if stalled[0] else None)
-    assert torch.equal(run(3), reference[3])  # measures, its step stretched
+    assert torch.equal(run(3), reference[3])  # measures, its step stretched, and plans for it as it returns
     stalled[0] = False
-    first = None
-    for steps in (short, 3):  # under the plan for the stretched step
-        assert torch.equal(run(steps), reference[steps])
-        assert first is None or flux.pipe.residency_plan() is first, "no step timed under the plan yet"
-        first = flux.pipe.residency_plan()
+    first = flux.pipe.residency_plan()
+    assert torch.equal(run(short), reference[short])
+    assert flux.pipe.residency_plan() is first, "no step timed under the plan yet"
     assert torch.equal(run(3), reference[3])
     second = flux.pipe.residency_plan()
-    assert second is not first, "planned again as this call started"
+    assert second is not first, "planned again as the first call that timed a step under the plan returned"
     assert second.timings["transformer"].compute_per_byte < first.timings["transformer"].compute_per_byte / 2
     assert torch.equal(run(3), reference[3])
     assert flux.pipe.residency_plan() is second, "once"
@@ -889,7 +888,7 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(
 
 def test_a_step_timed_under_a_plan_that_retried_is_not_planned_for(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retries under the cap stretch the steps of the calls they come in, not only the measuring
-    call's: the plan made for them (told as the next call starts) waits for a step timed under it."""
+    call's: the plan made for them (told as that call returns) waits for a step timed under it."""
     reference = _run(flux, 3)
     budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)

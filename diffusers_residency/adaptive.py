@@ -1,0 +1,339 @@
+"""Plans that learn from calls: what the first call of each shape measured, what overshoots and
+allocator retries taught, steps timed again under the plan; and the residency profile that keeps
+those figures per call shape, so that a shape seen before, in this process or an earlier one, is
+planned right from its first call.
+
+A pipeline call is seen whole here (see ``pipeline``'s call wrapper): :func:`begin_call` plans for
+the call's shape before its first component runs, :func:`end_call` closes what the call measured
+once it returns, so that what one shape taught never lands in another shape's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .hooks import StagingHook
+from .planner import BudgetTooSmallError, Policy, ResidencyPlan, StepTiming, format_bytes
+from .profile import CallFigures, ResidencyProfile, write_profile
+from .report import report_for
+from .residency import ResidencyGroup
+
+logger = logging.getLogger(__name__)
+
+# Kept on top of what a component was measured to need above its weights, as a fraction of the
+# budget: the next call's activations may differ a little (another prompt length, say).
+RESERVE_MARGIN = 0.02
+# How far a step timed under the plan may be from the one the plan was made for before it is planned
+# for again (see _Retime), as a fraction of the latter's compute or load time per byte.
+RETIME_TOLERANCE = 0.1
+
+
+@dataclass
+class PipelineResidency:
+    """What ``enable_pinned_offload`` set up on one pipeline."""
+
+    group: ResidencyGroup
+    hooks: dict[str, StagingHook]
+    plan: ResidencyPlan
+    # The plan for given per-component activations, with everything else as enabled (and the
+    # policies given pinned besides).
+    replan: Callable[..., ResidencyPlan]
+    # Whether calls are measured: the first of each call shape measures each component's
+    # activations (no reserve given, and a plan that does not keep everything on the device).
+    measuring: bool = False
+    # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
+    call_start: str | None = None
+    call_end: str | None = None
+    # Per component, the calls it was planned more room in for allocator retries, and the
+    # components no plan could give more room to for them (see learn_overshoot).
+    retry_replans: dict[str, int] = field(default_factory=dict)
+    retries_left_alone: set[str] = field(default_factory=set)
+    # What calls measured, per call shape, and the file it is kept in (None: not kept); None when
+    # nothing is measured (no budget, a reserve given, or a plan that keeps everything).
+    profile: ResidencyProfile | None = None
+    profile_file: Path | None = None
+    # The shape of the call under way, or of the last one (see begin_call), and the shapes whose
+    # figures this process measured (the others came from the profile).
+    shape: str | None = None
+    measured_shapes: set[str] = field(default_factory=set)
+
+    @property
+    def active(self) -> bool:
+        """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
+        return bool(self.group.units)
+
+
+
+def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
+    """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
+    for component in plan.components:
+        if component.name not in state.hooks:
+            continue
+        units = state.group.units_of(component.name)
+        units[0].policy = component.policy
+        for index, block in enumerate(units[1:]):
+            policy = (
+                Policy.RESIDENT
+                if index in component.resident_blocks
+                else Policy.STAGED
+                if index in component.staged_blocks
+                else Policy.STREAMED
+            )
+            if block.policy is not Policy.STREAMED and policy is Policy.STREAMED and block.stager.loaded:
+                # Now streamed: its room goes to the blocks that now stay, before they load (and the
+                # stream drops only blocks it loaded itself).
+                block.stager.offload()
+            block.policy = policy
+        if units[0].policy is Policy.STREAMED:
+            units[1].stream.replan(component.prefetch_blocks)
+    state.plan = plan
+    group = state.group
+    group.weight_room = None if plan.budget is None else plan.weight_room
+    if plan.budget is None:
+        group.retention.reserved_limit = None  # under a budget, set at each switch (evict_others)
+    if plan.budget is None:
+        group.unwatch_budget()
+    elif group.vram_budget != plan.budget:
+        _watch(state, measure=state.measuring)
+
+
+def _watch(state: PipelineResidency, *, measure: bool) -> None:
+    """Watch the budget for overshoots and retries and, with ``measure``, measure the next whole call."""
+    state.group.watch_budget(
+        state.plan.budget,
+        lambda component, overshoot, retried: learn_overshoot(state, component, overshoot, retried),
+        on_first_call=(lambda measured: learn_activations(state, measured)) if measure else None,
+        call_start=state.call_start,
+        call_end=state.call_end,
+    )
+
+
+
+def replan_in_place(
+    state: PipelineResidency, activations: Mapping[str, int], timings: Mapping[str, StepTiming] | None = None
+) -> ResidencyPlan:
+    """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
+    components that stream keep streaming (their blocks have hooks of their own; with every block
+    resident, one is as good as resident), the others may move between staged and resident, not to
+    streaming (they have no block hooks).
+
+    Raises :class:`BudgetTooSmallError` when nothing fits."""
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    plan = state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
+    return replace(plan, source="measured", shape=state.shape)
+
+
+@dataclass
+class _Retime:
+    """Asked as each call starts (ResidencyGroup.on_call_start) after the measuring call's plan is
+    applied: once every timed component has timed a step under the plan in place, plan again for
+    those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
+    once done; False, to be asked again at the next call start, while some step was not timed yet
+    (a call-start component may run twice in one call, as the text encoders do under true CFG, and
+    a call of fewer than three steps times none).
+
+    The measuring call keeps the least on the device, and under a tight cap the allocator's retries
+    (each a device synchronisation) fell inside its timed step: FLUX.1-dev at 8 GB on the H200
+    machine timed 0.434 s of compute for a step that computes in 0.170 s, and the plan took the
+    bus for the compute's equal."""
+
+    state: PipelineResidency
+    # The plan the steps are to be timed under, and each component's steps timed when it was applied.
+    plan: ResidencyPlan
+    steps_timed: dict[str, int]
+
+    def __call__(self) -> bool:
+        state = self.state
+        if state.plan is not self.plan:
+            # Planned again since (a component that retried under the cap, told as this call
+            # started): the steps timed meanwhile may be stretched by those retries too.
+            self.plan, self.steps_timed = state.plan, _steps_timed(state)
+            return False
+        planned = state.plan.timings
+        steps_timed = _steps_timed(state)
+        if not all(steps_timed.get(name, 0) > self.steps_timed.get(name, 0) for name in planned):
+            return False
+        timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
+        moved = [
+            name
+            for name, timing in timed.items()
+            if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
+            or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
+        ]
+        if moved:
+            # The same activations as the plan in place: it fits (timings choose among fitting plans).
+            new_plan = replan_in_place(state, state.plan.activations, {**planned, **timed})
+            apply_plan(state, new_plan)
+            logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
+        return True
+
+
+def _steps_timed(state: PipelineResidency) -> dict[str, int]:
+    """How many steps each streamed component has timed so far (see BlockStream.steps_timed)."""
+    return {unit.component: unit.stream.steps_timed for unit in state.group.units if unit.stream is not None}
+
+
+def _step_timings(state: PipelineResidency) -> dict[str, StepTiming]:
+    """What the last call measured of each streamed per-step component's step: its blocks' compute
+    seconds per block byte (the step the report shows, latest), and its loads' seconds per byte."""
+    rows = {row.name: row for row in report_for(state.group).components}
+    timings = {}
+    for sizes in state.plan.sizes:
+        row = rows.get(sizes.name) if sizes.per_step and state.plan[sizes.name].policy is Policy.STREAMED else None
+        if row is None or row.step_compute_seconds is None or not row.loaded_bytes or row.load_seconds <= 0:
+            continue
+        timings[sizes.name] = StepTiming(
+            compute_per_byte=row.step_compute_seconds[1] / sum(sizes.block_bytes),
+            load_per_byte=row.load_seconds / row.loaded_bytes,
+        )
+    return timings
+
+
+def _plan_summary(plan: ResidencyPlan) -> str:
+    return ", ".join(
+        f"{p.name} {p.policy.value}"
+        + (f" ({len(p.resident_blocks)} blocks resident, {len(p.staged_blocks)} staged)" if p.policy is Policy.STREAMED else "")
+        for p in plan.components
+    )
+
+
+def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, retried: bool) -> None:
+    """``component`` needed more room than the plan gave it: the device's peak went ``overshoot``
+    bytes over the budget while it ran, or (``retried``) the allocator ran out under a cap and had
+    to free its cache and synchronise to go on. Count that, with a margin, and plan again. A retry
+    says nothing of how much was missing: the margin alone is added, doubled at each call of the
+    component that retries again (one margin once the doubled one finds no room), until none does.
+    (SDXL's VAE decoding at 1024x1024 under an 8 GB cap retried twice a call, some 45 ms, with its
+    measured need planned to the byte; it took three margins, so three calls with retries at one
+    margin each, two when they double.) Retries that no plan has room for are warned about once,
+    then left alone: they come at every call."""
+    plan = state.plan
+    margin = int(plan.budget * RESERVE_MARGIN)
+    margins = [margin]
+    if retried:
+        if component in state.retries_left_alone:
+            return
+        times = state.retry_replans.get(component, 0)
+        state.retry_replans[component] = times + 1
+        # Doubled while the room lasts, then one margin at a time.
+        margins = [margin << times, margin] if times else margins
+    what = (
+        f"Peak device memory went {format_bytes(overshoot)} over vram_budget"
+        if overshoot
+        else "The allocator ran out of room under its cap and retried"
+    )
+    for margin in margins:
+        need = plan.activation_bytes_of(component) + overshoot + margin
+        try:
+            new_plan = replan_in_place(state, {**plan.activations, component: need})
+            break
+        except BudgetTooSmallError:
+            continue
+    else:
+        if retried:
+            # Told once: the same retries come at every call, and nothing can be done about them.
+            state.retries_left_alone.add(component)
+        logger.warning(
+            "%s while %r ran, and no plan leaves it more room; raise vram_budget (%s).",
+            what,
+            component,
+            format_bytes(plan.budget),
+        )
+        return
+    apply_plan(state, new_plan)
+    logger.warning(
+        "%s while %r ran; planned again with %s for its activations: %s",
+        what,
+        component,
+        format_bytes(need),
+        _plan_summary(new_plan),
+    )
+
+
+def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
+    """The first call ran with the least on the device and measured what each component needed
+    above the weights, and how long a step of a streamed per-step component computes and loads.
+    Plan for those figures, each need with a margin, and apply the plan.
+
+    Measured, not guessed: what a call needs varies across components far more than across calls
+    (an SDXL VAE decoding at 1024x1024 in float32 needs about 5 GB, its UNet a fraction of that),
+    and one reserve for all would either waste the denoiser's room or leave the decoder short."""
+    plan = state.plan
+    margin = int(plan.budget * RESERVE_MARGIN)
+    activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
+    needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
+    try:
+        new_plan = replan_in_place(state, activations, _step_timings(state))
+    except BudgetTooSmallError:
+        logger.warning(
+            "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "
+            "measuring plan stays (the least on the device). Raise vram_budget.",
+            needs,
+            format_bytes(plan.budget),
+        )
+        return
+    apply_plan(state, new_plan)
+    if new_plan.timings:
+        state.group.on_call_start = _Retime(state, new_plan, _steps_timed(state))
+    logger.info(
+        "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
+        needs,
+        format_bytes(plan.budget),
+        _plan_summary(new_plan),
+    )
+
+
+
+
+def begin_call(state: PipelineResidency, shape: str) -> None:
+    """A pipeline call of ``shape`` starts. A shape measured before (in this process, or in the
+    profile) gets the plan for its figures, and nothing is measured; a new one is measured as the
+    first call was, with the least on the device. A call of the shape in place changes nothing."""
+    if state.profile is None or shape == state.shape:
+        return
+    state.shape = shape
+    figures = state.profile.shapes.get(shape)
+    if figures is not None:
+        try:
+            plan = replan_in_place(state, figures.activations, figures.timings)
+        except BudgetTooSmallError:  # cannot happen for figures measured under this budget
+            logger.warning("The figures for calls of %s fit no plan; measuring this call", shape)
+        else:
+            source = "measured" if shape in state.measured_shapes else "from the residency profile"
+            state.group.stop_measuring()
+            state.group.retention.release_over_limit_before = set(figures.release_before)
+            apply_plan(state, replace(plan, source=source, shape=shape))
+            logger.info("Planned for calls of %s from figures %s: %s", shape, source, _plan_summary(plan))
+            return
+    if state.group.measures_next_call:
+        return  # the call enable (or an earlier call of no whole call) prepared measures this one
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    apply_plan(state, state.replan({}, streaming, whole, least=True))
+    _watch(state, measure=True)
+    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", shape)
+
+
+def end_call(state: PipelineResidency) -> None:
+    """The pipeline call returned: tell now what it measured, overshot or retried (rather than as
+    the next call starts, which may be of another shape), and keep the figures its shape has now."""
+    state.group.end_call()
+    if state.profile is None or state.shape is None or not state.plan.source:
+        return
+    figures = CallFigures(
+        dict(state.plan.activations), dict(state.plan.timings), frozenset(state.group.retention.release_over_limit_before)
+    )
+    if state.profile.shapes.get(state.shape) == figures:
+        return
+    state.profile.shapes[state.shape] = figures
+    state.measured_shapes.add(state.shape)
+    if state.profile_file is not None:
+        try:
+            write_profile(state.profile_file, state.profile)
+        except OSError as exc:
+            logger.warning("Could not save the residency profile to %s (%s); the next process measures again", state.profile_file, exc)
+            state.profile_file = None

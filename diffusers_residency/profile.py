@@ -1,0 +1,232 @@
+"""Residency profiles: what calls measured of a pipeline under a budget, kept across processes.
+
+A plan is only as good as the figures it is made from: each component's activations above its
+weights and, for a streamed denoiser, how long a step computes and loads. A process learns them in
+its first calls of each call shape; a profile keeps them, per shape, so that the next process plans
+its first call from them instead of measuring again. Figures hold only for the pipeline, the
+device, the budget and the library they were measured with, so a profile is keyed by all of these
+and one measured elsewhere is never used.
+
+Profiles live in a cache folder (``DIFFUSERS_RESIDENCY_CACHE``, else the platform's cache folder)
+unless ``DIFFUSERS_RESIDENCY_NO_PROFILES`` is set; a service can also save one and ship it
+(``save_residency_profile`` / ``load_residency_profile`` in :mod:`.pipeline`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .planner import StepTiming
+
+logger = logging.getLogger(__name__)
+
+CACHE_VARIABLE = "DIFFUSERS_RESIDENCY_CACHE"
+NO_PROFILES_VARIABLE = "DIFFUSERS_RESIDENCY_NO_PROFILES"
+# Bumped when what a profile holds changes meaning: an older file is then refused as stale.
+FORMAT = 1
+
+# Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
+# that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
+_SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "max_sequence_length")
+_BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
+_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video")
+_GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
+
+
+def cache_folder() -> Path | None:
+    """Where profiles are kept, or None when ``DIFFUSERS_RESIDENCY_NO_PROFILES`` turns them off.
+
+    Read at each use, not at import: a program (the benchmark) may point it elsewhere after."""
+    if os.environ.get(NO_PROFILES_VARIABLE, "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE]).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "diffusers_residency"
+
+
+def _describe(value: Any) -> Any:
+    """A call argument as far as memory goes: a tensor or image by its size, a list by its length."""
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return list(value.size)
+    if isinstance(value, (list, tuple)):
+        return [len(value), _describe(value[0]) if value else None]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, Any]) -> str:
+    """The shape signature of one pipeline call: its arguments that change what the call needs on
+    the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
+    does not take are left out; one left to its default counts as ``None``."""
+    try:
+        bound = signature.bind(None, *args, **kwargs).arguments
+    except TypeError:
+        bound = dict(kwargs)  # the pipeline raises its own error for these
+    parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in signature.parameters}
+    batch = next((bound[name] for name in _BATCH_ARGUMENTS if bound.get(name) is not None), None)
+    parts["batch"] = len(batch) if isinstance(batch, (list, tuple)) else batch.shape[0] if isinstance(batch, torch.Tensor) else 1
+    for name in _GUIDANCE_ARGUMENTS:
+        if name in signature.parameters and bound.get(name) is not None:
+            parts[f"{name}>1"] = bound[name] > 1
+    if bound.get("negative_prompt") is not None or bound.get("negative_prompt_embeds") is not None:
+        parts["negative"] = True
+    for name in _IMAGE_ARGUMENTS:
+        if bound.get(name) is not None:
+            parts[name] = _describe(bound[name])
+    return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
+
+
+@dataclass(frozen=True)
+class CallFigures:
+    """What calls of one shape measured: each component's bytes above the weights while it ran
+    (margins included), each streamed denoiser's step timing, and the components before which the
+    allocator's cache is to be given back rather than kept (see ``RetentionBudget``)."""
+
+    activations: Mapping[str, int]
+    timings: Mapping[str, StepTiming] = field(default_factory=dict)
+    release_before: frozenset[str] = frozenset()
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "activations": dict(self.activations),
+            "timings": {name: [t.compute_per_byte, t.load_per_byte] for name, t in self.timings.items()},
+            "release_before": sorted(self.release_before),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
+        activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
+        timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
+        return cls(activations, timings, frozenset(map(str, data["release_before"])))
+
+
+@dataclass
+class ResidencyProfile:
+    """The figures learned for one pipeline under one budget, per call shape, and what they hold
+    for (``key``: the pipeline's class and components, the device, the budget, the versions)."""
+
+    key: Mapping[str, str]
+    shapes: dict[str, CallFigures] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "key": dict(self.key),
+            "shapes": {shape: figures.as_json() for shape, figures in self.shapes.items()},
+        }
+
+    def __str__(self) -> str:
+        head = f"residency profile for {self.key.get('pipeline')} at vram_budget {self.key.get('budget')} bytes"
+        lines = [f"{head}, {len(self.shapes)} call shape(s)"]
+        for shape, figures in self.shapes.items():
+            needs = ", ".join(f"{name} {nbytes / 1e9:.2f} GB" for name, nbytes in figures.activations.items())
+            lines.append(f"  {shape or '(no arguments)'}: {needs}" + (" (step timed)" if figures.timings else ""))
+        return "\n".join(lines)
+
+
+def _config(module: nn.Module) -> Any:
+    """A module's architecture as plain data: diffusers' models carry ``config`` (a dict),
+    transformers' a ``PretrainedConfig``. Entries that say where and by what it was saved
+    (``_name_or_path``, the library's version) are left out: the same checkpoint copied elsewhere
+    is the same model."""
+    config = getattr(module, "config", None)
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    kept = {k: v for k, v in dict(config or {}).items() if not k.startswith("_") and k != "transformers_version"}
+    return json.loads(json.dumps(kept, default=str, sort_keys=True))
+
+
+def profile_key(
+    pipeline: str, modules: Mapping[str, nn.Module], budget: int, device: torch.device, device_name: str, device_bytes: int | None
+) -> dict[str, str]:
+    """What a profile's figures hold for. Components are hashed from their class, configuration,
+    dtypes and byte sizes: the same checkpoint loaded again matches, another one (or another
+    dtype) does not."""
+    from . import __version__
+    from .staging import module_tensors, storage_bytes
+
+    components = []
+    for name, module in modules.items():
+        tensors = list(module_tensors((module,)))
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        components.append([name, type(module).__name__, _config(module), dtypes, storage_bytes(tensors)])
+    digest = hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:16]
+    return {
+        "pipeline": pipeline,
+        "components": digest,
+        "device": f"{device.type}: {device_name}",
+        "device_memory": str(device_bytes),
+        "budget": str(budget),
+        "torch": torch.__version__.split("+")[0],
+        "diffusers_residency": __version__,
+    }
+
+
+def profile_path(folder: Path, key: Mapping[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:20]
+    return folder / "profiles" / f"{key['pipeline']}-{digest}.json"
+
+
+def read_profile(path: Path, key: Mapping[str, str]) -> ResidencyProfile | None:
+    """The profile at ``path`` if it holds for ``key``. A file that is missing gives None quietly;
+    one that cannot be read, is malformed, or was measured for something else (another GPU, budget,
+    checkpoint or version) gives None with a warning that says which."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("Residency profile %s could not be read (%s); planning without it", path, exc)
+        return None
+    try:
+        data = json.loads(raw.decode())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this version reads {FORMAT}")
+        stored = {str(k): str(v) for k, v in data["key"].items()}
+        shapes = {str(shape): CallFigures.from_json(figures) for shape, figures in data["shapes"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("Residency profile %s is not a valid profile (%s); ignoring it", path, exc)
+        return None
+    differ = [f"{name} {stored.get(name)!r} here {value!r}" for name, value in key.items() if stored.get(name) != value]
+    if differ:
+        logger.warning("Residency profile %s was measured for another setup (%s); not using it", path, "; ".join(differ))
+        return None
+    return ResidencyProfile(dict(key), shapes)
+
+
+def write_profile(path: Path, profile: ResidencyProfile) -> None:
+    """Write ``profile`` to ``path`` atomically, keeping the shapes another process saved there
+    meanwhile (ours win where both have one): the file is always one whole profile."""
+    on_disk = read_profile(path, profile.key)
+    merged = ResidencyProfile(profile.key, {**(on_disk.shapes if on_disk else {}), **profile.shapes})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(merged.as_json(), file, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,251 @@
+"""Residency profiles: figures measured per call shape, kept across pipelines and processes, and
+never used for a setup they were not measured for."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_residency import (
+    _device,
+    load_residency_profile,
+    residency_profile,
+    save_residency_profile,
+)
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.pipeline import _component_sizes, _default_reserve, _module_components, pipeline_state
+from diffusers_residency.planner import ComponentSizes, plan_residency
+from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
+
+from .helpers import PipelineCase
+
+MB = 10**6
+
+
+def _budget(case: PipelineCase) -> int:
+    """A budget under which the tiny pipeline cannot keep everything with the default reserve, so
+    its calls are measured: the least plan's weights plus 3 GiB."""
+    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    least = plan_residency(sizes, 10**12, 3 << 30, least=True)
+    return least.peak_weight_bytes + (3 << 30)
+
+
+def _measure_on_the_cpu(case: PipelineCase, monkeypatch: pytest.MonkeyPatch, need: int = 1000) -> None:
+    """The CPU reports no peak: the one a CUDA allocator would, each component needing ``need``
+    bytes above what is loaded (read as the next one starts, or as the call returns)."""
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: pipeline_state(case.pipe).group.loaded_bytes() + need)
+
+
+def _run(case: PipelineCase, size: int = 32) -> torch.Tensor:
+    return pipeline_output(case.pipe, call_kwargs("flux", height=size, width=size))
+
+
+def _measured_calls(case: PipelineCase) -> list[bool]:
+    """Per call of ``case.pipe`` from now on, whether it was a measuring call (the least on the device)."""
+    state = pipeline_state(case.pipe)
+    measuring: list[bool] = []
+    case.pipe.text_encoder.register_forward_pre_hook(lambda *_: measuring.append(state.group.measures_next_call))
+    return measuring
+
+
+def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = PipelineCase("flux")
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    learned = first.pipe.residency_plan()
+    assert learned.source == "measured" and learned["transformer"].resident_blocks, str(learned)
+    profile = residency_profile(first.pipe)
+    assert list(profile.shapes) == [learned.shape] and "1 call shape(s)" in str(profile)
+
+    second = PipelineCase("flux")  # built and loaded the same way: what a new process would hold
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    measuring = _measured_calls(second)
+    assert torch.equal(second.run(), second.reference)
+    planned = second.pipe.residency_plan()
+    assert measuring == [False], "no measuring call"
+    assert planned.source == "from the residency profile" and "residency profile" in str(planned)
+    assert (planned.components, planned.activations) == (learned.components, learned.activations)
+
+    third = PipelineCase("flux")  # another budget: the profile is not for it
+    third.pipe.enable_pinned_offload("cpu", vram_budget=budget + 10**6)
+    measuring = _measured_calls(third)
+    assert torch.equal(third.run(), third.reference)
+    assert measuring == [True]
+
+
+def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    references = {size: _run(flux, size) for size in (32, 48)}
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    needs = {32: 1000, 48: 9000}
+    size = [32]
+    monkeypatch.setattr(
+        _device, "peak_allocated", lambda device: pipeline_state(flux.pipe).group.loaded_bytes() + needs[size[0]]
+    )
+    measuring = _measured_calls(flux)
+    plans = {}
+    for size[0] in (32, 48, 32, 48, 48, 32):
+        assert torch.equal(_run(flux, size[0]), references[size[0]])
+        plans.setdefault(size[0], flux.pipe.residency_plan())
+        assert flux.pipe.residency_plan().components == plans[size[0]].components
+    assert measuring == [True, True, False, False, False, False], "each shape measured once, the first time"
+    margin = int(budget * 0.02)
+    assert plans[32].activations["transformer"] == 1000 + margin and plans[48].activations["transformer"] == 9000 + margin
+    assert set(residency_profile(flux.pipe).shapes) == {plans[32].shape, plans[48].shape}
+
+
+def test_a_profile_saved_and_loaded_explicitly_plans_a_pipeline_with_profiles_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = PipelineCase("flux")
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    shipped = tmp_path / "shipped.json"
+    save_residency_profile(first.pipe, shipped)
+
+    monkeypatch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
+    second = PipelineCase("flux")
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert pipeline_state(second.pipe).profile_file is None, "turned off: nothing read or written"
+    assert load_residency_profile(second.pipe, shipped)
+    measuring = _measured_calls(second)
+    assert torch.equal(second.run(), second.reference)
+    assert measuring == [False] and second.pipe.residency_plan().source == "from the residency profile"
+    with pytest.raises(FileNotFoundError, match="no residency profile"):
+        load_residency_profile(second.pipe, tmp_path / "missing.json")
+
+
+def test_a_profile_measured_for_another_setup_is_refused_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = PipelineCase("flux")
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    saved = tmp_path / "profile.json"
+    save_residency_profile(first.pipe, saved)
+    data = json.loads(saved.read_text())
+    data["key"]["device"] = "cuda: NVIDIA H200"
+    data["key"]["diffusers_residency"] = "0.0.1"
+    saved.write_text(json.dumps(data))
+
+    second = PipelineCase("flux")
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    before = dict(residency_profile(second.pipe).shapes)
+    assert load_residency_profile(second.pipe, saved) is False
+    assert "measured for another setup" in caplog.text and "NVIDIA H200" in caplog.text and "0.0.1" in caplog.text
+    assert residency_profile(second.pipe).shapes == before, "nothing taken from it"
+
+    # A component cast to another dtype is another checkpoint as far as its figures go.
+    key = dict(residency_profile(second.pipe).key)
+    second.pipe.disable_pinned_offload()
+    second.pipe.vae.to(torch.float64)
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert residency_profile(second.pipe).key["components"] != key["components"]
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b'{"format": 1, "key": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
+)
+def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
+) -> None:
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    file = pipeline_state(flux.pipe).profile_file
+    flux.pipe.disable_pinned_offload()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_bytes(content)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert "not a valid profile" in caplog.text or "could not be read" in caplog.text
+    _measure_on_the_cpu(flux, monkeypatch)
+    measuring = _measured_calls(flux)
+    assert torch.equal(flux.run(), flux.reference)
+    assert measuring == [True]
+    assert read_profile(file, residency_profile(flux.pipe).key).shapes, "replaced by a whole profile once measured"
+
+
+def test_an_unwritable_cache_folder_warns_once_and_the_calls_go_on(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("DIFFUSERS_RESIDENCY_CACHE", str(blocked))  # a folder cannot be made under a file
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    _measure_on_the_cpu(flux, monkeypatch)
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+    assert caplog.text.count("Could not save the residency profile") == 1
+    assert residency_profile(flux.pipe).shapes, "still kept for this process"
+
+
+def _write_many(path: str, writer: int) -> None:
+    key = {"pipeline": "P", "budget": "1"}
+    for index in range(30):
+        shape = f"writer={writer} call={index}"
+        write_profile(Path(path), ResidencyProfile(key, {shape: CallFigures({"vae": index})}))
+
+
+def test_concurrent_writers_leave_one_whole_profile(tmp_path: Path) -> None:
+    path = tmp_path / "profiles" / "P.json"
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_many, args=(str(path), writer)) for writer in range(3)]
+    for process in writers:
+        process.start()
+    for process in writers:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    profile = read_profile(path, {"pipeline": "P", "budget": "1"})
+    assert profile is not None and profile.shapes, "a whole, valid profile"
+    assert {shape.split()[0] for shape in profile.shapes} <= {"writer=0", "writer=1", "writer=2"}
+    assert [p.name for p in path.parent.iterdir()] == ["P.json"], "no temporary file left behind"
+
+
+def test_the_cache_folder_follows_the_variables() -> None:
+    from diffusers_residency.profile import cache_folder
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFUSERS_RESIDENCY_CACHE", "/somewhere/else")
+        assert cache_folder() == Path("/somewhere/else")
+        patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
+        assert cache_folder() is None
+        patch.delenv("DIFFUSERS_RESIDENCY_CACHE")
+        patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "0")
+        patch.setenv("XDG_CACHE_HOME", "/xdg")
+        assert cache_folder() in (Path("/xdg/diffusers_residency"), Path.home() / "Library" / "Caches" / "diffusers_residency")
+    assert profile_path(Path("/c"), {"pipeline": "FluxPipeline", "budget": "1"}).parent == Path("/c/profiles")
+
+
+@pytest.mark.parametrize("budget", ["2GB", 1_500_000])
+def test_a_small_budget_for_a_small_pipeline_is_planned_not_refused(flux: PipelineCase, budget: str | int) -> None:
+    # The default reserve (3 GiB at least) would leave nothing of these budgets for weights.
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    plan = flux.pipe.residency_plan()
+    assert plan.reserve < plan.budget and plan.peak_bytes <= plan.budget, str(plan)
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+
+
+def test_sd15_on_a_4gb_card_is_planned_with_the_room_its_weights_leave() -> None:
+    # Stable Diffusion 1.5 in float16: CLIP-L, the UNet's blocks, the VAE; 2.1 GB in all.
+    sd15 = (
+        ComponentSizes("text_encoder", 246 * MB, (14 * MB,) * 12),
+        ComponentSizes("unet", 1720 * MB, (60 * MB,) * 4 + (180 * MB,) * 4 + (110 * MB,) * 5, True),
+        ComponentSizes("vae", 167 * MB),
+    )
+    budget = sum(s.nbytes for s in sd15) + 10**9
+    reserve = _default_reserve(list(sd15), budget, {})
+    assert 10**9 < reserve < budget
+    plan = plan_residency(sd15, budget, reserve, least=True)
+    assert plan.peak_bytes <= budget
