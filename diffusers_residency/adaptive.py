@@ -59,6 +59,9 @@ class PipelineResidency:
     # figures this process measured (the others came from the profile).
     shape: str | None = None
     measured_shapes: set[str] = field(default_factory=set)
+    # Set while a pipeline call is under way (see pipeline._wrap_call): calls within it are not
+    # planned for on their own. Pipelines are not thread-safe, and neither is this.
+    in_call: bool = False
 
     @property
     def active(self) -> bool:
@@ -106,6 +109,7 @@ def _watch(state: PipelineResidency, *, measure: bool) -> None:
         state.plan.budget,
         lambda component, overshoot, retried: learn_overshoot(state, component, overshoot, retried),
         on_first_call=(lambda measured: learn_activations(state, measured)) if measure else None,
+        on_first_step=(lambda component, need: learn_first_step(state, component, need)) if measure else None,
         call_start=state.call_start,
         call_end=state.call_end,
     )
@@ -121,16 +125,15 @@ def replan_in_place(
     streaming (they have no block hooks).
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
-    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
-    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    streaming, whole = _hooked(state)
     plan = state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
     return replace(plan, source="measured", shape=state.shape)
 
 
 @dataclass
 class _Retime:
-    """Asked as each call starts (ResidencyGroup.on_call_start) after the measuring call's plan is
-    applied: once every timed component has timed a step under the plan in place, plan again for
+    """Asked as each call starts and as it returns (ResidencyGroup.on_call_start) after the
+    measuring call's plan is applied: once every timed component has timed a step under the plan in place, plan again for
     those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
     once done; False, to be asked again at the next call start, while some step was not timed yet
     (a call-start component may run twice in one call, as the text encoders do under true CFG, and
@@ -277,6 +280,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
         )
         return
     apply_plan(state, new_plan)
+    state.group.load_resident_ahead()
     if new_plan.timings:
         state.group.on_call_start = _Retime(state, new_plan, _steps_timed(state))
     logger.info(
@@ -289,33 +293,76 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
 
 
 
+def learn_first_step(state: PipelineResidency, component: str, need: int) -> None:
+    """A measured call's per-step ``component`` ran its first step, streaming every block, and
+    needed ``need`` bytes above the weights. For the call's other steps it keeps the blocks its own
+    moment has room for: staged, so that they leave the device to the components after it, whose
+    needs are not known yet."""
+    sizes = next(s for s in state.plan.sizes if s.name == component)
+    if not sizes.per_step or component in state.plan.activations:
+        return
+    streaming, whole = _hooked(state)
+    activations = {**state.plan.activations, component: need + int(state.plan.budget * RESERVE_MARGIN)}
+    try:
+        plan = state.replan(activations, streaming, whole, least=True)
+    except BudgetTooSmallError:
+        return  # its own need leaves no room for more than the measuring plan: it keeps that
+    apply_plan(state, plan)
+    logger.info("%r's first step needed %s above the weights; its other steps keep %d blocks",
+                component, format_bytes(need), len(plan[component].staged_blocks))  # fmt: skip
+
+
+def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
+    """What the hooks in place allow: the components that stream (their blocks have hooks of their
+    own), pinned so, and those that can only move whole."""
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    return streaming, whole
+
+
 def begin_call(state: PipelineResidency, shape: str) -> None:
     """A pipeline call of ``shape`` starts. A shape measured before (in this process, or in the
     profile) gets the plan for its figures, and nothing is measured; a new one is measured as the
-    first call was, with the least on the device. A call of the shape in place changes nothing."""
+    first call was, with the least on the device. A call of the shape in place changes nothing.
+
+    What was learned for one shape stays with it: a measurement armed for another shape (one that
+    never ran whole, returning latents) starts over, and what retries taught is learned anew."""
     if state.profile is None or shape == state.shape:
         return
     state.shape = shape
+    group = state.group
+    state.retry_replans.clear()
+    state.retries_left_alone.clear()
     figures = state.profile.shapes.get(shape)
     if figures is not None:
         try:
             plan = replan_in_place(state, figures.activations, figures.timings)
-        except BudgetTooSmallError:  # cannot happen for figures measured under this budget
-            logger.warning("The figures for calls of %s fit no plan; measuring this call", shape)
+        except BudgetTooSmallError:  # figures saved for other policies given (components=)
+            logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", shape)
         else:
             source = "measured" if shape in state.measured_shapes else "from the residency profile"
-            state.group.stop_measuring()
-            state.group.retention.release_over_limit_before = set(figures.release_before)
-            apply_plan(state, replace(plan, source=source, shape=shape))
+            group.stop_measuring()
+            group.retention.release_over_limit_before = set(figures.release_before)
+            plan = replace(plan, source=source, shape=shape)
+            apply_plan(state, plan)
+            if figures.timings and not figures.retimed:
+                # Saved before its step was timed again under its plan: time it now.
+                group.on_call_start = _Retime(state, plan, _steps_timed(state))
+            group.load_resident_ahead()
             logger.info("Planned for calls of %s from figures %s: %s", shape, source, _plan_summary(plan))
             return
-    if state.group.measures_next_call:
-        return  # the call enable (or an earlier call of no whole call) prepared measures this one
-    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
-    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    group.retention.release_over_limit_before.clear()
+    streaming, whole = _hooked(state)
     apply_plan(state, state.replan({}, streaming, whole, least=True))
     _watch(state, measure=True)
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", shape)
+
+
+def abort_call(state: PipelineResidency) -> None:
+    """The pipeline call raised: nothing it measured is kept, and the next call plans for its shape
+    again (measuring it afresh if it is still new)."""
+    state.group.abort_call()
+    state.shape = None
 
 
 def end_call(state: PipelineResidency) -> None:
@@ -325,7 +372,10 @@ def end_call(state: PipelineResidency) -> None:
     if state.profile is None or state.shape is None or not state.plan.source:
         return
     figures = CallFigures(
-        dict(state.plan.activations), dict(state.plan.timings), frozenset(state.group.retention.release_over_limit_before)
+        dict(state.plan.activations),
+        dict(state.plan.timings),
+        frozenset(state.group.retention.release_over_limit_before),
+        retimed=not isinstance(state.group.on_call_start, _Retime),
     )
     if state.profile.shapes.get(state.shape) == figures:
         return

@@ -24,7 +24,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
-from .adaptive import PipelineResidency, apply_plan, begin_call, end_call
+from .adaptive import PipelineResidency, abort_call, apply_plan, begin_call, end_call
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .planner import (
     BudgetTooSmallError,
@@ -266,12 +266,14 @@ def enable_pinned_offload(
             ``pipe.residency_plan()`` shows the plan.
         activation_reserve: the part of ``vram_budget`` kept free for what a component needs above
             its weights while it runs (a call's tensors, activations, the allocator's slack), the
-            same for every component. Default: measured per component, in the first call under a
-            budget that cannot keep everything on the device; that call runs with the least on the
-            device, then the plan keeps the most that fits what each component was measured to
-            need (see :func:`.adaptive.learn_activations`). Until then, and for a component not measured, a
-            tenth of the budget, at least 3 GiB. Either way a component whose peak goes over the
-            budget gets more room from the next call on.
+            same for every component. Default: measured per component, in the first call of each
+            call shape under a budget that cannot keep everything on the device (or, from a
+            residency profile, in an earlier process); that call runs with the least on the device
+            until its denoiser's first step is measured, then the plan keeps the most that fits
+            what each component was measured to need (see :mod:`.adaptive`). Until then, and for
+            a component not measured, a tenth of the budget, at least 3 GiB, but no more than the
+            measuring plan's weights leave. Either way a component whose peak goes over the budget
+            gets more room from the next call on.
         pin_memory: pin the host masters; defaults to whether ``device`` is an accelerator. Masters
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
             weights on the device are copied down once into blocks sized to them.
@@ -299,10 +301,15 @@ def enable_pinned_offload(
     sequence = [name for name in _offload_sequence(pipe) if name in modules]
     # A call is told apart from the next only by its first component starting after its last ran:
     # with one component in the sequence, no call would ever end, so nothing is measured.
+    # A default reserve capped by a small budget is no estimate of what the components need: measure.
+    capped = budget is not None and plan.reserve < default_reserve(budget[0])
     measuring = (
-        budget is not None and activation_reserve is None and not plan.keeps_everything and len(set(sequence)) > 1
+        budget is not None
+        and activation_reserve is None
+        and (not plan.keeps_everything or capped)
+        and len(set(sequence)) > 1
     )
-    profile, profile_file = _profile(pipe, modules, budget[0], group.device) if measuring else (None, None)
+    profile, profile_file = _profile(pipe, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
     if measuring:
         plan = replan({}, {}, least=True)
     _wrap_call(type(pipe))
@@ -371,12 +378,14 @@ def enable_pinned_offload(
 
 
 def _profile(
-    pipe: DiffusionPipeline, modules: Mapping[str, nn.Module], budget: int, device: torch.device
+    pipe: DiffusionPipeline, modules: Mapping[str, nn.Module], budget: int, device: torch.device, pin_memory: bool
 ) -> tuple[ResidencyProfile, Path | None]:
     """The residency profile this setup starts from (the one saved in the cache folder, if any, or
     an empty one), and the file it is kept in (None when profiles are turned off)."""
     memory = _device.read_memory_telemetry(device)
-    key = profile_key(type(pipe).__name__, modules, budget, device, _device.device_model(device), memory and memory.total)
+    key = profile_key(
+        type(pipe).__name__, modules, budget, device, _device.device_model(device), memory and memory.total, pin_memory
+    )
     folder = cache_folder()
     if folder is None:
         return ResidencyProfile(key), None
@@ -399,11 +408,19 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(_STATE_ATTR)
-        if state is None or state.profile is None:
+        if state is None or state.profile is None or state.in_call:
+            # Not ours, or a call inside one (a subclass's __call__ calling its parent's): the
+            # outermost call is the one planned for.
             return original(self, *args, **kwargs)
-        begin_call(state, call_shape(signature, args, kwargs))
-        result = original(self, *args, **kwargs)
-        # Not after a call that raised: what it measured is incomplete, and its figures are not kept.
+        state.in_call = True
+        try:
+            begin_call(state, call_shape(signature, args, kwargs))
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            abort_call(state)
+            raise
+        finally:
+            state.in_call = False
         end_call(state)
         return result
 

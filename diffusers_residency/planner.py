@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -232,7 +232,8 @@ class ResidencyPlan:
     activations: Mapping[str, int] = field(default_factory=dict)
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
     # Where ``activations`` and ``timings`` come from, said when the plan prints: "measured" in this
-    # process, a saved "profile", or "" (the reserve stands in); and the call shape they are for.
+    # process, "from the residency profile", or "" (the reserve stands in, or a measuring call's
+    # plan); and the call shape they are for.
     source: str = ""
     shape: str | None = None
 
@@ -496,7 +497,10 @@ def plan_residency(
             "resident."
         )
     if least:
-        return finish(plans)
+        # A per-step component whose activations a measuring call already measured (its first
+        # step) keeps, for the rest of that call, the blocks its own moment has room for; the
+        # others' moments are still unknown, and staged blocks leave them all their room.
+        return finish(_stage_blocks(plans, by_name, fits, only=activations.keys()))
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
     # per-step component would be streamed at every step to save one load per call.
@@ -573,6 +577,7 @@ def _stage_blocks(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
     fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    only: Collection[str] | None = None,
 ) -> dict[str, ComponentPlan]:
     """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
     largest first: each one kept moves once per call instead of once per step. Once-per-call
@@ -585,7 +590,7 @@ def _stage_blocks(
     replan's time). The last one of a size may shrink the window's slots: it is tried on its own."""
     for name, plan in plans.items():
         sizes = by_name[name]
-        if plan.policy is not Policy.STREAMED or not sizes.per_step:
+        if plan.policy is not Policy.STREAMED or not sizes.per_step or (only is not None and name not in only):
             continue
         streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
         for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):

@@ -18,6 +18,7 @@ import hashlib
 import inspect
 import json
 import logging
+import numbers
 import os
 import sys
 import tempfile
@@ -42,7 +43,7 @@ FORMAT = 1
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
 _SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "max_sequence_length")
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
-_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video")
+_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image")
 _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
 
 
@@ -64,8 +65,11 @@ def cache_folder() -> Path | None:
 
 
 def _describe(value: Any) -> Any:
-    """A call argument as far as memory goes: a tensor or image by its size, a list by its length."""
-    if isinstance(value, torch.Tensor):
+    """A call argument as far as memory goes: a tensor or image by its size, a list by its length,
+    a number as a number (a numpy or 0-d tensor one too)."""
+    if isinstance(value, numbers.Number) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return value.item() if hasattr(value, "item") else value
+    if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):  # numpy too
         return list(value.shape)
     if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
         return list(value.size)
@@ -81,15 +85,21 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
     the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
     does not take are left out; one left to its default counts as ``None``."""
     try:
-        bound = signature.bind(None, *args, **kwargs).arguments
+        binding = signature.bind(None, *args, **kwargs)
+        binding.apply_defaults()  # a default and the same value given are one shape
+        bound = dict(binding.arguments)
     except TypeError:
         bound = dict(kwargs)  # the pipeline raises its own error for these
-    parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in signature.parameters}
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # a subclass's __call__(self, *args, **kwargs)
+            bound.update(bound.pop(parameter.name, {}))
+    taken = set(signature.parameters) | set(bound)
+    parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in taken}
     batch = next((bound[name] for name in _BATCH_ARGUMENTS if bound.get(name) is not None), None)
     parts["batch"] = len(batch) if isinstance(batch, (list, tuple)) else batch.shape[0] if isinstance(batch, torch.Tensor) else 1
     for name in _GUIDANCE_ARGUMENTS:
-        if name in signature.parameters and bound.get(name) is not None:
-            parts[f"{name}>1"] = bound[name] > 1
+        if bound.get(name) is not None:
+            parts[f"{name}>1"] = bool(_describe(bound[name]) > 1)
     if bound.get("negative_prompt") is not None or bound.get("negative_prompt_embeds") is not None:
         parts["negative"] = True
     for name in _IMAGE_ARGUMENTS:
@@ -107,19 +117,23 @@ class CallFigures:
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
     release_before: frozenset[str] = frozenset()
+    # Whether the step was timed again under the plan made for the measuring call's timing (which
+    # retries under a cap can stretch); a plan from figures not retimed times it again.
+    retimed: bool = True
 
     def as_json(self) -> dict[str, Any]:
         return {
             "activations": dict(self.activations),
             "timings": {name: [t.compute_per_byte, t.load_per_byte] for name, t in self.timings.items()},
             "release_before": sorted(self.release_before),
+            "retimed": self.retimed,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
         timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
-        return cls(activations, timings, frozenset(map(str, data["release_before"])))
+        return cls(activations, timings, frozenset(map(str, data["release_before"])), bool(data["retimed"]))
 
 
 @dataclass
@@ -146,6 +160,14 @@ class ResidencyProfile:
         return "\n".join(lines)
 
 
+# Configuration entries that say how a model was saved or loaded, not what it is: the dtype it was
+# loaded in (the weights' own dtypes are keyed apart) and the version that saved it.
+_NOT_ARCHITECTURE = ("transformers_version", "dtype", "torch_dtype")
+# Budgets are keyed to this granularity: "auto" reads what the device has free, which moves by a
+# few megabytes from one process to the next, and a profile keyed to the byte would never be reused.
+BUDGET_GRANULARITY = 256 << 20
+
+
 def _config(module: nn.Module) -> Any:
     """A module's architecture as plain data: diffusers' models carry ``config`` (a dict),
     transformers' a ``PretrainedConfig``. Entries that say where and by what it was saved
@@ -154,16 +176,27 @@ def _config(module: nn.Module) -> Any:
     config = getattr(module, "config", None)
     if hasattr(config, "to_dict"):
         config = config.to_dict()
-    kept = {k: v for k, v in dict(config or {}).items() if not k.startswith("_") and k != "transformers_version"}
+    kept = {k: v for k, v in dict(config or {}).items() if not k.startswith("_") and k not in _NOT_ARCHITECTURE}
+    # Attention kernels differ in what they need above the weights.
+    kept["attention"] = str(getattr(getattr(module, "config", None), "_attn_implementation", None))
     return json.loads(json.dumps(kept, default=str, sort_keys=True))
 
 
 def profile_key(
-    pipeline: str, modules: Mapping[str, nn.Module], budget: int, device: torch.device, device_name: str, device_bytes: int | None
+    pipeline: str,
+    modules: Mapping[str, nn.Module],
+    budget: int,
+    device: torch.device,
+    device_name: str,
+    device_bytes: int | None,
+    pin_memory: bool,
 ) -> dict[str, str]:
     """What a profile's figures hold for. Components are hashed from their class, configuration,
-    dtypes and byte sizes: the same checkpoint loaded again matches, another one (or another
-    dtype) does not."""
+    attention kernel, dtypes and byte sizes: the same checkpoint loaded again matches, another one
+    (or another dtype) does not. Not keyed: a VAE's tiling or slicing switched on after loading."""
+    import diffusers
+    import transformers
+
     from . import __version__
     from .staging import module_tensors, storage_bytes
 
@@ -178,8 +211,11 @@ def profile_key(
         "components": digest,
         "device": f"{device.type}: {device_name}",
         "device_memory": str(device_bytes),
-        "budget": str(budget),
+        "budget": f"{round(budget / BUDGET_GRANULARITY) * BUDGET_GRANULARITY}",
+        "pinned": str(pin_memory),
         "torch": torch.__version__.split("+")[0],
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
         "diffusers_residency": __version__,
     }
 
@@ -217,8 +253,9 @@ def read_profile(path: Path, key: Mapping[str, str]) -> ResidencyProfile | None:
 
 
 def write_profile(path: Path, profile: ResidencyProfile) -> None:
-    """Write ``profile`` to ``path`` atomically, keeping the shapes another process saved there
-    meanwhile (ours win where both have one): the file is always one whole profile."""
+    """Write ``profile`` to ``path`` atomically (a reader sees the old file or the new one, never
+    a part), with the shapes the file held when read (ours win where both have one). Two
+    processes writing at once can still lose each other's new shapes: measured again later."""
     on_disk = read_profile(path, profile.key)
     merged = ResidencyProfile(profile.key, {**(on_disk.shapes if on_disk else {}), **profile.shapes})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +263,10 @@ def write_profile(path: Path, profile: ResidencyProfile) -> None:
     try:
         with os.fdopen(descriptor, "w") as file:
             json.dump(merged.as_json(), file, indent=1)
+        # mkstemp makes it private; a profile is shipped with images and shared, like any cache file.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o644 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -152,6 +152,9 @@ class ResidencyGroup:
         self.on_first_call: Callable[[dict[str, int]], None] | None = None
         # Called as each call starts, until it returns True (done).
         self.on_call_start: Callable[[], bool] | None = None
+        # Told, in a measured call, what a streamed component needed in its first pass (see
+        # first_pass_ran).
+        self.on_first_step: Callable[[str, int], None] | None = None
         self._measured: dict[str, int] = {}
         self._call_start: str | None = None
         self._call_end: str | None = None
@@ -164,6 +167,7 @@ class ResidencyGroup:
         on_over_budget: Callable[[str, int, bool], None],
         *,
         on_first_call: Callable[[dict[str, int]], None] | None = None,
+        on_first_step: Callable[[str, int], None] | None = None,
         call_start: str | None = None,
         call_end: str | None = None,
     ) -> None:
@@ -183,12 +187,15 @@ class ResidencyGroup:
         reset (and the allocator's cache emptied) each time another component starts, and what
         each one needed above the weights (its reserved peak less the weight bytes loaded when it
         ended: the call's tensors, its activations, the allocator's fragmentation) is told once, as
-        ``on_first_call({component: bytes})``, when the next call starts. A call that skips either
-        end (prompt embeddings passed in, latents as output) does not count. While measuring, a
-        peak over the budget is measured, not told, and retries are not told either."""
+        ``on_first_call({component: bytes})``, when the next call starts (or as the pipeline call
+        returns, see :meth:`end_call`). A call that never reaches ``call_end`` (latents as output)
+        does not count. While measuring, a peak over the budget is measured, not
+        told, and retries are not told either; ``on_first_step(component, bytes)`` is told what a
+        streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
         self.vram_budget = vram_budget
         self.on_over_budget = on_over_budget
         self.on_first_call = on_first_call
+        self.on_first_step = on_first_step
         self.on_call_start = None
         self._measured = {}
         self._running = None
@@ -211,6 +218,7 @@ class ResidencyGroup:
         """Measure no call, and time no step again: the plan in place was made from figures
         measured before (see ``adaptive.begin_call``)."""
         self.on_first_call = None
+        self.on_first_step = None
         self.on_call_start = None
 
     def end_call(self) -> None:
@@ -226,10 +234,21 @@ class ResidencyGroup:
             # The measured call's peaks were measured, not overshot: the next call starts afresh.
             _device.reset_peak_allocated(self.device)
 
+    def abort_call(self) -> None:
+        """The pipeline call raised: what it measured so far is dropped (a call measured from here
+        starts over at its first component), and what it retried or overshot is not told."""
+        self._running = None
+        self._retried = {}
+        self._measured = {}
+        self._call_started = self._call_end_ran = False
+        self._retries_seen = _device.allocator_retries(self.device)
+        _device.reset_peak_allocated(self.device)
+
     def unwatch_budget(self) -> None:
         self.vram_budget = None
         self.on_over_budget = None
         self.on_first_call = None
+        self.on_first_step = None
         self.on_call_start = None
 
     def _watch_peak(self, component: str) -> bool:
@@ -279,13 +298,42 @@ class ResidencyGroup:
         if component == ran:
             return False
         if ran is not None:
-            # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
-            # count against the budget's cap as much as tensors do; a plan made from allocated
-            # peaks hit the cap (and the allocator's synchronising retries) on the H200.
-            need = (_device.peak_reserved(self.device) or peak) - self.loaded_bytes()
+            need = self._need_above_weights(peak)
             self._measured[ran] = max(self._measured.get(ran, 0), need)
         self._watch_first_call(component)
         return self.on_first_call is not None
+
+    def _need_above_weights(self, peak_allocated: int) -> int:
+        # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
+        # count against the budget's cap as much as tensors do; a plan made from allocated peaks
+        # hit the cap (and the allocator's synchronising retries).
+        return (_device.peak_reserved(self.device) or peak_allocated) - self.loaded_bytes()
+
+    def first_pass_ran(self, component: str) -> None:
+        """A streamed component's first pass (a denoiser's first step) ran. In a measured call, what
+        it needed above the weights is told now (``on_first_step``), so that its other steps can
+        keep what that leaves room for, rather than stream every block to the call's end."""
+        if self.on_first_call is None or self.on_first_step is None or component != self._running:
+            return
+        peak = _device.peak_allocated(self.device)
+        if peak is not None:
+            self.on_first_step(component, self._need_above_weights(peak))
+
+    def load_resident_ahead(self) -> None:
+        """Start loading every resident unit that is not on the device, a plan having just made them
+        resident: the copies run back to back at the bus's rate, behind whatever the device does
+        next, rather than each in front of its unit's first forward, with the compute waiting.
+        Evictable units go first, and the cache with them, so that the loads fit under a cap."""
+        for unit in self.units:
+            if unit.evictable and unit.stager.loaded:
+                unit.stager.offload()
+        self.active_component = None
+        _device.empty_cache(self.device)
+        for unit in self.units:
+            if unit.policy is Policy.RESIDENT and not unit.stager.loaded and not unit.sleep_level:
+                unit.load(ahead=True)
+        # Allocations that retried here are not a component's shortfall.
+        self._retries_seen = _device.allocator_retries(self.device)
 
     def _measure_from_here(self) -> None:
         # Only while measuring: each component's own peak, from what is left once the others are

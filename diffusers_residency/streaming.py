@@ -168,6 +168,7 @@ class BlockStream:
         self._passes += 1
         if self._passes == 2:
             self._stamps = {}
+            self.group.first_pass_ran(self.component)
 
     def _stamp_end(self, unit: StagedUnit) -> None:
         ran, started = self._running
@@ -205,8 +206,9 @@ class BlockStream:
             for other in self._held:  # dropped first: their room is what the next loads take
                 if other in keep:
                     held.append(other)
-                else:
+                elif other.policy is Policy.STREAMED:
                     other.stager.offload(slots=self.slots)
+                # else planned to stay since it loaded (a measuring call's first step): it stays.
             if unit.stager.loaded:
                 unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
             else:

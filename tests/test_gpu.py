@@ -467,3 +467,34 @@ def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_bu
 def _trunks(plan) -> int:
     by_name = {s.name: s for s in plan.sizes}
     return sum(by_name[p.name].trunk_bytes for p in plan.components if p.policy.value == "streamed")
+
+
+def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved_on_cuda() -> None:
+    from diffusers_residency.pipeline import pipeline_state
+    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
+
+    from .test_streaming import _component_sizes, _module_components
+
+    first = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    first.pipe.to("cpu")
+    sizes = _component_sizes(first.pipe, _module_components(first.pipe))
+    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
+    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
+    first.pipe.enable_pinned_offload(vram_budget=budget)
+    assert torch.equal(first.run(), first.reference)
+    learned = first.pipe.residency_plan()
+    assert learned.source == "measured", str(learned)
+    first.pipe.disable_pinned_offload()
+
+    second = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    second.pipe.to("cpu")
+    second.pipe.enable_pinned_offload(vram_budget=budget)
+    group = pipeline_state(second.pipe).group
+    measured: list[bool] = []
+    second.pipe.text_encoder.register_forward_pre_hook(lambda *_: measured.append(group.measures_next_call))
+    for _ in range(2):
+        assert torch.equal(second.run(), second.reference)
+    assert measured == [False, False], "planned from the profile: no measuring call"
+    plan = second.pipe.residency_plan()
+    assert plan.source == "from the residency profile" and plan.components == learned.components, str(plan)
+    assert torch.cuda.max_memory_allocated() <= budget

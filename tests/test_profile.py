@@ -3,10 +3,12 @@ never used for a setup they were not measured for."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import multiprocessing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,7 +75,7 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert (planned.components, planned.activations) == (learned.components, learned.activations)
 
     third = PipelineCase("flux")  # another budget: the profile is not for it
-    third.pipe.enable_pinned_offload("cpu", vram_budget=budget + 10**6)
+    third.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
     measuring = _measured_calls(third)
     assert torch.equal(third.run(), third.reference)
     assert measuring == [True]
@@ -203,6 +205,9 @@ def test_concurrent_writers_leave_one_whole_profile(tmp_path: Path) -> None:
     writers = [context.Process(target=_write_many, args=(str(path), writer)) for writer in range(3)]
     for process in writers:
         process.start()
+    while any(process.is_alive() for process in writers):
+        if path.exists():  # every read finds a whole profile: the old one or the new, never a part
+            assert read_profile(path, {"pipeline": "P", "budget": "1"}) is not None
     for process in writers:
         process.join(timeout=120)
         assert process.exitcode == 0
@@ -249,3 +254,63 @@ def test_sd15_on_a_4gb_card_is_planned_with_the_room_its_weights_leave() -> None
     assert 10**9 < reserve < budget
     plan = plan_residency(sd15, budget, reserve, least=True)
     assert plan.peak_bytes <= budget
+
+
+def test_a_call_that_never_runs_whole_leaves_nothing_in_another_shapes_figures(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A call returning latents never decodes: its measurement is not whole, and a call of another
+    # shape after it must not inherit what it measured.
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    need = [50_000]
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: pipeline_state(flux.pipe).group.loaded_bytes() + need[0])
+    pipeline_output(flux.pipe, {**call_kwargs("flux", height=48, width=48), "output_type": "latent"})
+    need[0] = 1000
+    with pytest.raises(RuntimeError, match="stop"):
+        hook = flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("stop")))
+        try:
+            _run(flux, 32)  # raises in the VAE: measured nothing whole either
+        finally:
+            hook.remove()
+    assert torch.equal(_run(flux, 32), flux.reference)
+    margin = int(budget * 0.02)
+    figures = residency_profile(flux.pipe).shapes[flux.pipe.residency_plan().shape]
+    assert set(figures.activations.values()) == {1000 + margin}, figures
+
+
+def test_a_call_within_a_call_is_planned_as_the_outer_one(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Subclassed(type(flux.pipe)):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    flux.pipe.__class__ = Subclassed
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    _measure_on_the_cpu(flux, monkeypatch)
+    measuring = _measured_calls(flux)
+    for _ in range(3):
+        assert torch.equal(flux.run(), flux.reference)
+    assert measuring == [True, False, False]
+    assert "height=32 width=32" in flux.pipe.residency_plan().shape, "read from the outer call's keyword arguments"
+
+
+@pytest.mark.parametrize(
+    ("one", "other", "same"),
+    [
+        ({"height": 512}, {"height": np.int64(512)}, True),
+        ({"height": 512}, {"height": torch.tensor(512)}, True),
+        ({}, {"height": None}, True),
+        ({"guidance_scale": 3.5}, {"guidance_scale": 7.0}, True),
+        ({"height": 512}, {"height": 1024}, False),
+        ({"prompt": "a"}, {"prompt": ["a", "b"]}, False),
+        ({"guidance_scale": 1.0}, {"guidance_scale": 5.0}, False),
+        ({"latents": torch.zeros(1, 4, 8, 8)}, {"latents": torch.zeros(1, 4, 16, 16)}, False),
+    ],
+)
+def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, other: dict, same: bool) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    from diffusers_residency.profile import call_shape
+
+    signature = inspect.signature(StableDiffusionXLPipeline.__call__)
+    assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
