@@ -43,8 +43,22 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             )
         device = accelerator
     device = torch.device(device)
-    if is_accelerator(device) and device.index is None:
+    if device.type == "cpu":
+        return device
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.type:
+        choices = "'cpu'" if accelerator is None else f"{accelerator.type!r} or 'cpu'"
+        raise ValueError(
+            f"device={str(device)!r} is not a device weights can be staged on and computed with in this process; "
+            f"pass device={choices}"
+        )
+    if device.index is None:
         device = torch.device(device.type, torch.accelerator.current_device_index())
+    elif device.index >= torch.accelerator.device_count():
+        raise ValueError(
+            f"device={str(device)!r} does not exist: there are {torch.accelerator.device_count()} {device.type} "
+            f"device(s), numbered from 0"
+        )
     return device
 
 

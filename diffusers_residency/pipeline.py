@@ -25,6 +25,7 @@ from torch import nn
 
 from . import _device
 from .adaptive import PipelineResidency, abort_call, apply_plan, begin_call, end_call
+from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .planner import (
     BudgetTooSmallError,
@@ -46,10 +47,6 @@ from .streaming import repeated_blocks
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_pinned_residency"
-# Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
-# merged by a function, not a component method the hooks could wrap): run with every component
-# offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
-_IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
@@ -64,8 +61,8 @@ def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
 
 
 def _forget(pipe: DiffusionPipeline) -> None:
-    for name in (_STATE_ATTR, "to", *_IN_PLACE_PIPELINE_METHODS):
-        pipe.__dict__.pop(name, None)
+    pipe.__dict__.pop(_STATE_ATTR, None)
+    unguard_pipeline(pipe)
 
 
 def _offload_sequence(pipe: DiffusionPipeline) -> list[str]:
@@ -96,6 +93,11 @@ def _default_policy(pipe: DiffusionPipeline, name: str) -> Policy:
 def _policies(
     pipe: DiffusionPipeline, modules: Mapping[str, nn.Module], components: Mapping[str, str] | None
 ) -> dict[str, Policy]:
+    if components is not None and not isinstance(components, Mapping):
+        raise TypeError(
+            f"components maps component names to policies, e.g. {{'vae': 'resident', 'transformer': 'streamed'}}; "
+            f"got {type(components).__name__} {components!r}"
+        )
     components = dict(components or {})
     unknown = sorted(set(components) - set(modules))
     if unknown:
@@ -368,12 +370,20 @@ def enable_pinned_offload(
             remove_hook_from_module(modules[name])
         raise
 
-    original_to = pipe.to
     pipe.__dict__[_STATE_ATTR] = state
-    pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_pipeline_to(pipe, original_to, *args, **kwargs)
-    for name in _IN_PLACE_PIPELINE_METHODS:
-        if hasattr(pipe, name):
-            pipe.__dict__[name] = _offloaded_first(pipe, state, getattr(pipe, name))
+
+    def offload_all() -> None:
+        for name in state.hooks:
+            state.group.offload_component(name, for_writing=True)
+
+    guard_pipeline(
+        pipe,
+        enabled=lambda: pipeline_state(pipe) is not None,
+        offload_all=offload_all,
+        after_writing=lambda: _load_excluded(pipe, state),
+        hooked_modules=lambda: [unit.module for unit in state.group.units],
+        state_attribute=_STATE_ATTR,
+    )
     logger.info("Pinned offload on %s:\n%s", group.device, plan)
 
 
@@ -508,32 +518,3 @@ def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> 
     state.measured_shapes.difference_update(loaded.shapes)
     state.shape = None  # the next call plans for its shape again, from these figures if it has them
     return True
-
-
-def _offloaded_first(
-    pipe: DiffusionPipeline, state: PipelineResidency, method: Callable[..., Any]
-) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-        for name in state.hooks:
-            state.group.offload_component(name, for_writing=True)  # each loads again at its next forward
-        result = method(*args, **kwargs)
-        _load_excluded(pipe, state)
-        return result
-
-    return offloaded_first
-
-
-def _guarded_pipeline_to(
-    pipe: DiffusionPipeline, original_to: Callable[..., DiffusionPipeline], *args: Any, **kwargs: Any
-) -> DiffusionPipeline:
-    """``pipe.to(dtype)`` casts through the masters; a device move while enabled is refused, because
-    diffusers' own ``to`` would move every weight, masters included, behind the hooks' back."""
-    if pipeline_state(pipe) is not None:
-        moves = kwargs.get("device") is not None or any(not isinstance(a, torch.dtype) for a in args)
-        if moves:
-            raise RuntimeError(
-                "This pipeline has pinned offload enabled, which places its weights itself. "
-                "Call pipe.disable_pinned_offload() before pipe.to(device)."
-            )
-    return original_to(*args, **kwargs)

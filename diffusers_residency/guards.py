@@ -1,0 +1,143 @@
+"""What an enabled pipeline's own methods may not do behind pinned offload's back.
+
+The guards stand in for those methods in the pipeline instance's ``__dict__``, so that disabling
+drops them all at once and a pipeline without pinned offload never meets them: ``to(device)``
+would move every weight, masters included; the LoRA methods that write into weights must write
+into the masters; diffusers' other offloaders would stack on ours or remove it and then refuse;
+a copy must not share hooks with the original, and a pickle cannot hold them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from torch import nn
+
+from .hooks import IN_PLACE_WEIGHT_METHODS
+
+# Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
+# merged by a function, not a component method the hooks could wrap): run with every component
+# offloaded, so the writes land in the masters. See hooks.IN_PLACE_WEIGHT_METHODS.
+IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
+# diffusers' own offloading, enabled over ours: group offloading would stack its hooks on ours, and
+# model or sequential offloading removes every hook before it finds out it has no accelerator.
+OTHER_OFFLOADS = ("enable_group_offload", "enable_model_cpu_offload", "enable_sequential_cpu_offload")
+GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "__reduce_ex__")
+# What attaching a staging hook sets on a module's instance: accelerate's hook and wrapped forward,
+# and the hook's own guards (see hooks.StagingHook.init_hook).
+_HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS)
+
+
+def guard_pipeline(
+    pipe: DiffusionPipeline,
+    enabled: Callable[[], bool],
+    offload_all: Callable[[], None],
+    after_writing: Callable[[], None],
+    hooked_modules: Callable[[], Iterable[nn.Module]],
+    state_attribute: str,
+) -> None:
+    """Put the guards on ``pipe``. ``enabled`` tells whether pinned offload is still on (its hooks
+    may have been removed by other means); ``offload_all`` offloads every component for writing,
+    ``after_writing`` reloads what must stay on the device; ``hooked_modules`` are the modules that
+    carry staging hooks, and ``state_attribute`` the instance attribute holding the setup."""
+    original_to = pipe.to
+    pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_to(enabled, original_to, *args, **kwargs)
+    for name in IN_PLACE_PIPELINE_METHODS:
+        if hasattr(pipe, name):
+            pipe.__dict__[name] = _offloaded_first(getattr(pipe, name), offload_all, after_writing)
+    for name in OTHER_OFFLOADS:
+        if hasattr(pipe, name):
+            pipe.__dict__[name] = _checked_other_offload(getattr(pipe, name), enabled)
+    pipe.__dict__["__deepcopy__"] = lambda memo: _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)
+    pipe.__dict__["__reduce_ex__"] = _refuse_pickling
+
+
+def unguard_pipeline(pipe: DiffusionPipeline) -> None:
+    for name in GUARDED:
+        pipe.__dict__.pop(name, None)
+
+
+def _offloaded_first(
+    method: Callable[..., Any], offload_all: Callable[[], None], after_writing: Callable[[], None]
+) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def offloaded_first(*args: Any, **kwargs: Any) -> Any:
+        offload_all()  # each component loads again at its next forward
+        result = method(*args, **kwargs)
+        after_writing()
+        return result
+
+    return offloaded_first
+
+
+def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], bool]) -> Callable[..., Any]:
+    """diffusers' offloading method ``method``, refused where it would leave the pipeline with both
+    offloaders or with neither: group offloading stacks its hooks on ours (disable ours first); model
+    and sequential offloading remove our hooks first and refuse after, where there is no
+    accelerator, so that case is refused here, before anything changes. Otherwise they replace
+    pinned offload (through ``remove_all_hooks()``, which disables it)."""
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if enabled():
+            if method.__name__ == "enable_group_offload":
+                raise RuntimeError(
+                    "This pipeline has pinned offload enabled; group offloading would stack its hooks on it. "
+                    "Call pipe.disable_pinned_offload() before pipe.enable_group_offload()."
+                )
+            device = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if device is None and torch.accelerator.current_accelerator() is None:
+                raise RuntimeError(
+                    f"{method.__name__}() needs an accelerator and this process has none; pinned offload stays "
+                    "enabled (it also runs on device='cpu')."
+                )
+        return method(*args, **kwargs)
+
+    return checked
+
+
+def _guarded_to(
+    enabled: Callable[[], bool], original_to: Callable[..., DiffusionPipeline], *args: Any, **kwargs: Any
+) -> DiffusionPipeline:
+    """``pipe.to(dtype)`` casts through the masters; a device move while enabled is refused, because
+    diffusers' own ``to`` would move every weight, masters included, behind the hooks' back."""
+    if enabled():
+        moves = kwargs.get("device") is not None or any(not isinstance(a, torch.dtype) for a in args)
+        if moves:
+            raise RuntimeError(
+                "This pipeline has pinned offload enabled, which places its weights itself. "
+                "Call pipe.disable_pinned_offload() before pipe.to(device)."
+            )
+    return original_to(*args, **kwargs)
+
+
+def _copy_without_offload(
+    pipe: DiffusionPipeline, memo: dict[int, Any], hooked: Iterable[nn.Module], state_attribute: str
+) -> DiffusionPipeline:
+    """``copy.deepcopy(pipe)``: an independent pipeline without pinned offload, its weights copies of
+    the ones in use now (host masters, or device copies of what is loaded). The hooks, guards and
+    setup are hidden while it is copied, so that the copy shares none of them (its ``to`` and LoRA
+    methods would otherwise be the original's closures) and copies no stream or pinned buffer."""
+    hidden = [(pipe, {name: pipe.__dict__.pop(name) for name in (state_attribute, *GUARDED) if name in pipe.__dict__})]
+    hidden += [
+        (module, {name: module.__dict__.pop(name) for name in _HOOK_ATTRIBUTES if name in module.__dict__})
+        for module in hooked
+    ]
+    try:
+        return copy.deepcopy(pipe, memo)
+    finally:
+        for owner, attributes in hidden:
+            owner.__dict__.update(attributes)
+
+
+def _refuse_pickling(protocol: int) -> Any:
+    raise TypeError(
+        "This pipeline has pinned offload enabled: its hooks hold streams and page-locked memory, which do not "
+        "pickle. Call pipe.disable_pinned_offload() before pickling or torch.save(pipe), or copy.deepcopy(pipe) "
+        "for a copy without offloading."
+    )

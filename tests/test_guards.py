@@ -1,0 +1,83 @@
+"""What an enabled pipeline refuses, and what it does instead: bad arguments, other offloaders,
+copies and pickles."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from diffusers_residency.pipeline import pipeline_state
+
+from .helpers import PipelineCase, assert_weights_equal
+
+
+def test_components_given_as_a_list_are_refused_with_the_form_expected(flux: PipelineCase) -> None:
+    with pytest.raises(TypeError, match=r"components maps component names to policies, e\.g\. \{'vae': 'resident'"):
+        flux.pipe.enable_pinned_offload("cpu", components=["vae"])
+    assert pipeline_state(flux.pipe) is None
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda:7"])
+def test_a_device_this_process_cannot_compute_on_is_refused_before_anything_changes(flux: PipelineCase, device: str) -> None:
+    if torch.accelerator.current_accelerator() is not None and device == "cuda:7" and torch.accelerator.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    flux.pipe.enable_pinned_offload("cpu")
+    before = flux.pipe.residency_plan()
+    with pytest.raises(ValueError, match=rf"device='{device}' is not a device weights can be staged on|does not exist"):
+        flux.pipe.enable_pinned_offload(device)
+    assert flux.pipe.residency_plan() is before, "the setup in place is untouched"
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu")
+    with pytest.raises(RuntimeError, match=r"disable_pinned_offload\(\) before pipe.enable_group_offload"):
+        flux.pipe.enable_group_offload(onload_device="cpu", offload_type="leaf_level")
+    assert pipeline_state(flux.pipe) is not None
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.skipif(torch.accelerator.current_accelerator() is not None, reason="diffusers refuses only without an accelerator")
+@pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
+def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_place(flux: PipelineCase, method: str) -> None:
+    flux.pipe.enable_pinned_offload("cpu")
+    with pytest.raises(RuntimeError, match="needs an accelerator and this process has none; pinned offload stays"):
+        getattr(flux.pipe, method)()
+    assert pipeline_state(flux.pipe) is not None
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_deep_copy_is_an_independent_pipeline_without_offloading(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed", "vae": "resident"}, vram_budget=10**9)
+    assert torch.equal(flux.run(), flux.reference)  # the VAE, resident, is loaded now
+    weights = flux.state()
+    twin = copy.deepcopy(flux.pipe)
+    assert pipeline_state(twin) is None and "to" not in twin.__dict__
+    for module in (m for m in twin.components.values() if isinstance(m, torch.nn.Module)):
+        assert not any(hasattr(sub, "_hf_hook") for sub in module.modules()), "no hook on the copy"
+    assert pipeline_state(flux.pipe) is not None and "to" in flux.pipe.__dict__, "the original keeps its own"
+    assert torch.equal(pipeline_output_of(twin, flux), flux.reference)
+    twin.to(torch.float64)  # the copy's own to(): the original is not cast
+    twin.transformer.transformer_blocks[0].ff.net[0].proj.weight.data.zero_()
+    assert_weights_equal(weights, flux.state())
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(weights, flux.state())
+
+
+def pipeline_output_of(pipe, case: PipelineCase) -> torch.Tensor:
+    from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+
+    return pipeline_output(pipe, call_kwargs(case.kind, "tiny"))
+
+
+def test_pickling_an_enabled_pipeline_says_what_to_do_and_works_after_disabling(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload("cpu")
+    with pytest.raises(TypeError, match=r"disable_pinned_offload\(\) before pickling or torch.save"):
+        pickle.dumps(flux.pipe)
+    flux.pipe.disable_pinned_offload()
+    restored = pickle.loads(pickle.dumps(flux.pipe))
+    assert torch.equal(pipeline_output_of(restored, flux), flux.reference)
