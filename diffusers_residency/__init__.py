@@ -18,6 +18,7 @@ from .pipeline import (
     residency_profile,
     residency_report,
     save_residency_profile,
+    wrap_calls_sharing_components,
 )
 from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan, plan_residency
 from .profile import ResidencyProfile
@@ -39,6 +40,7 @@ DiffusionPipeline.load_residency_profile = load_residency_profile
 DiffusionPipeline.sleep = sleep
 DiffusionPipeline.wake_up = wake_up
 DiffusionPipeline.is_sleeping = property(is_sleeping)
+DiffusionPipeline.register_modules = wrap_calls_sharing_components(DiffusionPipeline.register_modules)
 
 __all__ = [
     "AwakeRotation",

@@ -52,19 +52,24 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             f"device={str(device)!r} is not a device weights can be staged on and computed with in this process; "
             f"pass device={choices}"
         )
-    if device.index is None:
-        device = torch.device(device.type, torch.accelerator.current_device_index())
-    elif device.index >= torch.accelerator.device_count():
+    if device.index is not None and device.index >= torch.accelerator.device_count():
         raise ValueError(
             f"device={str(device)!r} does not exist: there are {torch.accelerator.device_count()} {device.type} "
             f"device(s), numbered from 0"
         )
+    return _indexed(device)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with the current index where an accelerator's is left out."""
+    if is_accelerator(device) and device.index is None:
+        return torch.device(device.type, torch.accelerator.current_device_index())
     return device
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where ``cuda`` and ``cuda:<current>`` are the same place."""
-    return a.type == b.type and (a.index == b.index or resolve_device(a) == resolve_device(b))
+    return a.type == b.type and (a.index == b.index or _indexed(a) == _indexed(b))
 
 
 def slices_storages(device: torch.device) -> bool:

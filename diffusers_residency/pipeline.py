@@ -314,7 +314,7 @@ def enable_pinned_offload(
     profile, profile_file = _profile(pipe, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
     if measuring:
         plan = replan({}, {}, least=True)
-    _wrap_call(type(pipe))
+    _wrap_every_pipeline_call()
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
@@ -407,35 +407,78 @@ def _profile(
 
 
 def _wrap_call(cls: type[DiffusionPipeline]) -> None:
-    """Have calls of ``cls``'s pipelines tell the plan their shape before they start and that they
-    ended after: ``pipe(...)`` looks ``__call__`` up on the class, so the class is wrapped, once, and
-    the wrapper passes straight through for a pipeline with nothing measured (one dict look-up)."""
+    """Wrap calls of ``cls``'s pipelines, once per class (``pipe(...)`` looks ``__call__`` up on the
+    class): a pipeline whose components pinned offload stages takes its group's call lock for the
+    call, so that pipelines sharing components (``from_pipe``) called from several threads run one
+    call at a time; a pipeline with its calls measured also tells the plan its shape before the
+    call and that it ended after. Any other pipeline passes straight through."""
     original = cls.__call__
     if getattr(original, "_residency_wrapper", False):
         return
-    signature = inspect.signature(original)
+    signature = functools.cache(lambda: inspect.signature(original))
 
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(_STATE_ATTR)
-        if state is None or state.profile is None or state.in_call:
-            # Not ours, or a call inside one (a subclass's __call__ calling its parent's): the
-            # outermost call is the one planned for.
+        group = state.group if state is not None else _staging_group(self)
+        if group is None:
             return original(self, *args, **kwargs)
-        state.in_call = True
-        try:
-            begin_call(state, call_shape(signature, args, kwargs))
-            result = original(self, *args, **kwargs)
-        except BaseException:
-            abort_call(state)
-            raise
-        finally:
-            state.in_call = False
-        end_call(state)
-        return result
+        with group.call_lock:
+            if state is None or state.profile is None or state.in_call:
+                # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
+                # the outermost call is the one planned for.
+                return original(self, *args, **kwargs)
+            state.in_call = True
+            try:
+                begin_call(state, call_shape(signature(), args, kwargs))
+                result = original(self, *args, **kwargs)
+            except BaseException:
+                abort_call(state)
+                raise
+            finally:
+                state.in_call = False
+            end_call(state)
+            return result
 
     call._residency_wrapper = True
     cls.__call__ = call
+
+
+def _wrap_every_pipeline_call() -> None:
+    """Wrap the calls of every pipeline class defined so far: a pipeline built earlier from the
+    components being enabled now (``FluxImg2ImgPipeline.from_pipe(pipe)`` before
+    ``pipe.enable_pinned_offload()``) is of any class, and its calls must take the lock too. Classes
+    defined later are wrapped when a pipeline of theirs is built from staged components (see
+    :func:`wrap_calls_sharing_components`)."""
+    classes = [DiffusionPipeline]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "__call__" in cls.__dict__:
+            _wrap_call(cls)
+
+
+def _staging_group(pipe: DiffusionPipeline) -> ResidencyGroup | None:
+    """The group staging ``pipe``'s components, for a pipeline that shares them with an enabled one."""
+    for component in pipe.components.values():
+        hook = getattr(component, "_hf_hook", None)
+        if isinstance(hook, StagingHook):
+            return hook.group
+    return None
+
+
+def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Callable[..., None]:
+    """``DiffusionPipeline.register_modules``, which every pipeline's ``__init__`` calls with its
+    components, made to wrap the calls of a pipeline built from components pinned offload stages
+    (``from_pipe``, or by hand): its calls then share the enabled pipeline's call lock."""
+
+    @functools.wraps(register_modules)
+    def registering(self: DiffusionPipeline, **modules: Any) -> None:
+        register_modules(self, **modules)
+        if any(isinstance(getattr(module, "_hf_hook", None), StagingHook) for module in modules.values()):
+            _wrap_call(type(self))
+
+    return registering
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:

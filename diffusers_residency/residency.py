@@ -13,6 +13,7 @@ With a weight capacity from the plan, the next component in call order loads ahe
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -121,6 +122,9 @@ class ResidencyGroup:
         self.pin_memory = pin_memory
         self.pin_budget = host_memory.resolve_pin_budget(pin_budget)
         self.retention = RetentionBudget(self.device)
+        # Held for each pipeline call that runs these units (see pipeline._wrap_call): one call at a
+        # time, so that a unit in use by one call is never offloaded under another's.
+        self.call_lock = threading.RLock()
         self.copy_stream = _device.new_copy_stream(self.device)
         self.units: list[StagedUnit] = []
         # The component whose units ran last (resident ones aside): switching away from it is
