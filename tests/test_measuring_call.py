@@ -12,7 +12,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import Policy
 
 from .helpers import PipelineCase
-from .test_profile import _budget, _measure_on_the_cpu
+from .test_profile import _budget, _measure_on_the_cpu, _measured_pipeline
 
 STEPS = 4
 
@@ -70,11 +70,7 @@ def test_the_plan_a_measuring_call_makes_is_loaded_as_it_returns(flux: PipelineC
 def test_a_call_of_a_shape_planned_from_a_profile_loads_its_resident_units_before_its_first_component(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first = PipelineCase("flux")
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch)
 
     second = PipelineCase("flux")
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)

@@ -54,12 +54,19 @@ def _measured_calls(case: PipelineCase) -> list[bool]:
     return measuring
 
 
+def _measured_pipeline(monkeypatch: pytest.MonkeyPatch) -> tuple[PipelineCase, int]:
+    """A tiny FLUX pipeline enabled under a budget that measures its calls, after its first
+    (measuring) call, exact; and that budget."""
+    case = PipelineCase("flux")
+    budget = _budget(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+    return case, budget
+
+
 def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = PipelineCase("flux")
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch)
     learned = first.pipe.residency_plan()
     assert learned.source == "measured" and learned["transformer"].resident_blocks, str(learned)
     profile = residency_profile(first.pipe)
@@ -107,11 +114,7 @@ def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
 def test_a_profile_saved_and_loaded_explicitly_plans_a_pipeline_with_profiles_turned_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first = PipelineCase("flux")
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch)
     shipped = tmp_path / "shipped.json"
     save_residency_profile(first.pipe, shipped)
 
@@ -130,11 +133,7 @@ def test_a_profile_saved_and_loaded_explicitly_plans_a_pipeline_with_profiles_tu
 def test_a_profile_measured_for_another_setup_is_refused_and_the_log_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    first = PipelineCase("flux")
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch)
     saved = tmp_path / "profile.json"
     save_residency_profile(first.pipe, saved)
     data = json.loads(saved.read_text())
