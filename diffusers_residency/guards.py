@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,26 +36,43 @@ _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward", "to", "_apply", "comp
 
 def guard_pipeline(
     pipe: DiffusionPipeline,
+    lock: AbstractContextManager,
     enabled: Callable[[], bool],
     offload_all: Callable[[], None],
     after_writing: Callable[[], None],
     hooked_modules: Callable[[], Iterable[nn.Module]],
     state_attribute: str,
 ) -> None:
-    """Put the guards on ``pipe``. ``enabled`` tells whether pinned offload is still on (its hooks
-    may have been removed by other means); ``offload_all`` offloads every component for writing,
-    ``after_writing`` reloads what must stay on the device; ``hooked_modules`` are the modules that
-    carry staging hooks, and ``state_attribute`` the instance attribute holding the setup."""
+    """Put the guards on ``pipe``. ``lock`` is held by pipeline calls (see pipeline._wrap_call):
+    what writes the weights or copies them takes it too. ``enabled`` tells whether pinned offload is
+    still on (its hooks may have been removed by other means); ``offload_all`` offloads every
+    component for writing, ``after_writing`` reloads what must stay on the device; ``hooked_modules``
+    are the modules that carry staging hooks, and ``state_attribute`` the instance attribute holding
+    the setup."""
     original_to = pipe.to
     pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_to(enabled, original_to, *args, **kwargs)
     for name in IN_PLACE_PIPELINE_METHODS:
         if hasattr(pipe, name):
-            pipe.__dict__[name] = _offloaded_first(getattr(pipe, name), offload_all, after_writing)
+            pipe.__dict__[name] = _offloaded_first(getattr(pipe, name), lock, offload_all, after_writing)
     for name in OTHER_OFFLOADS:
         if hasattr(pipe, name):
             pipe.__dict__[name] = _checked_other_offload(getattr(pipe, name), enabled)
-    pipe.__dict__["__deepcopy__"] = lambda memo: _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)
-    pipe.__dict__["__reduce_ex__"] = _refuse_pickling
+
+    def copy_without_offload(memo: dict[int, Any]) -> DiffusionPipeline:
+        with lock:
+            offload_all()  # the copy's weights come from the masters, all of them on the host
+            try:
+                return _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)
+            finally:
+                after_writing()
+
+    def reduce(protocol: int) -> Any:
+        if enabled():  # once the hooks are gone (remove_all_hooks), this drops the guards too
+            _refuse_pickling()
+        return object.__reduce_ex__(pipe, protocol)
+
+    pipe.__dict__["__deepcopy__"] = copy_without_offload
+    pipe.__dict__["__reduce_ex__"] = reduce
 
 
 def unguard_pipeline(pipe: DiffusionPipeline) -> None:
@@ -63,14 +81,18 @@ def unguard_pipeline(pipe: DiffusionPipeline) -> None:
 
 
 def _offloaded_first(
-    method: Callable[..., Any], offload_all: Callable[[], None], after_writing: Callable[[], None]
+    method: Callable[..., Any],
+    lock: AbstractContextManager,
+    offload_all: Callable[[], None],
+    after_writing: Callable[[], None],
 ) -> Callable[..., Any]:
     @functools.wraps(method)
     def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-        offload_all()  # each component loads again at its next forward
-        result = method(*args, **kwargs)
-        after_writing()
-        return result
+        with lock:
+            offload_all()  # each component loads again at its next forward
+            result = method(*args, **kwargs)
+            after_writing()
+            return result
 
     return offloaded_first
 
@@ -91,10 +113,13 @@ def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], boo
                     "Call pipe.disable_pinned_offload() before pipe.enable_group_offload()."
                 )
             device = kwargs.get("device", args[1] if len(args) > 1 else None)
-            if device is None and torch.accelerator.current_accelerator() is None:
+            accelerator = torch.accelerator.current_accelerator()
+            wanted = None if device is None else torch.device(device).type
+            if wanted != "cpu" and (accelerator is None or wanted not in (None, accelerator.type)):
                 raise RuntimeError(
-                    f"{method.__name__}() needs an accelerator and this process has none; pinned offload stays "
-                    "enabled (it also runs on device='cpu')."
+                    f"{method.__name__}() needs {wanted or 'an accelerator'} and this process has "
+                    f"{accelerator.type if accelerator else 'none'}; pinned offload stays enabled (it also runs "
+                    "on device='cpu')."
                 )
         return method(*args, **kwargs)
 
@@ -119,8 +144,8 @@ def _guarded_to(
 def _copy_without_offload(
     pipe: DiffusionPipeline, memo: dict[int, Any], hooked: Iterable[nn.Module], state_attribute: str
 ) -> DiffusionPipeline:
-    """``copy.deepcopy(pipe)``: an independent pipeline without pinned offload, its weights copies of
-    the ones in use now (host masters, or device copies of what is loaded). The hooks, guards and
+    """``copy.deepcopy(pipe)`` of a pipeline whose components are all offloaded: an independent
+    pipeline without pinned offload, its weights copies of the host masters. The hooks, guards and
     setup are hidden while it is copied, so that the copy shares none of them (its ``to`` and LoRA
     methods would otherwise be the original's closures) and copies no stream or pinned buffer."""
     hidden = [(pipe, {name: pipe.__dict__.pop(name) for name in (state_attribute, *GUARDED) if name in pipe.__dict__})]
@@ -135,7 +160,7 @@ def _copy_without_offload(
             owner.__dict__.update(attributes)
 
 
-def _refuse_pickling(protocol: int) -> Any:
+def _refuse_pickling() -> None:
     raise TypeError(
         "This pipeline has pinned offload enabled: its hooks hold streams and page-locked memory, which do not "
         "pickle. Call pipe.disable_pinned_offload() before pickling or torch.save(pipe), or copy.deepcopy(pipe) "

@@ -9,6 +9,7 @@ masters) as soon as it meets a component without ``_hf_hook``. The hooks are nev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -378,6 +379,7 @@ def enable_pinned_offload(
 
     guard_pipeline(
         pipe,
+        lock=group.call_lock,
         enabled=lambda: pipeline_state(pipe) is not None,
         offload_all=offload_all,
         after_writing=lambda: _load_excluded(pipe, state),
@@ -408,22 +410,35 @@ def _profile(
 
 def _wrap_call(cls: type[DiffusionPipeline]) -> None:
     """Wrap calls of ``cls``'s pipelines, once per class (``pipe(...)`` looks ``__call__`` up on the
-    class): a pipeline whose components pinned offload stages takes its group's call lock for the
+    class): a pipeline whose components pinned offload stages holds its groups' call locks for the
     call, so that pipelines sharing components (``from_pipe``) called from several threads run one
     call at a time; a pipeline with its calls measured also tells the plan its shape before the
-    call and that it ended after. Any other pipeline passes straight through."""
-    original = cls.__call__
-    if getattr(original, "_residency_wrapper", False):
+    call and that it ended after. A pipeline with no staged component only pays the look for one.
+    A ``__call__`` that is no plain function (a generator's would return before its work) is left
+    as it is."""
+    cls = next((owner for owner in cls.__mro__ if "__call__" in owner.__dict__), None)  # where it is defined
+    original = None if cls is None else cls.__dict__["__call__"]
+    plain = inspect.unwrap(original) if inspect.isfunction(original) else original
+    if (
+        cls is None
+        or getattr(original, "_residency_wrapper", False)
+        or not inspect.isfunction(original)
+        or inspect.isgeneratorfunction(plain)
+        or inspect.iscoroutinefunction(plain)
+        or inspect.isasyncgenfunction(plain)
+    ):
         return
     signature = functools.cache(lambda: inspect.signature(original))
 
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(_STATE_ATTR)
-        group = state.group if state is not None else _staging_group(self)
-        if group is None:
+        groups = [state.group] if state is not None else _staging_groups(self)
+        if not groups:
             return original(self, *args, **kwargs)
-        with group.call_lock:
+        with contextlib.ExitStack() as locks:
+            for group in groups:
+                locks.enter_context(group.call_lock)
             if state is None or state.profile is None or state.in_call:
                 # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
                 # the outermost call is the one planned for.
@@ -448,8 +463,8 @@ def _wrap_every_pipeline_call() -> None:
     """Wrap the calls of every pipeline class defined so far: a pipeline built earlier from the
     components being enabled now (``FluxImg2ImgPipeline.from_pipe(pipe)`` before
     ``pipe.enable_pinned_offload()``) is of any class, and its calls must take the lock too. Classes
-    defined later are wrapped when a pipeline of theirs is built from staged components (see
-    :func:`wrap_calls_sharing_components`)."""
+    defined later are wrapped when a pipeline of theirs is built from staged components through
+    ``register_modules`` (see :func:`wrap_calls_sharing_components`)."""
     classes = [DiffusionPipeline]
     while classes:
         cls = classes.pop()
@@ -458,19 +473,25 @@ def _wrap_every_pipeline_call() -> None:
             _wrap_call(cls)
 
 
-def _staging_group(pipe: DiffusionPipeline) -> ResidencyGroup | None:
-    """The group staging ``pipe``'s components, for a pipeline that shares them with an enabled one."""
-    for component in pipe.components.values():
-        hook = getattr(component, "_hf_hook", None)
-        if isinstance(hook, StagingHook):
-            return hook.group
-    return None
+def _staging_groups(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
+    """The groups staging ``pipe``'s components (it shares them with enabled pipelines), in one
+    order for every caller, so that two calls taking several locks never wait on each other. Read
+    from the instance's attributes: ``pipe.components`` raises for pipelines that register modules
+    their ``__init__`` does not take."""
+    groups = {
+        id(hook.group): hook.group
+        for hook in (getattr(value, "_hf_hook", None) for value in list(pipe.__dict__.values()))
+        if isinstance(hook, StagingHook)
+    }
+    return [groups[key] for key in sorted(groups)]
 
 
 def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Callable[..., None]:
-    """``DiffusionPipeline.register_modules``, which every pipeline's ``__init__`` calls with its
-    components, made to wrap the calls of a pipeline built from components pinned offload stages
-    (``from_pipe``, or by hand): its calls then share the enabled pipeline's call lock."""
+    """``DiffusionPipeline.register_modules``, which diffusers' pipelines' ``__init__`` call with
+    their components, made to wrap the calls of a pipeline built from components pinned offload
+    stages (``from_pipe``, or by hand) whose class was defined after enabling: its calls then share
+    the enabled pipeline's call lock. A component assigned afterwards (``p.vae = pipe.vae``) is not
+    seen here."""
 
     @functools.wraps(register_modules)
     def registering(self: DiffusionPipeline, **modules: Any) -> None:

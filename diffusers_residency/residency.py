@@ -165,6 +165,16 @@ class ResidencyGroup:
         self._call_started = False
         self._call_end_ran = False
 
+    def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
+        # Reached by copying a module this group stages from anywhere but the pipeline that enabled
+        # it (whose copy leaves the hooks out): a second group over the same masters would stage
+        # them behind this one's back.
+        raise TypeError(
+            "A module staged by pinned offload cannot be copied on its own, nor a pipeline that shares its "
+            "components: copy.deepcopy() the pipeline pinned offload was enabled on (the copy has no "
+            "offloading), or call disable_pinned_offload() first."
+        )
+
     def watch_budget(
         self,
         vram_budget: int,

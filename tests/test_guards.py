@@ -41,11 +41,14 @@ def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> 
 
 
 @pytest.mark.skipif(torch.accelerator.current_accelerator() is not None, reason="diffusers refuses only without an accelerator")
+@pytest.mark.parametrize("device", [None, "cuda"])
 @pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
-def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_place(flux: PipelineCase, method: str) -> None:
+def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_place(
+    flux: PipelineCase, method: str, device: str | None
+) -> None:
     flux.pipe.enable_pinned_offload("cpu")
-    with pytest.raises(RuntimeError, match="needs an accelerator and this process has none; pinned offload stays"):
-        getattr(flux.pipe, method)()
+    with pytest.raises(RuntimeError, match="and this process has none; pinned offload stays enabled"):
+        getattr(flux.pipe, method)(device=device)
     assert pipeline_state(flux.pipe) is not None
     assert torch.equal(flux.run(), flux.reference)
 
@@ -78,6 +81,17 @@ def test_pickling_an_enabled_pipeline_says_what_to_do_and_works_after_disabling(
     flux.pipe.enable_pinned_offload("cpu")
     with pytest.raises(TypeError, match=r"disable_pinned_offload\(\) before pickling or torch.save"):
         pickle.dumps(flux.pipe)
-    flux.pipe.disable_pinned_offload()
+    flux.pipe.remove_all_hooks()  # hooks removed by other means: the guards go with them
     restored = pickle.loads(pickle.dumps(flux.pipe))
     assert torch.equal(pipeline_output_of(restored, flux), flux.reference)
+
+
+def test_copying_a_staged_module_or_a_pipeline_sharing_it_says_what_to_copy(flux: PipelineCase) -> None:
+    from diffusers import FluxPipeline
+
+    flux.pipe.enable_pinned_offload("cpu")
+    sibling = FluxPipeline.from_pipe(flux.pipe)
+    for staged in (flux.pipe.vae, sibling):
+        with pytest.raises(TypeError, match="copy.deepcopy\\(\\) the pipeline pinned offload was enabled on"):
+            copy.deepcopy(staged)
+    assert torch.equal(flux.run(), flux.reference)

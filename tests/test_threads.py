@@ -49,6 +49,7 @@ def test_two_threads_calling_pipelines_that_share_components_are_exact(flux: Pip
         thread.start()
     for thread in threads:
         thread.join(timeout=600)
+        assert not thread.is_alive(), "a call never ended: the threads wait on each other"
     if failures:
         raise failures[0]
     assert not inexact, inexact
