@@ -595,14 +595,15 @@ def _stage_blocks(
         streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
         for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):
             run = [i for i in streamed if sizes.block_bytes[i] == size]
-
-            def staging(count: int, run: list[int] = run) -> dict[str, ComponentPlan]:
-                return {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | set(run[:count]))}
-
             low, high = 0, len(run) - 1  # the most of run[:-1] that fit lies in [low, high]
             while low < high:
                 middle = (low + high + 1) // 2
-                low, high = (middle, high) if fits(staging(middle)) else (low, middle - 1)
-            count = len(run) if low == len(run) - 1 and fits(staging(len(run))) else low
-            plans = staging(count)
+                low, high = (middle, high) if fits(_staging(plans, name, run[:middle])) else (low, middle - 1)
+            whole_run = low == len(run) - 1 and fits(_staging(plans, name, run))
+            plans = _staging(plans, name, run if whole_run else run[:low])
     return plans
+
+
+def _staging(plans: dict[str, ComponentPlan], name: str, blocks: Collection[int]) -> dict[str, ComponentPlan]:
+    """``plans`` with ``blocks`` of component ``name`` staged too."""
+    return {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | frozenset(blocks))}

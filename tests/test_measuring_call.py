@@ -70,7 +70,7 @@ def test_the_plan_a_measuring_call_makes_is_loaded_as_it_returns(flux: PipelineC
 def test_a_call_of_a_shape_planned_from_a_profile_loads_its_resident_units_before_its_first_component(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first, budget = _measured_pipeline(monkeypatch)
+    _, budget = _measured_pipeline(monkeypatch)
 
     second = PipelineCase("flux")
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
