@@ -296,7 +296,8 @@ class ResidencyGroup:
                 # Planned for: from here on a peak over the budget is a new one (a component
                 # outgrowing the room it was just given, or another going over by less).
                 _device.reset_peak_allocated(self.device)
-            # Retries are told once a call, as the next one starts: a component that runs
+            # Retries are told once a call, as it returns (see end_call) or as the next one
+            # starts: a component that runs
             # between the steps of another (a resident ControlNet) switches at every step, and
             # the plan made for the first retries applies only at the next switch that evicts.
             if self._call_start is None or component == self._call_start:
