@@ -65,9 +65,14 @@ def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys
     ]
     assert results[1]["exact"] is True and results[1]["plan"]
     assert results[3]["error"] == results[4]["error"] == "needs an accelerator"
-    assert (tmp_path / "results.png").stat().st_size > 0
+    assert not (tmp_path / "results.png").exists(), "the CPU has no memory figures to plot"
     captured = capsys.readouterr()
     assert "| pinned |" in captured.out
+    assert "On the CPU this run checks function, not speed" in captured.out
+    pinned_row = next(line for line in captured.out.splitlines() if line.startswith("| pinned |")).split(" | ")
+    assert pinned_row[6] == "-" and pinned_row[13] == "-", "no x resident, no RSS x weights on the CPU"
+    assert "default" not in captured.out.splitlines()[2], "the steps and size called with, not 'default'"
+    assert "truncated because `max_sequence_length`" not in captured.err, "the builders' chatter is silenced"
     assert "mmgp cannot be undone" in captured.err
 
 

@@ -37,10 +37,11 @@ from typing import TypeVar
 
 import diffusers
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 from .. import _device
-from ..planner import Policy, parse_bytes
+from ..planner import Policy, format_bytes, parse_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .modes import MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
@@ -209,8 +210,9 @@ def _call_seconds(r: ModeResult, index: int) -> str:
     return f"{r.call_seconds[index]:.3f}" if index < len(r.call_seconds) else "-"
 
 
-def format_table(results: list[ModeResult], weight_bytes: int | None) -> str:
-    """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with."""
+def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios: bool = True) -> str:
+    """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with.
+    Without ``ratios`` (a CPU run, whose times and memory say nothing of a GPU's), no ratio is shown."""
     resident_by_round = _resident_by_round(results)
     several = any(r.round > 1 for r in results)
     header = (
@@ -237,14 +239,14 @@ def format_table(results: list[ModeResult], weight_bytes: int | None) -> str:
                 _call_seconds(r, 1),
                 f"{r.seconds_per_call:.3f}",
                 "-" if r.calls_to_steady is None else str(r.calls_to_steady),
-                "-" if not resident else f"{r.seconds_per_call / resident:.2f}",
+                "-" if not resident or not ratios else f"{r.seconds_per_call / resident:.2f}",
                 _gb(r.peak_allocated_bytes),
                 _gb(r.peak_reserved_bytes),
                 within,
                 "-" if r.alloc_retries is None else str(r.alloc_retries),
                 f"{r.setup_seconds:.2f}",
                 _gb(r.host_rss_bytes),
-                "-" if r.host_rss_bytes is None or not weight_bytes else f"{r.host_rss_bytes / weight_bytes:.2f}",
+                "-" if r.host_rss_bytes is None or not weight_bytes or not ratios else f"{r.host_rss_bytes / weight_bytes:.2f}",
                 _gb(r.loaded_bytes_per_call),
                 "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
                 "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
@@ -426,6 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     args = _parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:
+        # The builders' own chatter: the tiny pipelines' prompts truncated to their short sequence,
+        # image processors missing torchvision, save and load progress bars.
+        for library in (diffusers.utils.logging, transformers.utils.logging):
+            library.set_verbosity_error()
+            library.disable_progress_bar()
     device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
     runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components))
@@ -448,21 +456,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             results = _measure(runs, args.rounds > 1, here)
 
-    weights = "unknown bytes" if weight_bytes is None else f"{weight_bytes / 1e9:.2f} GB"
+    weights = "unknown bytes" if weight_bytes is None else format_bytes(weight_bytes)
+    called = call_kwargs(args.pipeline, args.scale, steps=args.steps, height=args.height, width=args.width)
     setting = (
-        f"{_source(args)}, {weights} of weights, {dtype}, {args.steps or 'default'} steps, "
-        f"{args.height or 'default'}x{args.width or 'default'}, {args.warmup} + {args.calls} calls per mode, every one "
+        f"{_source(args)}, {weights} of weights, {dtype}, {called['num_inference_steps']} steps, "
+        f"{called['height']}x{called['width']}, {args.warmup} + {args.calls} calls per mode, every one "
         f"timed, steady figures over the last {args.calls}, {'each mode in a fresh process, ' if args.fresh_process else ''}"
         f"residency profiles in {profiles}"
     )
     environment = environment_line(device)
+    speed = _device.is_accelerator(device)
+    if not speed:
+        print(
+            "On the CPU this run checks function, not speed: every mode runs, and its output is compared bit for bit "
+            "with resident's. Its times say nothing of a GPU's, so no ratio is shown.\n"
+        )
     print(f"{setting}\n{environment}\n")
     if args.compile:
         results, spread = judged_by_compile_spread(results)
         if spread is not None:
             print(f"Compiled again, the resident pipeline differs from its first compile by up to {spread:.1e}: "
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
-    print(format_table(results, weight_bytes))
+    print(format_table(results, weight_bytes, ratios=speed))
     print(f"\nevery call in order, the first ones included:\n\n{format_calls(results)}")
     ratios = format_round_ratios(results)
     if ratios:
@@ -482,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.trace:
             where = _label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
             print(f"\none more call traced, {where}:\n\n```\n{result.trace}\n```")
-    _write(args.out, setting, environment, results)
+    _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":
         print(
@@ -497,13 +512,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _write(out: Path, setting: str, environment: str, results: list[ModeResult]) -> None:
+def _write(out: Path, setting: str, environment: str, results: list[ModeResult], *, plot: bool) -> None:
+    """``results.json`` and, with ``plot`` (a device that has memory figures to plot), ``results.png``."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"setting": setting, "environment": environment, "results": [r.as_dict() for r in results]}
     (out / "results.json").write_text(json.dumps(data, indent=2))
     written = [out / "results.json"]
     try:
-        written.append(draw(data, out / "results.png"))
+        if plot:
+            written.append(draw(data, out / "results.png"))
     except ImportError:
         print("\nnote: matplotlib is not installed, so no results.png; draw it later with "
               f"python -m diffusers_residency.bench.plot {out / 'results.json'}", file=sys.stderr)
