@@ -20,7 +20,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import _component_sizes, _default_reserve, _module_components, pipeline_state
-from diffusers_residency.planner import ComponentSizes, plan_residency
+from diffusers_residency.planner import BudgetTooSmallError, ComponentSizes, Policy, default_reserve, plan_residency
 from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 
 from .helpers import PipelineCase
@@ -249,10 +249,12 @@ def test_sd15_on_a_4gb_card_is_planned_with_the_room_its_weights_leave() -> None
         ComponentSizes("vae", 167 * MB),
     )
     budget = sum(s.nbytes for s in sd15) + 10**9
+    with pytest.raises(BudgetTooSmallError):  # the uncapped default reserve leaves no room for weights
+        plan_residency(sd15, budget, default_reserve(budget))
     reserve = _default_reserve(list(sd15), budget, {})
     assert 10**9 < reserve < budget
-    plan = plan_residency(sd15, budget, reserve, least=True)
-    assert plan.peak_bytes <= budget
+    plan = plan_residency(sd15, budget, reserve)  # the plan enable starts from
+    assert plan.peak_bytes <= budget and plan["unet"].policy is Policy.STREAMED, str(plan)
 
 
 def test_a_call_that_never_runs_whole_leaves_nothing_in_another_shapes_figures(
