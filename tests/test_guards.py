@@ -62,7 +62,7 @@ def test_a_deep_copy_is_an_independent_pipeline_without_offloading(flux: Pipelin
     for module in (m for m in twin.components.values() if isinstance(m, torch.nn.Module)):
         assert not any(hasattr(sub, "_hf_hook") for sub in module.modules()), "no hook on the copy"
     assert pipeline_state(flux.pipe) is not None and "to" in flux.pipe.__dict__, "the original keeps its own"
-    assert torch.equal(pipeline_output_of(twin, flux), flux.reference)
+    assert torch.equal(pipeline_output_of(twin, flux), copied_output(flux, copy.deepcopy))
     twin.to(torch.float64)  # the copy's own to(): the original is not cast
     twin.transformer.transformer_blocks[0].ff.net[0].proj.weight.data.zero_()
     assert_weights_equal(weights, flux.state())
@@ -77,13 +77,21 @@ def pipeline_output_of(pipe, case: PipelineCase) -> torch.Tensor:
     return pipeline_output(pipe, call_kwargs(case.kind, "tiny"))
 
 
+def copied_output(case: PipelineCase, copy_pipeline) -> torch.Tensor:
+    """The output of a copy of the same pipeline never offloaded: what a copy of the offloaded one
+    must give. Not the original's output: a copy's weights are new 64-byte-aligned host memory, the
+    original's are mapped from its files at their offsets there, and the CPU's kernels can round
+    differently with alignment."""
+    return pipeline_output_of(copy_pipeline(PipelineCase(case.kind).pipe), case)
+
+
 def test_pickling_an_enabled_pipeline_says_what_to_do_and_works_after_disabling(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload("cpu")
     with pytest.raises(TypeError, match=r"disable_pinned_offload\(\) before pickling or torch.save"):
         pickle.dumps(flux.pipe)
     flux.pipe.remove_all_hooks()  # hooks removed by other means: the guards go with them
     restored = pickle.loads(pickle.dumps(flux.pipe))
-    assert torch.equal(pipeline_output_of(restored, flux), flux.reference)
+    assert torch.equal(pipeline_output_of(restored, flux), copied_output(flux, lambda pipe: pickle.loads(pickle.dumps(pipe))))
 
 
 def test_copying_a_staged_module_or_a_pipeline_sharing_it_says_what_to_copy(flux: PipelineCase) -> None:
