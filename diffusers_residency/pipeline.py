@@ -42,8 +42,9 @@ from .planner import (
 from .profile import ResidencyProfile, cache_folder, call_shape, profile_key, profile_path, read_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import Policy, ResidencyGroup
-from .staging import module_tensors, refuse_meta_tensors, refuse_staged_elsewhere, storage_bytes
+from .staging import refuse_staged_elsewhere
 from .streaming import repeated_blocks
+from .weights import module_tensors, refuse_unstageable_tensors, storage_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ def enable_pinned_offload(
     ours = [unit.stager for unit in previous.group.units] if previous else []
     for name, module in modules.items():
         check_attachable(module, name, previous.group if previous else None)
-        refuse_meta_tensors((module,), f"Component {name!r}")
+        refuse_unstageable_tensors((module,), f"Component {name!r}")
         refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)

@@ -198,7 +198,7 @@ def profile_key(
     import transformers
 
     from . import __version__
-    from .staging import module_tensors, storage_bytes
+    from .weights import module_tensors, storage_bytes
 
     components = []
     for name, module in modules.items():

@@ -24,8 +24,9 @@ from torch import nn
 from . import _device, host_memory
 from .planner import Policy
 from .retention import RetentionBudget
-from .staging import DeviceSlots, ModuleStager, local_tensor, module_tensors, staged_by
+from .staging import DeviceSlots, ModuleStager, staged_by
 from .streaming import BlockStream
+from .weights import module_stored_tensors, module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -373,7 +374,7 @@ class ResidencyGroup:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
         each take a master of the same storage and rebind it behind the other's back."""
         ours = {id(unit.stager) for unit in self.units}
-        if any(id(staged_by(local_tensor(t))) in ours for t in module_tensors((module,), exclude)):
+        if any(id(staged_by(t)) in ours for t in module_stored_tensors((module,), exclude)):
             raise ValueError(
                 f"{name!r} shares weights with a module this group already stages; stage the enclosing "
                 "module or its parts, not both"

@@ -30,7 +30,7 @@ from .adaptive import PipelineResidency
 from .pipeline import enable_pinned_offload, pipeline_state
 from .planner import Policy
 from .residency import StagedUnit
-from .staging import local_tensor
+from .weights import stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,9 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
     dtype cannot be viewed at, are left out (they keep their own masters)."""
     by_name: dict[str, torch.Tensor] = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        by_name[name] = local_tensor(tensor)
+        stored = stored_tensors(tensor)
+        if len(stored) == 1:  # a quantized weight's parts are not one tensor of the file
+            by_name[name] = stored[0]
     views: dict[int, MappedBytes] = {}
     for path in sorted(directory.glob("*.safetensors")):
         file = OpenFile(path)

@@ -18,7 +18,6 @@ import logging
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
 from typing import TypeVar
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from . import _device, host_memory
 from .retention import RetentionBudget
+from .weights import Wrappers, module_stored_tensors, module_tensors, refuse_unstageable_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -91,76 +91,6 @@ class StorageGroup:
         return self.mapped_from is not None
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds the bytes: a DTensor's local shard, else the tensor itself.
-
-    ``DTensor.to_local()`` returns an alias created through autograd, and rebinding an alias would
-    leave the DTensor on its old storage, so the shard object itself (``_local_tensor``) is bound.
-    """
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor
-
-
-def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of the modules, each object once, in ``parameters()`` then
-    ``buffers()`` order, but those of ``exclude`` (blocks that a stager of their own streams, when
-    ``modules`` is their component's trunk).
-
-    The walk stops at excluded modules rather than going through them and dropping what it finds:
-    a streamed component's trunk is walked at each of its loads and casts, and its blocks hold
-    nearly all of its tensors. They are read once, to leave out a tensor the rest also reaches (a
-    weight tied between the trunk and a block)."""
-    exclude = tuple(exclude)
-    seen: set[int] = {id(t) for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in exclude)}
-    excluded = {id(m) for m in exclude}
-    for module in modules:
-        tree = _modules_outside(module, excluded)
-        for members in (lambda m: m._parameters.values(), lambda m: m._buffers.values()):
-            for submodule in tree:
-                for tensor in members(submodule):
-                    if tensor is not None and id(tensor) not in seen:
-                        seen.add(id(tensor))
-                        yield tensor
-
-
-def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
-    """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
-    ones and what lies below them."""
-    found, visited, stack = [], set(), [root]
-    while stack:
-        module = stack.pop()
-        # Marked when reached, as named_modules() does: a module shared by two parents comes
-        # where the walk first reaches it, not where it was first seen as a child.
-        if id(module) in visited or id(module) in excluded:
-            continue
-        visited.add(id(module))
-        found.append(module)
-        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
-    return found
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind the tensors: what staging them moves."""
-    sizes = {}
-    for tensor in tensors:
-        storage = local_tensor(tensor).untyped_storage()
-        sizes[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(sizes.values())
-
-
-def refuse_meta_tensors(modules: Iterable[nn.Module], what: str) -> None:
-    """Raise before anything changes if a weight has no data (a model loaded with ``device_map`` or
-    ``low_cpu_mem_usage`` that was never materialised): there would be nothing to stage."""
-    for module in modules:
-        for name, tensor in chain(module.named_parameters(), module.named_buffers()):
-            if local_tensor(tensor).is_meta:
-                raise ValueError(
-                    f"{what} has weights on the 'meta' device (first: {name!r}), so there is nothing to stage. "
-                    "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
-                    "then enable offloading."
-                )
-
-
 # The stager holding masters of each tensor, process-wide: id(tensor) -> (tensor, stager), both
 # weakly. Keyed by id because tensors compare element-wise; the tensor reference tells a reused id
 # from the same tensor.
@@ -182,8 +112,8 @@ def refuse_staged_elsewhere(
     """Raise, before anything changes, if a weight is staged by another stager (a script's group on
     a block of a component that a pipeline already stages, say): two stagers rebinding one tensor
     would each undo the other."""
-    for tensor in module_tensors(modules, exclude):
-        owner = staged_by(local_tensor(tensor))
+    for tensor in module_stored_tensors(modules, exclude):
+        owner = staged_by(tensor)
         if owner is not None and owner not in allowed:
             raise ValueError(
                 f"{what} has weights that another staging group already stages (a module enclosing it, or "
@@ -214,8 +144,7 @@ def _snapshot(
         views_in.setdefault(group.master.untyped_storage().data_ptr(), []).append(group)
     in_view: dict[tuple, StorageGroup] = {}
     grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
-    for target in tensors:
-        local = local_tensor(target)
+    for local in tensors:
         storage = local.untyped_storage()
         view = _view_holding(local, views_in.get(storage.data_ptr(), ())) if views_in else None
         if view is not None:
@@ -454,7 +383,7 @@ class ModuleStager:
             raise TypeError("ModuleStager needs at least one nn.Module")
         # Submodules whose tensors are not this stager's (blocks streamed by stagers of their own).
         self.exclude = tuple(exclude)
-        refuse_meta_tensors(self.modules, "The module")
+        refuse_unstageable_tensors(self.modules, "The module")
         refuse_staged_elsewhere(self.modules, "The module", exclude=self.exclude)
         self.closed = False
         self.device = device
@@ -494,6 +423,8 @@ class ModuleStager:
         # id of those (see _master_views).
         self._master_views_by: dict[int, tuple[tuple[StorageGroup, ...], _Views]] = {}
         self._groups, copied_host = _snapshot(self.tensors(), self.pin_budget)
+        # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
+        self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         # Masters the last conversion (see convert()) left, and a view of each tensor it converted,
         # on both sides, by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
@@ -528,8 +459,9 @@ class ModuleStager:
         return self._maps_files
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        """The modules' parameters and buffers that this stager holds masters of."""
-        return module_tensors(self.modules, self.exclude)
+        """The plain tensors behind the modules' parameters and buffers that this stager holds
+        masters of (see weights.stored_tensors)."""
+        return module_stored_tensors(self.modules, self.exclude)
 
     @property
     def staged_bytes(self) -> int:
@@ -579,8 +511,7 @@ class ModuleStager:
                 inference = [(binding.target, binding.view_over(backing)) for binding, backing in inference]
         return ordinary, inference
 
-    @staticmethod
-    def _assign(views: _Views, keep: frozenset[int] = frozenset()) -> None:
+    def _assign(self, views: _Views, keep: frozenset[int] = frozenset()) -> None:
         ordinary, inference = views
         with torch.inference_mode(False):
             for target, view in ordinary:
@@ -591,6 +522,8 @@ class ModuleStager:
                 for target, view in inference:
                     if id(target) not in keep:
                         target.data = view
+        if self._wrappers.tensors:
+            self._wrappers.follow()
 
     def _bind(self, backings: Iterable[torch.Tensor]) -> None:
         self._assign(self._views_over(backings))
@@ -1074,7 +1007,7 @@ class ModuleStager:
         current ones) were taken for (none added, none replaced by another object)."""
         groups = self._groups if groups is None else groups
         bound = {id(binding.target) for group in groups for binding in group.bindings}
-        return bound == {id(local_tensor(t)) for t in (self.tensors() if tensors is None else tensors)}
+        return bound == {id(t) for t in (self.tensors() if tensors is None else tensors)}
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE
@@ -1096,11 +1029,12 @@ class ModuleStager:
         tensors = list(self.tensors())  # walked once: a cast retakes the masters of every block
         if self.masters_current(tensors):
             return ()
-        if any(local_tensor(t).is_meta for t in tensors):
-            refuse_meta_tensors(self.modules, "The module")
+        if any(t.is_meta for t in tensors):
+            refuse_unstageable_tensors(self.modules, "The module")
         old = self._groups
         before = self.staged_bytes
         self._groups, copied_host = _snapshot(tensors, self.pin_budget, self._groups + self._kept_groups)
+        self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         try:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 
-from diffusers_residency import StagingHook, _device
+from diffusers_residency import BudgetTooSmallError, StagingHook, _device
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
+from diffusers_residency.pipeline import _component_sizes, _module_components
+from diffusers_residency.planner import Policy, plan_residency
+from diffusers_residency.weights import stored_tensors
 
 
 class PipelineCase:
@@ -26,9 +30,13 @@ class PipelineCase:
         return pipeline_output(self.pipe, call_kwargs(self.kind, "tiny"))
 
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """A detached copy of every component's weights, to compare bit for bit later."""
+        """A detached copy of every component's weights (the plain tensors that hold a quantized
+        weight's bytes, for one), to compare bit for bit later."""
         return {
-            name: {key: value.detach().clone() for key, value in module.state_dict().items()}
+            name: {
+                key: tuple(stored.detach().clone() for stored in stored_tensors(value))
+                for key, value in module.state_dict(keep_vars=True).items()
+            }
             for name, module in self.pipe.components.items()
             if isinstance(module, torch.nn.Module)
         }
@@ -47,7 +55,8 @@ def assert_weights_equal(before: dict, after: dict) -> None:
     for name in before:
         assert before[name].keys() == after[name].keys(), name
         for key, value in before[name].items():
-            assert torch.equal(value, after[name][key]), f"{name}.{key} changed"
+            assert len(value) == len(after[name][key]), f"{name}.{key} changed"
+            assert all(torch.equal(a, b) for a, b in zip(value, after[name][key])), f"{name}.{key} changed"
 
 
 def assert_no_meta_or_foreign_device(pipe, device: str = "cpu") -> None:
@@ -68,3 +77,23 @@ def count_device_allocations(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(_device, "allocate_device_storage", counted)
     return sizes
+
+
+RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
+
+
+def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:
+    """The largest budget under which the transformer streams with some blocks resident."""
+    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    fixed = {name: Policy(policy) for name, policy in (fixed or {}).items()}
+    total = sum(s.nbytes for s in sizes)
+    blocks = len(next(s for s in sizes if s.name == "transformer").block_bytes)
+    for budget in range(total + reserve, reserve, -1024):
+        try:
+            plan = plan_residency(sizes, budget, reserve, fixed=fixed)
+        except BudgetTooSmallError:
+            break
+        transformer = plan["transformer"]
+        if transformer.policy is Policy.STREAMED and 0 < len(transformer.resident_blocks) < blocks:
+            return budget
+    pytest.fail("no budget streams the transformer behind a resident prefix")

@@ -398,12 +398,13 @@ def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first
 
 
 def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory() -> None:
-    from .test_streaming import RESERVE, _record_loaded_bytes, _streaming_budget
+    from .helpers import RESERVE, streaming_budget
+    from .test_streaming import _record_loaded_bytes
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
     reserve = 256 * 2**20  # the tiny pipeline's activations, cuBLAS workspaces and rounding
-    budget = _streaming_budget(case) - RESERVE + reserve  # the same room for weights
+    budget = streaming_budget(case) - RESERVE + reserve  # the same room for weights
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()

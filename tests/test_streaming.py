@@ -8,10 +8,15 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
-from diffusers_residency import _device
-from diffusers_residency import BudgetTooSmallError, ResidencyGroup, attach_block_streaming, detach_staging_hook
-from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency import (
+    BudgetTooSmallError,
+    ResidencyGroup,
+    _device,
+    attach_block_streaming,
+    detach_staging_hook,
+)
 from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import (
     _component_sizes,
     _module_components,
@@ -20,26 +25,14 @@ from diffusers_residency.pipeline import (
 from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, Policy, StepTiming, plan_residency
 from diffusers_residency.streaming import repeated_blocks
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, count_device_allocations
-
-RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
-
-
-def _streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:
-    """The largest budget under which the transformer streams with some blocks resident."""
-    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
-    fixed = {name: Policy(policy) for name, policy in (fixed or {}).items()}
-    total = sum(s.nbytes for s in sizes)
-    blocks = len(next(s for s in sizes if s.name == "transformer").block_bytes)
-    for budget in range(total + reserve, reserve, -1024):
-        try:
-            plan = plan_residency(sizes, budget, reserve, fixed=fixed)
-        except BudgetTooSmallError:
-            break
-        transformer = plan["transformer"]
-        if transformer.policy is Policy.STREAMED and 0 < len(transformer.resident_blocks) < blocks:
-            return budget
-    pytest.fail("no budget streams the transformer behind a resident prefix")
+from .helpers import (
+    RESERVE,
+    PipelineCase,
+    assert_no_meta_or_foreign_device,
+    assert_weights_equal,
+    count_device_allocations,
+    streaming_budget,
+)
 
 
 def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
@@ -54,7 +47,7 @@ def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
 
 def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) -> None:
     before = flux.state()
-    budget = _streaming_budget(flux)
+    budget = streaming_budget(flux)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
     plan = flux.pipe.residency_plan()
     assert plan["transformer"].policy is Policy.STREAMED and len(plan["transformer"].resident_blocks) > 0, str(plan)
@@ -78,7 +71,7 @@ def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) ->
 
 
 def test_new_budget_moves_the_resident_prefix_and_keeps_the_masters(flux: PipelineCase) -> None:
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=_streaming_budget(flux), activation_reserve=RESERVE)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(flux), activation_reserve=RESERVE)
     plan = flux.pipe.residency_plan()
     first = len(plan["transformer"].resident_blocks)
     group = pipeline_state(flux.pipe).group
@@ -309,7 +302,7 @@ def test_the_first_call_measures_each_component_and_the_plan_keeps_what_fits(
         if fixed
         else None
     )
-    budget = _streaming_budget(flux, MIN_RESERVE_BYTES, components)  # the default reserve
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES, components)  # the default reserve
     flux.pipe.enable_pinned_offload("cpu", components=components, vram_budget=budget)
     before = flux.pipe.residency_plan()
     # The measuring call keeps the least on the device: no block resident, what is free staged.
@@ -546,7 +539,7 @@ def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_pl
 def test_a_pipeline_of_one_component_in_its_sequence_is_not_measured(flux: PipelineCase) -> None:
     flux.pipe.model_cpu_offload_seq = "transformer"  # no call would ever be seen to end
     # Components outside the sequence are kept resident.
-    budget = _streaming_budget(flux, MIN_RESERVE_BYTES, {n: "resident" for n in ("text_encoder", "text_encoder_2", "vae")})
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES, {n: "resident" for n in ("text_encoder", "text_encoder_2", "vae")})
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     assert not pipeline_state(flux.pipe).measuring
     assert flux.pipe.residency_plan()["transformer"].resident_blocks, "planned with the reserve, not for measuring"
@@ -799,7 +792,7 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
 
 def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _run(flux, 3)
-    budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     group = pipeline_state(flux.pipe).group
     monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
@@ -831,7 +824,7 @@ def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: Pipel
             return None
 
     # The largest budget (in steps of a quarter block) that the bus-bound plan fills with one block ahead.
-    budgets = range(_streaming_budget(flux), 0, -max(transformer.block_bytes) // 4)
+    budgets = range(streaming_budget(flux), 0, -max(transformer.block_bytes) // 4)
     budget = next(b for b in budgets if depth(b) in (1, None))
     assert depth(budget) == 1
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
@@ -866,7 +859,7 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(
         return pipeline_output(flux.pipe, {**call_kwargs("flux", steps=steps), **cfg})
 
     reference = {steps: run(steps) for steps in (short, 3)}
-    budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     group = pipeline_state(flux.pipe).group
     monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
@@ -890,7 +883,7 @@ def test_a_step_timed_under_a_plan_that_retried_is_not_planned_for(flux: Pipelin
     """Retries under the cap stretch the steps of the calls they come in, not only the measuring
     call's: the plan made for them (told as that call returns) waits for a step timed under it."""
     reference = _run(flux, 3)
-    budget = _streaming_budget(flux, MIN_RESERVE_BYTES)
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     group = pipeline_state(flux.pipe).group
     monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)

@@ -27,7 +27,7 @@ from diffusers import DiffusionPipeline
 from .. import _device
 from ..pipeline import pipeline_state
 from ..sleep_mode import AwakeRotation, sleep, wake_up
-from ..staging import local_tensor, module_tensors
+from ..weights import module_stored_tensors, module_tensors, storage_bytes
 from .builders import build_pipeline
 
 GB = 1e9
@@ -52,13 +52,7 @@ def pinned_rate(device: torch.device, nbytes: int = 2**32) -> float:
 
 
 def weight_bytes(pipe: DiffusionPipeline) -> int:
-    storages = {}
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            for tensor in module_tensors((component,)):
-                storage = local_tensor(tensor).untyped_storage()
-                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    return storage_bytes(module_tensors(c for c in pipe.components.values() if isinstance(c, torch.nn.Module)))
 
 
 class ReferenceSleep:
@@ -70,8 +64,7 @@ class ReferenceSleep:
         self.storages: dict[tuple, list[torch.Tensor]] = {}
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
-                for tensor in module_tensors((component,)):
-                    local = local_tensor(tensor)
+                for local in module_stored_tensors((component,)):
                     self.storages.setdefault(local.untyped_storage().data_ptr(), []).append(local)
 
     def _move(self, make: Callable[[int], torch.Tensor]) -> None:

@@ -1,0 +1,203 @@
+"""What holds a module's weights: its tensors, and the plain tensors behind them that hold the bytes.
+
+A parameter is usually a plain tensor over a storage of its own. Quantized checkpoints are not:
+torchao's and optimum-quanto's weights are *wrapper* tensor subclasses with no storage, whose bytes
+live in inner tensors (``__tensor_flatten__`` names them); bitsandbytes' ``Params4bit`` holds the
+packed weight and keeps its scales in a ``quant_state`` beside it; a DTensor holds its shard.
+Staging moves the plain tensors (the *stored* tensors), one master per storage as for any weight,
+and then makes each wrapper's own metadata (its device) follow its inner tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# Attributes of bitsandbytes' ``QuantState`` (and of its nested ``state2``) that hold tensors the
+# 4-bit matmul reads on the weight's device.
+_QUANT_STATE_TENSORS = ("absmax", "code", "offset")
+_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+
+
+def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of the modules, each object once, in ``parameters()`` then
+    ``buffers()`` order, but those of ``exclude`` (blocks that a stager of their own streams, when
+    ``modules`` is their component's trunk).
+
+    The walk stops at excluded modules rather than going through them and dropping what it finds:
+    a streamed component's trunk is walked at each of its loads and casts, and its blocks hold
+    nearly all of its tensors. They are read once, to leave out a tensor the rest also reaches (a
+    weight tied between the trunk and a block)."""
+    exclude = tuple(exclude)
+    seen: set[int] = {id(t) for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in exclude)}
+    excluded = {id(m) for m in exclude}
+    for module in modules:
+        tree = _modules_outside(module, excluded)
+        for members in (lambda m: m._parameters.values(), lambda m: m._buffers.values()):
+            for submodule in tree:
+                for tensor in members(submodule):
+                    if tensor is not None and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        yield tensor
+
+
+def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
+    """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
+    ones and what lies below them."""
+    found, visited, stack = [], set(), [root]
+    while stack:
+        module = stack.pop()
+        # Marked when reached, as named_modules() does: a module shared by two parents comes
+        # where the walk first reaches it, not where it was first seen as a child.
+        if id(module) in visited or id(module) in excluded:
+            continue
+        visited.add(id(module))
+        found.append(module)
+        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
+    return found
+
+
+def stored_tensors(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The plain tensors that hold ``tensor``'s bytes: itself, for an ordinary tensor.
+
+    A DTensor gives its shard object (``_local_tensor``, not ``to_local()``: that is an alias made
+    through autograd, and rebinding it would leave the DTensor on its old storage); a wrapper
+    subclass its inner tensors, nested ones included; a bitsandbytes parameter itself and the
+    tensors of its quantization state."""
+    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor:
+        return (tensor,)  # nearly every weight: no attribute lookups on the way
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return stored_tensors(local)
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return tuple(chain.from_iterable(stored_tensors(getattr(tensor, name)) for name in names))
+    return (tensor, *_quantization_state_tensors(tensor))
+
+
+def module_stored_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> Iterator[torch.Tensor]:
+    """The stored tensors (see :func:`stored_tensors`) of :func:`module_tensors`, each object once."""
+    seen: set[int] = set()
+    for tensor in module_tensors(modules, exclude):
+        for stored in stored_tensors(tensor):
+            if id(stored) not in seen:
+                seen.add(id(stored))
+                yield stored
+
+
+def _quantization_state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors that a bitsandbytes parameter keeps beside its bytes: ``Int8Params.SCB`` (its
+    ``CB`` is the parameter's own storage), and ``Params4bit.quant_state``'s scales and code."""
+    found = []
+    scales = getattr(tensor, "SCB", None)
+    if isinstance(scales, torch.Tensor):
+        found.append(scales)
+    state = getattr(tensor, "quant_state", None)
+    while state is not None:
+        found.extend(t for t in (getattr(state, name, None) for name in _QUANT_STATE_TENSORS) if isinstance(t, torch.Tensor))
+        state = getattr(state, "state2", None)
+    return found
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind the tensors: what staging them moves (quantized bytes
+    for a quantized weight)."""
+    sizes = {}
+    for tensor in tensors:
+        for stored in stored_tensors(tensor):
+            storage = stored.untyped_storage()
+            sizes[(stored.device, storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
+
+
+# Tensor types staging refuses, with why. bitsandbytes' 8-bit layers move the weight's bytes and
+# scales into the layer's own matmul state at their first forward (``Linear8bitLt.init_8bit_state``),
+# out of reach of the parameter: a load would not reach what runs, and the device copy would never go.
+_REFUSED_TYPES = {
+    "bitsandbytes.nn.modules.Int8Params": "bitsandbytes' 8-bit layers keep their weights in the layer's own "
+    "matmul state, out of reach of staging. Use 4-bit (load_in_4bit=True) or torchao's int8 weight-only instead"
+}
+
+
+def refuse_unstageable_tensors(modules: Iterable[nn.Module], what: str) -> None:
+    """Raise before anything changes if a weight cannot be staged exactly: one with no data (a model
+    loaded with ``device_map`` or ``low_cpu_mem_usage`` that was never materialised), or a tensor
+    subclass whose bytes are not reachable as plain tensors."""
+    for module in modules:
+        for name, tensor in chain(module.named_parameters(), module.named_buffers()):
+            kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+            if kind in _REFUSED_TYPES:
+                raise ValueError(f"{what} holds {name!r} as a {kind}: {_REFUSED_TYPES[kind]}.")
+            try:
+                stored = stored_tensors(tensor)
+                for inner in stored:
+                    inner.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError) as error:
+                raise ValueError(
+                    f"{what} holds {name!r} as a {kind}, whose bytes "
+                    f"cannot be staged ({error}). Quantize with a library whose tensors flatten to plain ones "
+                    "(torchao, optimum-quanto, GGUF, bitsandbytes 4-bit)."
+                ) from error
+            if any(inner.is_meta for inner in stored):
+                raise ValueError(
+                    f"{what} has weights on the 'meta' device (first: {name!r}), so there is nothing to stage. "
+                    "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
+                    "then enable offloading."
+                )
+
+
+@dataclass
+class Wrappers:
+    """The wrapper subclasses among some tensors, innermost first, and what moves their metadata.
+
+    A wrapper's device is its own metadata, set when it was made: rebinding its inner tensors moves
+    its bytes but not that. ``follow()`` gives each wrapper the device of its inner tensors by
+    ``wrapper.data = template``, a wrapper of the same type, shape and stride rebuilt once per device
+    with ``__tensor_unflatten__`` (as ``nn.Module._apply`` rebuilds one in a ``.to()``): ``.data``
+    takes the template's metadata and keeps the object, its attributes and its inner tensors, so
+    every holder of the parameter sees it move."""
+
+    tensors: tuple[torch.Tensor, ...] = ()
+    # (id of a wrapper, device) -> its template there.
+    _templates: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def among(cls, tensors: Iterable[torch.Tensor]) -> Wrappers:
+        found: list[torch.Tensor] = []
+        for tensor in tensors:
+            _collect_wrappers(tensor, found)
+        return cls(tuple(found))
+
+    def follow(self) -> None:
+        """Give every wrapper the device its inner tensors are on now."""
+        for wrapper in self.tensors:
+            device = stored_tensors(wrapper)[0].device
+            if wrapper.device == device:
+                continue
+            template = self._templates.get((id(wrapper), device))
+            if template is None:
+                names, context = wrapper.__tensor_flatten__()
+                inner = {name: getattr(wrapper, name) for name in names}
+                template = type(wrapper).__tensor_unflatten__(inner, context, wrapper.size(), wrapper.stride())
+                self._templates[(id(wrapper), device)] = template
+            # The subclass's own dispatch is left out: ``.data =`` moves metadata only, and torchao's
+            # float8 tensors, for one, implement none of the ops it asks of them across devices.
+            with torch.no_grad(), torch._C._ExcludeDispatchKeyGuard(_PYTHON_DISPATCH):
+                wrapper.data = template
+
+
+def _collect_wrappers(tensor: torch.Tensor, found: list[torch.Tensor]) -> None:
+    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or not is_traceable_wrapper_subclass(tensor):
+        return
+    if isinstance(getattr(tensor, "_local_tensor", None), torch.Tensor):
+        # A DTensor stays on its mesh's device type, as it was made: its shard is what moves.
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        _collect_wrappers(getattr(tensor, name), found)
+    found.append(tensor)
