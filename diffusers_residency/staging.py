@@ -405,9 +405,10 @@ class ModuleStager:
         # synchronise before dropping it, and, for a load into DeviceSlots, while loaded, so that
         # the offload can hand it to the next block's load.
         self._device_storages: list[torch.Tensor] = []
-        # Each tensor and the address the last load bound it to: a tensor found elsewhere at
-        # offload was replaced while loaded.
-        self._loaded_addresses: tuple[tuple[torch.Tensor, int], ...] = ()
+        # Each tensor, the address the last load bound it to and its version counter then (None for
+        # an inference tensor, which has none): at offload, a tensor found elsewhere was replaced
+        # while loaded, and one whose counter moved was written in place.
+        self._loaded_state: tuple[tuple[torch.Tensor, int, int | None], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         # A read-back of masters mapped from files, with the groups it reads: started when a load
         # copied them from the files (see read_ahead), taken by the next load, by a forward or an
@@ -547,7 +548,7 @@ class ModuleStager:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._assign(self._master_views())
         self._device_storages = []
-        self._loaded_addresses = ()
+        self._loaded_state = ()
         self.loaded = False
 
     def _layout(self) -> tuple:
@@ -797,7 +798,11 @@ class ModuleStager:
             # moved to storage of their own (layerwise casting does, at every forward). A buffer to
             # be handed to the next block is held here instead, at most a window of blocks' worth.
             self._device_storages = []
-        self._loaded_addresses = tuple((b.target, b.target.data_ptr()) for g in self._groups for b in g.bindings)
+        self._loaded_state = tuple(
+            (b.target, b.target.data_ptr(), None if b.inference else b.target._version)
+            for g in self._groups
+            for b in g.bindings
+        )
         self.loaded = True
         self.loads += 1
         if timed:
@@ -888,7 +893,9 @@ class ModuleStager:
         if self._maps_files:
             self._settle_mapped_masters()
         storages, self._device_storages = self._device_storages, []
-        replaced = self._replaced_while_loaded()
+        replaced, written = self._changed_while_loaded()
+        if written:
+            replaced |= self._keep_writes(written)
         if not replaced:
             self.rebind_masters()
             # Only storage that none of the modules' tensors still reaches is handed on: a parameter
@@ -903,7 +910,7 @@ class ModuleStager:
         # that: keep them, bind the rest, and take masters for them (a copy of those alone).
         logger.info("%d tensors were replaced while loaded; taking masters for them", len(replaced))
         self._assign(self._master_views(), keep=replaced)
-        self._loaded_addresses = ()
+        self._loaded_state = ()
         self.loaded = False
         self.retake_masters()
 
@@ -965,14 +972,23 @@ class ModuleStager:
             groups.append(group)
         return tuple(groups)
 
-    def _replaced_while_loaded(self) -> frozenset[int]:
-        """Tensors given a new dtype, shape or stride since the last load. A tensor elsewhere with
-        its old layout is not counted: diffusers' layerwise casting casts each weight up and back
-        down at every forward, leaving equal values in new storage, which the masters still hold."""
-        moved = {id(target) for target, address in self._loaded_addresses if target.data_ptr() != address}
+    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor]]:
+        """Tensors given a new dtype, shape or stride since the last load (by id), and tensors
+        written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
+        their version counters moved).
+
+        A tensor elsewhere with its old layout is neither: diffusers' layerwise casting casts each
+        weight up and back down at every forward, leaving equal values in new storage, which the
+        masters still hold. Nor is a write through ``.data``, which no counter sees."""
+        moved, written = set(), []
+        for target, address, version in self._loaded_state:
+            if target.data_ptr() != address:
+                moved.add(id(target))
+            elif version is not None and target._version != version:
+                written.append(target)
         if not moved:
-            return frozenset()
-        return frozenset(
+            return frozenset(), written
+        replaced = frozenset(
             id(binding.target)
             for group in self._groups
             for binding in group.bindings
@@ -983,6 +999,21 @@ class ModuleStager:
                 or tuple(binding.target.stride()) != binding.stride
             )
         )
+        return replaced, written
+
+    def _keep_writes(self, written: list[torch.Tensor]) -> frozenset[int]:
+        """Copy tensors written in place while loaded back into their masters: the one device-to-host
+        copy an offload makes, and only of what changed. Returns those whose master is mapped from a
+        file, which is not written: they are kept like replaced tensors and get masters of their own."""
+        mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
+        ordinary, _ = self._master_views()
+        views = {id(target): view for target, view in ordinary}
+        logger.info("%d tensors were written in place while loaded; copying them back to their masters", len(written))
+        with torch.no_grad():
+            for target in written:
+                if id(target) not in mapped:
+                    views[id(target)].copy_(target)
+        return frozenset(id(target) for target in written if id(target) in mapped)
 
     def offload_for_writing(self) -> None:
         """Offload, and wait until no copy still reads the masters: they are about to be written."""

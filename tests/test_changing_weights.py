@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from diffusers_residency import _device
+from diffusers_residency import ModuleStager, Policy, _device
+from diffusers_residency.pipeline import pipeline_state
 
-from .helpers import PipelineCase
+from .helpers import RESERVE, PipelineCase, assert_weights_equal, streaming_budget
 
 peft = pytest.importorskip("peft")
 
@@ -280,3 +281,65 @@ def test_a_cast_while_loaded_under_inference_mode_leaves_ordinary_parameters(flu
     assert flux.pipe.transformer.proj_out.weight.dtype == torch.float64
     assert not any(t.is_inference() for t in flux.pipe.transformer.parameters())
     flux.pipe.wake_up()
+
+
+def _written_weights(case: PipelineCase, subset: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """New values for the transformer's and the VAE's weights (``subset``: a few layers only)."""
+    torch.manual_seed(2)
+    chosen = {}
+    for name in ("transformer", "vae"):
+        state = getattr(case.pipe, name).state_dict()
+        keys = [k for k in state if ("to_q" in k or "conv_out" in k)] if subset else list(state)
+        chosen[name] = {k: state[k] * 1.01 + 0.01 * torch.randn_like(state[k]) for k in keys if state[k].is_floating_point()}
+    return chosen
+
+
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+@pytest.mark.parametrize("policy", ["resident", "staged", "streamed"])
+def test_load_state_dict_into_a_loaded_component_is_kept(policy: str, subset: bool) -> None:
+    """``load_state_dict`` writes into whatever the weights are bound to, a device copy for a loaded
+    unit (the VAE after a call, a resident transformer or its resident blocks): the offload copies
+    what was written back into the masters, so the next call and the state after disable carry it."""
+    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+    new = _written_weights(resident, subset)
+    for name, weights in new.items():
+        getattr(resident.pipe, name).load_state_dict(weights, strict=False)
+    expected = resident.run()
+    assert not torch.equal(expected, offloaded.reference), "the new weights must change the output"
+
+    if policy == "streamed":
+        offloaded.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(offloaded), activation_reserve=RESERVE)
+        plan = offloaded.pipe.residency_plan()
+        assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks, str(plan)
+    else:
+        offloaded.pipe.enable_pinned_offload("cpu", components={"transformer": policy}, vram_budget=None)
+    offloaded.run()
+    group = pipeline_state(offloaded.pipe).group
+    assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"
+    for name, weights in new.items():
+        getattr(offloaded.pipe, name).load_state_dict(weights, strict=False)
+    assert torch.equal(offloaded.run(), expected)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert torch.equal(offloaded.run(), expected)
+
+
+def test_an_ordinary_offload_copies_nothing_back(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    copied_back: list[int] = []
+    keep_writes = ModuleStager._keep_writes
+    monkeypatch.setattr(
+        ModuleStager, "_keep_writes", lambda self, written: copied_back.append(len(written)) or keep_writes(self, written)
+    )
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(flux), activation_reserve=RESERVE)
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+    assert copied_back == []
+    # The same values, written all the same: into the masters of the VAE's units that are offloaded,
+    # into the device copies of those still loaded after the call.
+    flux.pipe.vae.load_state_dict(flux.pipe.vae.state_dict())
+    assert torch.equal(flux.run(), flux.reference)
+    loaded_after_a_call = copied_back[:]
+    assert 0 < sum(loaded_after_a_call) < len(flux.pipe.vae.state_dict()), "only tensors written while loaded"
+    assert torch.equal(flux.run(), flux.reference)
+    assert copied_back == loaded_after_a_call, "copied back once"
