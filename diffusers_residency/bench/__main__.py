@@ -42,8 +42,9 @@ from tqdm.auto import tqdm
 
 from .. import _device
 from ..planner import Policy, format_bytes, parse_bytes
-from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
-from .modes import MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
+from ..weights import module_tensors, storage_bytes
+from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
+from .modes import DENOISERS, MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
 from .timing import STEADY_WITHIN
@@ -68,6 +69,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--checkpoint", type=Path, default=None, help="a pipeline folder saved with save_pretrained")
+    parser.add_argument(
+        "--quantize",
+        choices=("nf4",),
+        default=None,
+        help="quantize the denoiser's linear layers before every mode (nf4: bitsandbytes 4-bit, CUDA only)",
+    )
     parser.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
@@ -342,18 +349,14 @@ def environment_line(device: torch.device) -> str:
 
 
 def _weight_bytes(pipe: diffusers.DiffusionPipeline) -> int:
-    """Unique bytes behind every parameter and buffer of the pipeline's modules."""
-    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for m in modules
-        for t in (*m.parameters(), *m.buffers())
-    }
-    return sum(storages.values())
+    """Unique bytes behind every parameter and buffer of the pipeline's modules (quantized bytes for
+    quantized weights)."""
+    return storage_bytes(module_tensors(c for c in pipe.components.values() if isinstance(c, torch.nn.Module)))
 
 
 def _source(args: argparse.Namespace) -> str:
-    return str(args.checkpoint or f"{args.scale} {args.pipeline}")
+    source = str(args.checkpoint or f"{args.scale} {args.pipeline}")
+    return f"{source}, denoiser in {args.quantize}" if args.quantize else source
 
 
 def _pipeline(
@@ -367,6 +370,8 @@ def _pipeline(
         pipe = diffusers.DiffusionPipeline.from_pretrained(args.checkpoint, torch_dtype=dtype)
     else:
         pipe = build_pipeline(args.pipeline, args.scale, dtype=dtype, device=device)
+    if args.quantize:
+        quantize_nf4(next(pipe.components[name] for name in DENOISERS if name in pipe.components), dtype)
     pipe.set_progress_bar_config(disable=True)
     pipe.to("cpu")
     kwargs = dict(steps=args.steps, height=args.height, width=args.width)

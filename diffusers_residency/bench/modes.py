@@ -184,7 +184,7 @@ MODES: dict[str, Mode] = {
 
 
 # The components diffusers' pipelines call at every denoising step: what --compile compiles.
-_DENOISERS = ("transformer", "unet")
+DENOISERS = ("transformer", "unet")
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class CompileSettings:
 
 def compile_denoiser(pipe: DiffusionPipeline, settings: CompileSettings) -> None:
     """Compile the denoiser the way a user would."""
-    denoiser = next(pipe.components[name] for name in _DENOISERS if name in pipe.components)
+    denoiser = next(pipe.components[name] for name in DENOISERS if name in pipe.components)
     compile_ = denoiser.compile_repeated_blocks if settings.how == "regional" else denoiser.compile
     compile_(**settings.kwargs())
 
