@@ -170,6 +170,24 @@ def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatc
     assert locked[0] == locked[1], "no slot of the ring is left locked"
 
 
+def test_a_level_2_sleeper_called_under_inference_mode_wakes_exact_and_warns_nothing(tmp_path, caplog) -> None:
+    """The masters read back from the files after a wake under ``torch.inference_mode()`` are read
+    on threads that are not in inference mode: nothing of that may fail or warn."""
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.save_pretrained(tmp_path)
+    case.pipe.register_to_config(_name_or_path=str(tmp_path))
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload(vram_budget=None)
+    case.run()
+    caplog.set_level("WARNING", logger="diffusers_residency")
+    for _ in range(3):
+        case.pipe.sleep(level=2)
+        with torch.inference_mode():
+            assert torch.equal(case.run(), case.reference)
+            assert torch.equal(case.run(), case.reference)
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("diffusers_residency")]
+
+
 def test_hundred_sleep_wake_cycles_keep_memory_flat() -> None:
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
 
