@@ -21,9 +21,10 @@ from .pipeline import (
     wrap_calls_sharing_components,
 )
 from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan, plan_residency
+from .policy import Policy
 from .profile import ResidencyProfile
 from .report import ComponentReport, ResidencyReport
-from .residency import Policy, ResidencyGroup, StagedUnit
+from .residency import ResidencyGroup, StagedUnit
 from .retention import RetentionBudget, RetentionDecision
 from .sleep_mode import AwakeRotation, is_sleeping, sleep, wake_up
 from .staging import ModuleStager

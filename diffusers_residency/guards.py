@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS
+from .hooks import IN_PLACE_WEIGHT_METHODS, offloaded_first
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
 # merged by a function, not a component method the hooks could wrap): run with every component
@@ -53,7 +53,8 @@ def guard_pipeline(
     pipe.__dict__["to"] = lambda *args, **kwargs: _guarded_to(enabled, original_to, *args, **kwargs)
     for name in IN_PLACE_PIPELINE_METHODS:
         if hasattr(pipe, name):
-            pipe.__dict__[name] = _offloaded_first(getattr(pipe, name), lock, offload_all, after_writing)
+            # Each component loads again at its next forward.
+            pipe.__dict__[name] = offloaded_first(getattr(pipe, name), lock, offload_all, after_writing)
     for name in OTHER_OFFLOADS:
         if hasattr(pipe, name):
             pipe.__dict__[name] = _checked_other_offload(getattr(pipe, name), enabled)
@@ -78,23 +79,6 @@ def guard_pipeline(
 def unguard_pipeline(pipe: DiffusionPipeline) -> None:
     for name in GUARDED:
         pipe.__dict__.pop(name, None)
-
-
-def _offloaded_first(
-    method: Callable[..., Any],
-    lock: AbstractContextManager,
-    offload_all: Callable[[], None],
-    after_writing: Callable[[], None],
-) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            offload_all()  # each component loads again at its next forward
-            result = method(*args, **kwargs)
-            after_writing()
-            return result
-
-    return offloaded_first
 
 
 def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], bool]) -> Callable[..., Any]:

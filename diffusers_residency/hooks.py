@@ -18,6 +18,7 @@ import numbers
 import time
 import warnings
 from collections.abc import Collection
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,8 @@ from torch import nn
 
 from . import _device
 from .planner import PREFETCH_BLOCKS
-from .residency import DIFFUSERS_REGISTRY_ATTR, Policy, ResidencyGroup, StagedUnit
+from .policy import Policy
+from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, StagedUnit
 from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,27 @@ def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None 
             )
 
 
+def offloaded_first(
+    method: Callable[..., Any],
+    lock: AbstractContextManager,
+    offload: Callable[[], None],
+    after_writing: Callable[[], None] | None = None,
+) -> Callable[..., Any]:
+    """``method``, run under ``lock`` after ``offload``: a method that writes into weights in place
+    (LoRA fusing) then writes into the host masters, which the next load copies."""
+
+    @functools.wraps(method)
+    def run_offloaded(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            offload()
+            result = method(*args, **kwargs)
+            if after_writing is not None:
+                after_writing()
+            return result
+
+    return run_offloaded
+
+
 class StagingHook(ModelHook):
     """Loads its unit through the group before every forward and moves tensor inputs to the device.
 
@@ -131,7 +154,9 @@ class StagingHook(ModelHook):
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
         for name in IN_PLACE_WEIGHT_METHODS:
             if hasattr(module, name):
-                setattr(module, name, self._offloaded_first(getattr(module, name)))
+                # Every unit of the component, its streamed blocks included: loaded again at its next forward.
+                offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
+                setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload))
         return module
 
     @_not_compiled
@@ -186,15 +211,6 @@ class StagingHook(ModelHook):
                 )
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
         return original_to(**casts) if casts else module
-
-    def _offloaded_first(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def offloaded_first(*args: Any, **kwargs: Any) -> Any:
-            # Every unit of the component, its streamed blocks included: loaded again at its next forward.
-            self.group.offload_component(self.unit.component, for_writing=True)
-            return method(*args, **kwargs)
-
-        return offloaded_first
 
     def _compile_wrapped_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         # nn.Module.compile() compiles the whole call, staging included: the staging call runs

@@ -39,9 +39,10 @@ from .planner import (
     plan_as_given,
     plan_residency,
 )
+from .policy import Policy
 from .profile import ResidencyProfile, cache_folder, call_shape, profile_key, profile_path, read_profile, write_profile
 from .report import ResidencyReport, report_for
-from .residency import Policy, ResidencyGroup
+from .residency import ResidencyGroup
 from .staging import refuse_staged_elsewhere
 from .streaming import repeated_blocks
 from .weights import module_tensors, refuse_unstageable_tensors, storage_bytes

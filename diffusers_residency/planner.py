@@ -46,7 +46,8 @@ import functools
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum
+
+from .policy import Policy
 
 # One block computing and two in flight keep the copy stream busy behind the compute; a deeper
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
@@ -67,22 +68,6 @@ DEFAULT_RESERVE_FRACTION = 0.1
 MIN_RESERVE_BYTES = 3 << 30
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class Policy(str, Enum):
-    """Where a component's weights live between its uses."""
-
-    STAGED = "staged"  # on the device only while in use, loaded whole
-    RESIDENT = "resident"  # loaded on first use, kept
-    STREAMED = "streamed"  # trunk and some blocks kept, the other blocks loaded around their use
-
-    @classmethod
-    def parse(cls, value: str | Policy, what: str) -> Policy:
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(repr(p.value) for p in cls)
-            raise ValueError(f"{what}: unknown residency policy {value!r}; use one of {choices}") from None
 
 
 def parse_bytes(value: int | str, what: str = "vram_budget") -> int:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import _device, host_memory
-from .planner import Policy
+from .policy import Policy
 from .retention import RetentionBudget
 from .staging import DeviceSlots, ModuleStager, staged_by
 from .streaming import BlockStream

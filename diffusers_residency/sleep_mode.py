@@ -25,12 +25,12 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .host_memory import MappedBytes, OpenFile
 from .adaptive import PipelineResidency
+from .host_memory import MappedBytes, OpenFile
 from .pipeline import enable_pinned_offload, pipeline_state
-from .planner import Policy
+from .policy import Policy
 from .residency import StagedUnit
-from .weights import stored_tensors
+from .weights import flat_bytes, stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
         header = json.loads(os.pread(file.fd, header_size, 8))
         size = os.fstat(file.fd).st_size
         # A private mapping: pages are read from the page cache when touched, never written back.
-        mapped = torch.empty(0, dtype=torch.uint8).set_(
-            torch.UntypedStorage.from_file(file.mapping_path, shared=False, nbytes=size), 0, (size,), (1,)
-        )
+        mapped = flat_bytes(torch.UntypedStorage.from_file(file.mapping_path, shared=False, nbytes=size))
         for name, entry in header.items():
             tensor = by_name.get(name)
             if tensor is None or name == "__metadata__":

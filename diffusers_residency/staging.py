@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _device, host_memory
 from .retention import RetentionBudget
-from .weights import Wrappers, module_stored_tensors, module_tensors, refuse_unstageable_tensors
+from .weights import Wrappers, flat_bytes, module_stored_tensors, module_tensors, refuse_unstageable_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _snapshot(
             settled[index] = replace(view, bindings=tuple(bindings))
             continue
         storage = source.untyped_storage()
-        whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        whole = flat_bytes(storage)
         wholes.append(whole.detach())
         alignment = previous_alignments.get(id(bindings[0].target), _device.host_alignment(whole))
         if any(alignment % binding.dtype.itemsize for binding in bindings):
@@ -736,12 +736,7 @@ class ModuleStager:
             # storage), and the buffer lives until the last of them is let go. Made once the copies
             # are queued: host time they hide.
             whole, start = buffer.untyped_storage(), buffer.storage_offset()
-            return [
-                torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                    whole[start + offset : start + offset + group.nbytes], 0, (group.nbytes,), (1,)
-                )
-                for offset, group in zip(offsets, groups)
-            ]
+            return [flat_bytes(whole[start + at : start + at + group.nbytes]) for at, group in zip(offsets, groups)]
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         if self.loads and not self._maps_files and self._reading_ahead is None:
@@ -953,11 +948,7 @@ class ModuleStager:
             if group.mapped:
                 binding = group.bindings[0]
                 start = (binding.target.storage_offset() - binding.storage_offset) * binding.dtype.itemsize
-                sources.append(
-                    torch.empty(0, dtype=torch.uint8, device=binding.target.device).set_(
-                        binding.target.untyped_storage(), start, (group.nbytes,), (1,)
-                    )
-                )
+                sources.append(flat_bytes(binding.target.untyped_storage(), start, group.nbytes))
                 alignments.append(group.alignment)
         return host_memory.copy_to_host(sources, alignments, self.pin_budget or 0, pin=self.pin_budget is not None)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _device
-from .planner import Policy
+from .policy import Policy
 from .staging import DeviceSlots
 
 if TYPE_CHECKING:

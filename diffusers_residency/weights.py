@@ -104,6 +104,12 @@ def _quantization_state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
+def flat_bytes(storage: torch.UntypedStorage, start: int = 0, nbytes: int | None = None) -> torch.Tensor:
+    """A flat byte tensor over ``storage`` from byte ``start``: ``nbytes`` of it, or the rest."""
+    nbytes = storage.nbytes() - start if nbytes is None else nbytes
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (nbytes,), (1,))
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind the tensors: what staging them moves (quantized bytes
     for a quantized weight)."""

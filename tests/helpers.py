@@ -10,7 +10,8 @@ import torch
 from diffusers_residency import BudgetTooSmallError, StagingHook, _device
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.pipeline import _component_sizes, _module_components
-from diffusers_residency.planner import Policy, plan_residency
+from diffusers_residency.planner import plan_residency
+from diffusers_residency.policy import Policy
 from diffusers_residency.weights import stored_tensors
 
 

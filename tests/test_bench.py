@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diffusers_residency.bench import __main__ as bench_main
+from diffusers_residency.bench import modes, processes
 from diffusers_residency.bench.__main__ import (
     _runs,
     environment_line,
@@ -34,7 +35,6 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
-from diffusers_residency.bench import modes, processes
 from diffusers_residency.bench.timing import calls_to_steady
 from diffusers_residency.bench.trace import summarise, traced_call
 

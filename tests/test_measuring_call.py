@@ -9,7 +9,7 @@ import torch
 from diffusers_residency import _device
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import pipeline_state
-from diffusers_residency.planner import Policy
+from diffusers_residency.policy import Policy
 
 from .helpers import PipelineCase
 from .test_profile import _budget, _measure_on_the_cpu, _measured_pipeline

@@ -7,12 +7,12 @@ import pytest
 from diffusers_residency import BudgetTooSmallError, ComponentSizes, plan_residency
 from diffusers_residency.planner import (
     PREFETCH_BLOCKS,
-    Policy,
     StepTiming,
     default_reserve,
     parse_bytes,
     simulated_step_seconds,
 )
+from diffusers_residency.policy import Policy
 
 GB = 10**9
 MB = 10**6

@@ -20,7 +20,8 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import _component_sizes, _default_reserve, _module_components, pipeline_state
-from diffusers_residency.planner import BudgetTooSmallError, ComponentSizes, Policy, default_reserve, plan_residency
+from diffusers_residency.planner import BudgetTooSmallError, ComponentSizes, default_reserve, plan_residency
+from diffusers_residency.policy import Policy
 from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 
 from .helpers import PipelineCase

@@ -11,8 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from diffusers_residency import AwakeRotation, sleep, wake_up
-from diffusers_residency import sleep_mode
+from diffusers_residency import AwakeRotation, sleep, sleep_mode, wake_up
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
 

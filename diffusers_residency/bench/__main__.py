@@ -41,7 +41,8 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import _device
-from ..planner import Policy, format_bytes, parse_bytes
+from ..planner import format_bytes, parse_bytes
+from ..policy import Policy
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .modes import DENOISERS, MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode

@@ -27,7 +27,7 @@ from diffusers import DiffusionPipeline
 from .. import _device
 from ..pipeline import pipeline_state
 from ..sleep_mode import AwakeRotation, sleep, wake_up
-from ..weights import module_stored_tensors, module_tensors, storage_bytes
+from ..weights import flat_bytes, module_stored_tensors, module_tensors, storage_bytes
 from .builders import build_pipeline
 
 GB = 1e9
@@ -71,7 +71,7 @@ class ReferenceSleep:
         for tensors in self.storages.values():
             storage = tensors[0].untyped_storage()
             backing = make(storage.nbytes())
-            backing.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=True)
+            backing.copy_(flat_bytes(storage), non_blocking=True)
             for tensor in tensors:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=backing.device).set_(
                     backing.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
