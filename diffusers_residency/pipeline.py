@@ -45,7 +45,7 @@ from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
 from .staging import refuse_staged_elsewhere
 from .streaming import repeated_blocks
-from .weights import module_tensors, refuse_unstageable_tensors, storage_bytes
+from .weights import module_tensors, refuse_shared_quantization_state, refuse_unstageable_tensors, storage_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,7 @@ def enable_pinned_offload(
         check_attachable(module, name, previous.group if previous else None)
         refuse_unstageable_tensors((module,), f"Component {name!r}")
         refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
+    refuse_shared_quantization_state(modules.values())
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
     replan = _planner(pipe, modules, components, budget)

@@ -25,7 +25,14 @@ from torch import nn
 
 from . import _device, host_memory
 from .retention import RetentionBudget
-from .weights import Wrappers, flat_bytes, module_stored_tensors, module_tensors, refuse_unstageable_tensors
+from .weights import (
+    Wrappers,
+    flat_bytes,
+    module_stored_tensors,
+    module_tensors,
+    refuse_shared_quantization_state,
+    refuse_unstageable_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +391,7 @@ class ModuleStager:
         # Submodules whose tensors are not this stager's (blocks streamed by stagers of their own).
         self.exclude = tuple(exclude)
         refuse_unstageable_tensors(self.modules, "The module")
+        refuse_shared_quantization_state(self.modules)
         refuse_staged_elsewhere(self.modules, "The module", exclude=self.exclude)
         self.closed = False
         self.device = device
@@ -405,10 +413,12 @@ class ModuleStager:
         # synchronise before dropping it, and, for a load into DeviceSlots, while loaded, so that
         # the offload can hand it to the next block's load.
         self._device_storages: list[torch.Tensor] = []
-        # Each tensor, the address the last load bound it to and its version counter then (None for
-        # an inference tensor, which has none): at offload, a tensor found elsewhere was replaced
-        # while loaded, and one whose counter moved was written in place.
-        self._loaded_state: tuple[tuple[torch.Tensor, int, int | None], ...] = ()
+        # Each tensor's binding, the address the last load bound it to and its version counter then
+        # (None for an inference tensor, which has none), and the wrappers' counters: at offload, a
+        # tensor with a new layout was replaced while loaded, and one where the load put it whose
+        # counter (or its wrapper's) moved was written in place.
+        self._loaded_state: tuple[tuple[TensorBinding, int, int | None], ...] = ()
+        self._loaded_wrapper_versions: tuple[int | None, ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         # A read-back of masters mapped from files, with the groups it reads: started when a load
         # copied them from the files (see read_ahead), taken by the next load, by a forward or an
@@ -548,7 +558,7 @@ class ModuleStager:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._assign(self._master_views())
         self._device_storages = []
-        self._loaded_state = ()
+        self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
 
     def _layout(self) -> tuple:
@@ -794,10 +804,11 @@ class ModuleStager:
             # be handed to the next block is held here instead, at most a window of blocks' worth.
             self._device_storages = []
         self._loaded_state = tuple(
-            (b.target, b.target.data_ptr(), None if b.inference else b.target._version)
+            (b, b.target.data_ptr(), None if b.inference else b.target._version)
             for g in self._groups
             for b in g.bindings
         )
+        self._loaded_wrapper_versions = self._wrappers.versions() if self._wrappers.tensors else ()
         self.loaded = True
         self.loads += 1
         if timed:
@@ -887,10 +898,10 @@ class ModuleStager:
         self.ready()
         if self._maps_files:
             self._settle_mapped_masters()
-        storages, self._device_storages = self._device_storages, []
         replaced, written = self._changed_while_loaded()
         if written:
             replaced |= self._keep_writes(written)
+        storages, self._device_storages = self._device_storages, []
         if not replaced:
             self.rebind_masters()
             # Only storage that none of the modules' tensors still reaches is handed on: a parameter
@@ -905,7 +916,7 @@ class ModuleStager:
         # that: keep them, bind the rest, and take masters for them (a copy of those alone).
         logger.info("%d tensors were replaced while loaded; taking masters for them", len(replaced))
         self._assign(self._master_views(), keep=replaced)
-        self._loaded_state = ()
+        self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
         self.retake_masters()
 
@@ -966,31 +977,27 @@ class ModuleStager:
     def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor]]:
         """Tensors given a new dtype, shape or stride since the last load (by id), and tensors
         written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
-        their version counters moved).
+        their version counters, or their wrapper's, moved).
 
         A tensor elsewhere with its old layout is neither: diffusers' layerwise casting casts each
         weight up and back down at every forward, leaving equal values in new storage, which the
         masters still hold. Nor is a write through ``.data``, which no counter sees."""
-        moved, written = set(), []
-        for target, address, version in self._loaded_state:
-            if target.data_ptr() != address:
-                moved.add(id(target))
-            elif version is not None and target._version != version:
+        in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
+        replaced, written = set(), []
+        for binding, address, version in self._loaded_state:
+            target = binding.target
+            at_address = target.data_ptr() == address
+            if at_address and id(target) not in in_written_wrappers and (version is None or target._version == version):
+                continue  # nearly every tensor: untouched
+            if (
+                target.dtype != binding.dtype
+                or tuple(target.shape) != binding.shape
+                or tuple(target.stride()) != binding.stride
+            ):
+                replaced.add(id(target))
+            elif at_address:
                 written.append(target)
-        if not moved:
-            return frozenset(), written
-        replaced = frozenset(
-            id(binding.target)
-            for group in self._groups
-            for binding in group.bindings
-            if id(binding.target) in moved
-            and (
-                binding.target.dtype != binding.dtype
-                or tuple(binding.target.shape) != binding.shape
-                or tuple(binding.target.stride()) != binding.stride
-            )
-        )
-        return replaced, written
+        return frozenset(replaced), written
 
     def _keep_writes(self, written: list[torch.Tensor]) -> frozenset[int]:
         """Copy tensors written in place while loaded back into their masters: the one device-to-host

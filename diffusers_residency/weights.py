@@ -10,6 +10,7 @@ and then makes each wrapper's own metadata (its device) follow its inner tensors
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -133,7 +134,7 @@ _REFUSED_TYPES = {
 def refuse_unstageable_tensors(modules: Iterable[nn.Module], what: str) -> None:
     """Raise before anything changes if a weight cannot be staged exactly: one with no data (a model
     loaded with ``device_map`` or ``low_cpu_mem_usage`` that was never materialised), or a tensor
-    subclass whose bytes are not reachable as plain tensors."""
+    subclass whose bytes are not reachable as plain tensors, or that cannot be rebuilt over them."""
     for module in modules:
         for name, tensor in chain(module.named_parameters(), module.named_buffers()):
             kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
@@ -143,10 +144,14 @@ def refuse_unstageable_tensors(modules: Iterable[nn.Module], what: str) -> None:
                 stored = stored_tensors(tensor)
                 for inner in stored:
                     inner.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError, TypeError) as error:
+                wrappers: list[torch.Tensor] = []
+                _collect_wrappers(tensor, wrappers)
+                for wrapper in wrappers:  # as Wrappers.follow() rebuilds them at a load
+                    _rebuilt(wrapper)
+            except Exception as error:
                 raise ValueError(
-                    f"{what} holds {name!r} as a {kind}, whose bytes "
-                    f"cannot be staged ({error}). Quantize with a library whose tensors flatten to plain ones "
+                    f"{what} holds {name!r} as a {kind}, whose bytes cannot be staged ({type(error).__name__}: "
+                    f"{error}). Quantize with a library whose tensors flatten to plain ones and back "
                     "(torchao, optimum-quanto, GGUF, bitsandbytes 4-bit)."
                 ) from error
             if any(inner.is_meta for inner in stored):
@@ -155,6 +160,33 @@ def refuse_unstageable_tensors(modules: Iterable[nn.Module], what: str) -> None:
                     "Load the model with its weights (e.g. without device_map='meta' or init_empty_weights), "
                     "then enable offloading."
                 )
+
+
+def refuse_shared_quantization_state(modules: Iterable[nn.Module]) -> None:
+    """Raise before anything changes if two weights share a tensor of their quantization state.
+
+    Older bitsandbytes releases gave the nested state of every 4-bit weight one shared ``code``
+    tensor. Staged apart (two blocks, two components), one stager would move it while another uses
+    it, and the error would only say that the weights are staged twice."""
+    owner: dict[int, int] = {}
+    for module in modules:
+        for name, parameter in module.named_parameters():
+            if type(parameter) is nn.Parameter:
+                continue
+            for state in _quantization_state_tensors(parameter):
+                if owner.setdefault(id(state), id(parameter)) != id(parameter):
+                    raise ValueError(
+                        f"{name!r} shares a tensor of its quantization state with another weight, as bitsandbytes "
+                        f"{_version_of('bitsandbytes')} does for every 4-bit weight. Upgrade bitsandbytes "
+                        "(pip install -U bitsandbytes) and load the model again, then enable offloading."
+                    )
+
+
+def _version_of(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 @dataclass
@@ -166,9 +198,17 @@ class Wrappers:
     ``wrapper.data = template``, a wrapper of the same type, shape and stride rebuilt once per device
     with ``__tensor_unflatten__`` (as ``nn.Module._apply`` rebuilds one in a ``.to()``): ``.data``
     takes the template's metadata and keeps the object, its attributes and its inner tensors, so
-    every holder of the parameter sees it move."""
+    every holder of the parameter sees it move.
+
+    A write into a wrapper (torchao's ``copy_``, so ``load_state_dict``) fills its inner tensors
+    without moving their version counters, only the wrapper's: :meth:`versions` reads those."""
 
     tensors: tuple[torch.Tensor, ...] = ()
+    # The first inner tensor of each wrapper, whose device the wrapper follows, and the device each
+    # wrapper was last given: a follow that finds them equal (every offload of an unchanged block)
+    # asks nothing of the wrapper, whose every attribute goes through its ``__torch_function__``.
+    _inner: tuple[torch.Tensor, ...] = ()
+    _devices: list[torch.device] = field(default_factory=list)
     # (id of a wrapper, device) -> its template there.
     _templates: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -177,24 +217,53 @@ class Wrappers:
         found: list[torch.Tensor] = []
         for tensor in tensors:
             _collect_wrappers(tensor, found)
-        return cls(tuple(found))
+        return cls(tuple(found), tuple(stored_tensors(w)[0] for w in found), [w.device for w in found])
+
+    def versions(self) -> tuple[int | None, ...]:
+        """Each wrapper's version counter (None for an inference tensor, which has none)."""
+        # Read past the wrappers' own __torch_function__, which costs about a microsecond an attribute.
+        with torch._C.DisableTorchFunctionSubclass():
+            return tuple(None if w.is_inference() else w._version for w in self.tensors)
+
+    def written_since(self, versions: tuple[int | None, ...]) -> set[int]:
+        """Ids of the inner tensors of every wrapper written since ``versions`` were read."""
+        if not versions:
+            return set()
+        return {
+            id(inner)
+            for wrapper, then, now in zip(self.tensors, versions, self.versions())
+            if then != now
+            for inner in stored_tensors(wrapper)
+        }
 
     def follow(self) -> None:
         """Give every wrapper the device its inner tensors are on now."""
-        for wrapper in self.tensors:
-            device = stored_tensors(wrapper)[0].device
-            if wrapper.device == device:
+        for index, (wrapper, inner) in enumerate(zip(self.tensors, self._inner)):
+            device = inner.device
+            if device == self._devices[index]:
                 continue
-            template = self._templates.get((id(wrapper), device))
-            if template is None:
-                names, context = wrapper.__tensor_flatten__()
-                inner = {name: getattr(wrapper, name) for name in names}
-                template = type(wrapper).__tensor_unflatten__(inner, context, wrapper.size(), wrapper.stride())
-                self._templates[(id(wrapper), device)] = template
+            template = self._template(wrapper, device)
             # The subclass's own dispatch is left out: ``.data =`` moves metadata only, and torchao's
             # float8 tensors, for one, implement none of the ops it asks of them across devices.
             with torch.no_grad(), torch._C._ExcludeDispatchKeyGuard(_PYTHON_DISPATCH):
                 wrapper.data = template
+            self._devices[index] = device
+
+    def _template(self, wrapper: torch.Tensor, device: torch.device) -> torch.Tensor:
+        template = self._templates.get((id(wrapper), device))
+        if template is None:
+            template = self._templates[(id(wrapper), device)] = _rebuilt(wrapper)
+        return template
+
+
+def _rebuilt(wrapper: torch.Tensor) -> torch.Tensor:
+    """A new wrapper like ``wrapper`` over its inner tensors as they are now."""
+    names, context = wrapper.__tensor_flatten__()
+    inner = {name: getattr(wrapper, name) for name in names}
+    # Made as the wrapper was made: one made under inference mode (a call's) would make an ordinary
+    # wrapper an inference tensor, which autograd and in-place updates then refuse.
+    with torch.inference_mode(wrapper.is_inference()):
+        return type(wrapper).__tensor_unflatten__(inner, context, wrapper.size(), wrapper.stride())
 
 
 def _collect_wrappers(tensor: torch.Tensor, found: list[torch.Tensor]) -> None:

@@ -343,3 +343,37 @@ def test_an_ordinary_offload_copies_nothing_back(flux: PipelineCase, monkeypatch
     assert 0 < sum(loaded_after_a_call) < len(flux.pipe.vae.state_dict()), "only tensors written while loaded"
     assert torch.equal(flux.run(), flux.reference)
     assert copied_back == loaded_after_a_call, "copied back once"
+
+
+def test_a_weight_relaid_in_place_while_loaded_keeps_its_new_layout() -> None:
+    """``t_()`` on a loaded weight changes its stride where the load put it, and moves its counter:
+    the offload keeps it as replaced (a copy into its master's old layout would fail), and the unit
+    goes on loading and offloading."""
+    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+    square = [
+        name
+        for name, module in resident.pipe.transformer.named_modules()
+        if isinstance(module, torch.nn.Linear) and module.weight.shape[0] == module.weight.shape[1]
+    ][:2]
+    assert square, "the tiny transformer must have a square linear layer"
+
+    def transpose(pipe) -> None:
+        with torch.no_grad():
+            for name in square:
+                pipe.transformer.get_submodule(name).weight.t_()
+
+    transpose(resident.pipe)
+    expected = resident.run()
+    assert not torch.equal(expected, offloaded.reference), "the transposed weights must change the output"
+    offloaded.pipe.enable_pinned_offload("cpu", components={"transformer": "resident"}, vram_budget=None)
+    offloaded.run()
+    unit = next(u for u in pipeline_state(offloaded.pipe).group.units if u.name == "transformer")
+    assert unit.stager.loaded
+    transpose(offloaded.pipe)
+    unit.stager.offload()
+    assert not unit.stager.loaded
+    assert torch.equal(offloaded.run(), expected)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert torch.equal(offloaded.run(), expected)

@@ -169,3 +169,71 @@ def test_an_unstageable_tensor_subclass_is_refused_before_anything_changes(flux:
     with pytest.raises(ValueError, match=r"transformer.*transformer_blocks\.0\.attn\.to_q\.weight.*Opaque"):
         flux.pipe.enable_pinned_offload("cpu")
     assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+
+
+
+def test_a_wrapper_that_cannot_be_rebuilt_is_refused_before_anything_changes(flux: PipelineCase) -> None:
+    """A load moves a wrapper by rebuilding it over its inner tensors (``__tensor_unflatten__``): one
+    that cannot be rebuilt is refused at enable, naming the weight, not at its first load."""
+
+    class Unrebuildable(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor) -> Unrebuildable:
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+        def __init__(self, inner: torch.Tensor) -> None:
+            self.inner = inner
+
+        def __tensor_flatten__(self) -> tuple[list[str], None]:
+            return ["inner"], None
+
+        @staticmethod
+        def __tensor_unflatten__(inner, context, size, stride):  # noqa: ANN001, ANN205
+            raise TypeError("made by its quantizer only")
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if func is torch.ops.aten.detach.default:
+                return cls(args[0].inner)
+            raise NotImplementedError(func)
+
+    layer = flux.pipe.transformer.transformer_blocks[0].attn.to_q
+    layer.weight = nn.Parameter(Unrebuildable(layer.weight.detach()), requires_grad=False)
+    with pytest.raises(ValueError, match=r"transformer.*to_q\.weight.*Unrebuildable.*made by its quantizer only"):
+        flux.pipe.enable_pinned_offload("cpu")
+    assert pipeline_state(flux.pipe) is None
+    assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+
+@pytest.mark.parametrize("policy", ["resident", "streamed"])
+@pytest.mark.parametrize("kind", ["torchao-int8", "torchao-float8", "quanto-qint8"])
+def test_quantized_weights_loaded_into_a_loaded_transformer_are_kept(kind: str, policy: str, tmp_path: Path) -> None:
+    """``load_state_dict`` of other quantized weights into a loaded transformer. torchao writes into
+    the inner tensors in place, moving only the wrapper's version counter; optimum-quanto assigns new
+    parameters. Either way the next calls, and the weights after disable, carry the new values."""
+    offloaded, resident = quantized_case(kind, tmp_path / "a"), quantized_case(kind, tmp_path / "b")
+    source = PipelineCase("flux")
+    with torch.no_grad():
+        for parameter in source.pipe.transformer.parameters():
+            parameter.mul_(1.05)
+    QUANTIZERS[kind](source, tmp_path / "c")
+    new = source.pipe.transformer.state_dict()
+    resident.pipe.transformer.load_state_dict(new)
+    expected = resident.run()
+    assert not torch.equal(expected, offloaded.reference), "the new weights must change the output"
+
+    if policy == "streamed":
+        offloaded.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(offloaded), activation_reserve=RESERVE)
+        plan = offloaded.pipe.residency_plan()
+        assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks, str(plan)
+    else:
+        offloaded.pipe.enable_pinned_offload("cpu", components={"transformer": "resident"}, vram_budget=None)
+    offloaded.run()
+    units = pipeline_state(offloaded.pipe).group.units_of("transformer")
+    assert any(u.stager.loaded for u in units), "some of the transformer must be loaded"
+    offloaded.pipe.transformer.load_state_dict(new)
+    assert torch.equal(offloaded.run(), expected)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert_no_meta_or_foreign_device(offloaded.pipe)
+    assert torch.equal(offloaded.run(), expected)
