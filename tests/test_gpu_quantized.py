@@ -68,7 +68,9 @@ def test_quantized_transformer_on_cuda_matches_resident_and_copies_nothing_back(
     case.pipe.enable_pinned_offload(vram_budget=None, components={"transformer": "staged"})
     assert _devices(transformer) == {torch.device("cpu")}, "every part of every weight on its host master"
     assert case.pipe.residency_report()["transformer"].staged_bytes == quantized_bytes
-    assert torch.equal(case.run(), case.reference)
+    with torch.inference_mode():  # the first loads, and the wrappers rebuilt on the device, under it
+        assert torch.equal(case.run(), case.reference)
+    assert not any(t.is_inference() for t in module_tensors((transformer,))), "weights stay ordinary tensors"
     assert torch.equal(case.run(), case.reference)
 
     group = pipeline_state(case.pipe).group
@@ -99,5 +101,24 @@ def test_bitsandbytes_8bit_is_refused_before_anything_changes(tmp_path: Path) ->
     case.reference = case.run()
     with pytest.raises(ValueError, match=r"transformer.*Int8Params"):
         case.pipe.enable_pinned_offload(vram_budget=None)
+    assert pipeline_state(case.pipe) is None
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_bitsandbytes_state_shared_between_weights_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """Older bitsandbytes releases gave every 4-bit weight's nested quantization state one ``code``
+    tensor; staged apart, the blocks would move it under each other. Made so here by hand, as those
+    releases made it."""
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    _bitsandbytes_transformer(
+        case, tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    )
+    states = [p.quant_state.state2 for p in case.pipe.transformer.parameters() if getattr(p, "quant_state", None)]
+    assert len(states) > 1 and all(state is not None for state in states), "nested states expected"
+    for state in states[1:]:
+        state.code = states[0].code
+    case.reference = case.run()
+    with pytest.raises(ValueError, match=r"quantization state.*Upgrade bitsandbytes"):
+        case.pipe.enable_pinned_offload(vram_budget=None, components={"transformer": "streamed"})
     assert pipeline_state(case.pipe) is None
     assert torch.equal(case.run(), case.reference)
