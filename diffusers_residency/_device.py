@@ -244,7 +244,7 @@ def release_freed_host_heap() -> None:
     """Give the whole pages inside freed malloc chunks back to the system (glibc's ``malloc_trim``).
 
     Weights that malloc placed in its main heap are copied into masters of their own (see
-    ``host_memory.IN_PLACE_MIN_BYTES``), and freeing the originals leaves holes that glibc keeps
+    ``pinning.IN_PLACE_MIN_BYTES``), and freeing the originals leaves holes that glibc keeps
     resident: the process would hold those weights twice over in RSS. Elsewhere (no glibc) this
     does nothing; the holes are reused by later allocations there."""
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import _device, host_memory
+from . import _device, files, pinning
 from .policy import Policy
 from .retention import RetentionBudget
 from .staging import DeviceSlots, ModuleStager, staged_by
@@ -121,7 +121,7 @@ class ResidencyGroup:
         if pin_memory and not accelerated:
             raise ValueError(f"pin_memory=True needs an accelerator device, not {self.device}; leave it unset on the CPU")
         self.pin_memory = pin_memory
-        self.pin_budget = host_memory.resolve_pin_budget(pin_budget)
+        self.pin_budget = pinning.resolve_pin_budget(pin_budget)
         self.retention = RetentionBudget(self.device)
         # Held for each pipeline call that runs these units (see pipeline._wrap_call): one call at a
         # time, so that a unit in use by one call is never offloaded under another's.
@@ -517,7 +517,7 @@ class ResidencyGroup:
             self.active_component = None
 
     def sleep(
-        self, unit: StagedUnit, level: int, sources: Mapping[int, host_memory.MappedBytes] | None = None
+        self, unit: StagedUnit, level: int, sources: Mapping[int, files.MappedBytes] | None = None
     ) -> None:
         """Put ``unit`` to sleep: level 1 keeps its host masters, level 2 also swaps every master that
         ``sources`` (a memory-mapped checkpoint) holds byte for byte for its view there.

@@ -6,8 +6,8 @@ level-1 sleep is an offload: rebind to the masters, drop the device storage, rel
 copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
 of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
 byte, so a weight changed since loading keeps its own master); waking copies them from the files
-to the device through a ring of pinned slots (see host_memory.copy_from_files), then reads them
-back into pinned memory of their own in the background (see host_memory.ReadBack).
+to the device through a ring of pinned slots (see file_reads.copy_from_files), then reads them
+back into pinned memory of their own in the background (see file_reads.ReadBack).
 
 A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.
 """
@@ -26,7 +26,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from .adaptive import PipelineResidency
-from .host_memory import MappedBytes, OpenFile
+from .files import MappedBytes, OpenFile
 from .pipeline import enable_pinned_offload, pipeline_state
 from .policy import Policy
 from .residency import StagedUnit

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from . import _device, host_memory
+from . import _device, file_reads, files, pinning
 from .retention import RetentionBudget
 from .weights import (
     Wrappers,
@@ -84,10 +84,10 @@ class StorageGroup:
     bindings: tuple[TensorBinding, ...]
     # The storage's address modulo 64 when it was attached, kept for CPU copies (see _device).
     alignment: int
-    mapped_from: host_memory.MappedBytes | None = None
+    mapped_from: files.MappedBytes | None = None
     pinned: bool = False
     # The registration that keeps the master page-locked, when this package made it so.
-    pin: host_memory.HostPin | None = None
+    pin: pinning.HostPin | None = None
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +197,7 @@ def _snapshot(
     else:
         # Unpinned (the CPU device): a device storage still gets a host copy, never pinned.
         to_copy = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
-        copies = host_memory.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], 0, pin=False)
+        copies = pinning.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], 0, pin=False)
         masters = dict(zip(to_copy, copies))
 
     copied_host = any(
@@ -211,7 +211,7 @@ def _snapshot(
         whole = wholes[index]
         # An empty storage has no bytes to lock, and must not make the unit look pageable.
         empty_pinned = pin_budget is not None and not whole.numel()
-        master = masters.get(index, host_memory.HostMaster(whole, None, pinned=empty_pinned))
+        master = masters.get(index, pinning.HostMaster(whole, None, pinned=empty_pinned))
         groups.append(
             StorageGroup(
                 master=master.data,
@@ -252,24 +252,24 @@ def _over(binding: TensorBinding, master: torch.Tensor) -> bool:
 
 def _pinned_masters(
     wholes: list[torch.Tensor], alignments: list[int], settled: Iterable[int], pin_budget: int
-) -> dict[int, host_memory.HostMaster]:
+) -> dict[int, pinning.HostMaster]:
     """Masters for the storages not ``settled`` yet: large host ones locked in place, the rest copied
     into one pinned block while the budget lasts; what the budget cannot hold stays (or becomes)
     pageable."""
     settled = set(settled)
     on_host = [i for i, w in enumerate(wholes) if i not in settled and w.device.type == "cpu" and w.numel()]
-    in_place = [i for i, owned in zip(on_host, host_memory.owns_its_pages([wholes[i] for i in on_host])) if owned]
-    masters = dict(zip(in_place, host_memory.pin_in_place([wholes[i] for i in in_place], pin_budget)))
+    in_place = [i for i, owned in zip(on_host, pinning.owns_its_pages([wholes[i] for i in on_host])) if owned]
+    masters = dict(zip(in_place, pinning.pin_in_place([wholes[i] for i in in_place], pin_budget)))
     unpinned_host = [i for i in on_host if i not in masters or not masters[i].pinned]
     on_device = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
     to_copy = unpinned_host + on_device
-    room = pin_budget - host_memory.locked_bytes()
-    _, block = host_memory.block_bytes([wholes[i].numel() for i in to_copy], [alignments[i] for i in to_copy])
+    room = pin_budget - pinning.locked_bytes()
+    _, block = pinning.block_bytes([wholes[i].numel() for i in to_copy], [alignments[i] for i in to_copy])
     if unpinned_host and (block > room or not _device.can_register_host_memory()):
         # Copying host memory that cannot be pinned in place only pays if the copy gets pinned.
         to_copy = on_device
     sources, source_alignments = [wholes[i] for i in to_copy], [alignments[i] for i in to_copy]
-    copies = host_memory.copy_to_host(sources, source_alignments, pin_budget, pin=True)
+    copies = pinning.copy_to_host(sources, source_alignments, pin_budget, pin=True)
     masters.update(zip(to_copy, copies))
     return masters
 
@@ -397,7 +397,7 @@ class ModuleStager:
         self.device = device
         self.pin_memory = pin_memory
         # Bytes this process may keep page-locked when this stager pins a master; None: never pin.
-        self.pin_budget = host_memory.resolve_pin_budget(pin_budget) if pin_memory else None
+        self.pin_budget = pinning.resolve_pin_budget(pin_budget) if pin_memory else None
         self.retention = retention
         # Whether a load may take one device buffer for all its storages (see _placed): asked at
         # each load, for what may change between two (diffusers' layerwise casting enabled late).
@@ -423,7 +423,7 @@ class ModuleStager:
         # A read-back of masters mapped from files, with the groups it reads: started when a load
         # copied them from the files (see read_ahead), taken by the next load, by a forward or an
         # offload once done, or waited for by unmap_masters.
-        self._reading_ahead: tuple[tuple[StorageGroup, ...], host_memory.ReadBack] | None = None
+        self._reading_ahead: tuple[tuple[StorageGroup, ...], file_reads.ReadBack] | None = None
         # Whether a load from masters mapped from files starts reading them back as soon as its
         # copies are done; a wake sets it False while it loads, and reads them back after.
         self.reads_back_after_loading = True
@@ -583,7 +583,7 @@ class ModuleStager:
         512-byte rounding, so kernels see the alignment a storage allocated alone would have; on
         the CPU at its master's address modulo 64 (see _device.allocate_device_storage).
 
-        Masters side by side in one page-locked block (see host_memory.copy_to_host: each starts on
+        Masters side by side in one page-locked block (see pinning.copy_to_host: each starts on
         the same 512-byte rounding; ``locked_in`` names each one's registration, or the piece of a
         read-back it arrives in, for ``groups`` other than the current ones) keep their distances
         in the buffer, and go in one copy: SDXL's 2643 storages, copied one by one, moved below the
@@ -639,7 +639,7 @@ class ModuleStager:
         none are mapped or a read is under way.
 
         A load copies masters mapped from files straight to the device (see
-        host_memory.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
+        file_reads.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
         device first and reads the masters back after, rather than reading them all before the
         first copy. Until then a level-1 sleep or an eviction would have nothing but the page cache
         to rebind to, hence the read here."""
@@ -653,7 +653,7 @@ class ModuleStager:
         if ahead is not None:
             ahead[1].abandon()
 
-    def _read_back(self, *, pin: bool = True) -> host_memory.ReadBack | None:
+    def _read_back(self, *, pin: bool = True) -> file_reads.ReadBack | None:
         """The read-back started by :meth:`read_ahead` if it reads the current masters (and locks
         pages, when ``pin``), taken from it; None otherwise, and one that reads other masters
         (retaken since) or locks pages when asked not to is stopped. A load copies each piece as it
@@ -666,10 +666,10 @@ class ModuleStager:
             ahead[1].abandon()
         return None
 
-    def _new_read_back(self, *, pin: bool) -> host_memory.ReadBack:
+    def _new_read_back(self, *, pin: bool) -> file_reads.ReadBack:
         mapped = [group for group in self._groups if group.mapped]
         budget = self.pin_budget if pin else None
-        return host_memory.ReadBack(
+        return file_reads.ReadBack(
             [group.mapped_from for group in mapped],
             [group.alignment for group in mapped],
             budget or 0,
@@ -677,11 +677,11 @@ class ModuleStager:
             device=self.device,
         )
 
-    def _copy_to_device(self, slots: DeviceSlots | None, reading: host_memory.ReadBack | None) -> list[torch.Tensor]:
+    def _copy_to_device(self, slots: DeviceSlots | None, reading: file_reads.ReadBack | None) -> list[torch.Tensor]:
         """Allocate the device storage, queue the copies into it and return a storage per group to
         bind; with ``reading``, each copy from a master being read back waits for its piece, and the
         groups take the masters read back once all are queued; without, masters mapped from files
-        are copied from the files (see host_memory.copy_from_files) and stay mapped."""
+        are copied from the files (see file_reads.copy_from_files) and stay mapped."""
         groups, locked_in, arriving = self._groups, None, None
         from_files = [i for i, group in enumerate(groups) if group.mapped] if reading is None and self._maps_files else []
         if reading is not None:
@@ -715,7 +715,7 @@ class ModuleStager:
                             reading.wait_for(arriving[first])
                         begin, end = offsets[first], offsets[last] + groups[last].nbytes
                         master = groups[first].master
-                        source = master if first == last else host_memory.host_span(master.data_ptr(), end - begin)
+                        source = master if first == last else pinning.host_span(master.data_ptr(), end - begin)
                         buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
                 else:
                     for index, (storage, group) in enumerate(zip(storages, groups)):
@@ -725,7 +725,7 @@ class ModuleStager:
                             reading.wait_for(arriving[index])
                         storage.copy_(group.master, non_blocking=self.pin_memory)
                 if from_files:
-                    host_memory.copy_from_files(
+                    file_reads.copy_from_files(
                         [groups[i].mapped_from for i in from_files],
                         [buffer[offsets[i] : offsets[i] + groups[i].nbytes] if one_buffer else storages[i] for i in from_files],
                         self.pin_budget or 0,
@@ -920,9 +920,9 @@ class ModuleStager:
         self.loaded = False
         self.retake_masters()
 
-    def mapped_files(self) -> list[host_memory.OpenFile]:
+    def mapped_files(self) -> list[files.OpenFile]:
         """The checkpoint files that masters are mapped from."""
-        return host_memory.files_of(group.mapped_from for group in self._groups if group.mapped)
+        return files.files_of(group.mapped_from for group in self._groups if group.mapped)
 
     def _settle_mapped_masters(self) -> None:
         """For a loaded unit whose masters are mapped from files: take the masters read back since
@@ -951,7 +951,7 @@ class ModuleStager:
         )
         self._groups = self._over_masters_read_back(self._copies_of_mapped_on_host())
 
-    def _copies_of_mapped_on_host(self) -> list[host_memory.HostMaster]:
+    def _copies_of_mapped_on_host(self) -> list[pinning.HostMaster]:
         """Host copies of the loaded device bytes of every group whose master is mapped from a file
         (each such group holds one tensor that fills its storage; see :meth:`map_masters`)."""
         sources, alignments = [], []
@@ -961,9 +961,9 @@ class ModuleStager:
                 start = (binding.target.storage_offset() - binding.storage_offset) * binding.dtype.itemsize
                 sources.append(flat_bytes(binding.target.untyped_storage(), start, group.nbytes))
                 alignments.append(group.alignment)
-        return host_memory.copy_to_host(sources, alignments, self.pin_budget or 0, pin=self.pin_budget is not None)
+        return pinning.copy_to_host(sources, alignments, self.pin_budget or 0, pin=self.pin_budget is not None)
 
-    def _over_masters_read_back(self, masters: list[host_memory.HostMaster]) -> tuple[StorageGroup, ...]:
+    def _over_masters_read_back(self, masters: list[pinning.HostMaster]) -> tuple[StorageGroup, ...]:
         """The groups, each mapped one over its master read back (``masters``, in group order)."""
         read_back = iter(masters)
         groups = []
@@ -1182,7 +1182,7 @@ class ModuleStager:
         # Their views, too: they hold the masters' memory.
         self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}
 
-    def map_masters(self, sources: Mapping[int, host_memory.MappedBytes]) -> int:
+    def map_masters(self, sources: Mapping[int, files.MappedBytes]) -> int:
         """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.
 
         ``sources`` maps ``id(tensor)`` to that tensor's bytes in the file. A storage qualifies when
@@ -1204,7 +1204,7 @@ class ModuleStager:
             and _fills_storage(group)
             and _over(group.bindings[0], group.master)  # else its master is no longer its value
         }
-        same = host_memory.hold_the_same_bytes([self._groups[i].master for i in candidates], list(candidates.values()))
+        same = files.hold_the_same_bytes([self._groups[i].master for i in candidates], list(candidates.values()))
         groups = list(self._groups)
         released = 0
         for (index, source), equal in zip(candidates.items(), same):
@@ -1215,7 +1215,7 @@ class ModuleStager:
         return released
 
     def unmap_masters(self, *, pin: bool = True) -> None:
-        """Give masters mapped from a file memory of their own again (see host_memory.ReadBack), so
+        """Give masters mapped from a file memory of their own again (see file_reads.ReadBack), so
         the file is not read at every load: the read :meth:`read_ahead` started, waited for, else a
         new one; page-locked when this stager pins and ``pin`` (``close()`` passes False: the memory
         is about to be handed back to the module as it was)."""
@@ -1225,7 +1225,7 @@ class ModuleStager:
         if reading is None and self._maps_files:
             reading = self._new_read_back(pin=pin)
         if reading is not None:
-            self._swap_masters(self._over_masters_read_back(host_memory.finished(reading)))
+            self._swap_masters(self._over_masters_read_back(file_reads.finished(reading)))
 
     def _swap_masters(self, groups: tuple[StorageGroup, ...]) -> None:
         """Take ``groups`` (the same tensors over other masters) and bind the tensors to them, but

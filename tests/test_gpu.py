@@ -145,12 +145,12 @@ def test_level_1_sleep_frees_the_device_and_wakes_exact() -> None:
 
 
 def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatch) -> None:
-    from diffusers_residency import host_memory
+    from diffusers_residency import file_reads, pinning
 
     # A ring of two small slots: each is copied out of and read into again many times, so a slot
     # read into before its copy to the device ran would show in the outputs.
-    monkeypatch.setattr(host_memory, "_RING_SLOT_BYTES", 256 << 10)
-    monkeypatch.setattr(host_memory, "_RING_SLOTS", 2)
+    monkeypatch.setattr(file_reads, "_RING_SLOT_BYTES", 256 << 10)
+    monkeypatch.setattr(file_reads, "_RING_SLOTS", 2)
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.save_pretrained(tmp_path)
     case.pipe.register_to_config(_name_or_path=str(tmp_path))
@@ -166,7 +166,7 @@ def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatc
         assert all(c.mapped_bytes == 0 and c.pinned for c in report.components), str(report)
         case.pipe.wake_up()
         assert torch.equal(case.run(), case.reference)
-        locked.append(host_memory.locked_bytes())
+        locked.append(pinning.locked_bytes())
     assert locked[0] == locked[1], "no slot of the ring is left locked"
 
 
@@ -302,12 +302,12 @@ def test_layerwise_fp8_casting_on_cuda_matches_resident_casting(order: str) -> N
 
 
 def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> None:
-    from diffusers_residency import host_memory
+    from diffusers_residency import pinning
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
     gc.collect()  # pipelines of earlier tests release their registrations
-    before = host_memory.locked_bytes()
+    before = pinning.locked_bytes()
     case.pipe.enable_pinned_offload()
     report = case.pipe.residency_report()
     staged = sum(c.staged_bytes for c in report.components)
@@ -315,11 +315,11 @@ def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> N
     assert all(c.pinned for c in report.components), str(report)
     assert all(t.is_pinned() for t in case.pipe.transformer.parameters())
     # Tiny weights are copied into one exactly sized block per component: slot padding, no rounding.
-    assert staged <= host_memory.locked_bytes() - before <= staged + groups * 576 + 8 * 4096
+    assert staged <= pinning.locked_bytes() - before <= staged + groups * 576 + 8 * 4096
     for _ in range(2):
         assert torch.equal(case.run(), case.reference)
     case.pipe.disable_pinned_offload()
-    assert host_memory.locked_bytes() == before
+    assert pinning.locked_bytes() == before
     assert not any(t.is_pinned() for t in case.pipe.transformer.parameters())
 
 

@@ -18,8 +18,9 @@ import threading
 import pytest
 import torch
 
-from diffusers_residency import ModuleStager, _device, host_memory
-from diffusers_residency.host_memory import MappedBytes, ReadBack
+from diffusers_residency import ModuleStager, _device, file_reads, files, pinning
+from diffusers_residency.file_reads import ReadBack
+from diffusers_residency.files import MappedBytes
 
 CPU = torch.device("cpu")
 PAGE = mmap.PAGESIZE
@@ -56,14 +57,14 @@ class FakeDriver:
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     gc.collect()
-    assert host_memory.locked_bytes() == 0, "an earlier test left masters registered"
+    assert pinning.locked_bytes() == 0, "an earlier test left masters registered"
     fake = FakeDriver()
     monkeypatch.setattr(_device, "can_register_host_memory", lambda: True)
     monkeypatch.setattr(_device, "register_host_memory", fake.register)
     monkeypatch.setattr(_device, "unregister_host_memory", fake.unregister)
     yield fake
-    assert host_memory.LOCKED.ranges() == sorted((start, start + size) for start, size in fake.ranges.items())
-    assert host_memory.locked_bytes() == fake.registered_bytes
+    assert pinning.LOCKED.ranges() == sorted((start, start + size) for start, size in fake.ranges.items())
+    assert pinning.locked_bytes() == fake.registered_bytes
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -81,7 +82,7 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     x = torch.randn(3, 4096)
     expected = module(x)
     large = module[0].weight
-    assert host_memory.owns_its_pages([large.detach().view(-1).view(torch.uint8)]) == [True]
+    assert pinning.owns_its_pages([large.detach().view(-1).view(torch.uint8)]) == [True]
     address = large.data_ptr()
     small_addresses = {name: t.data_ptr() for name, t in weights(module).items() if t is not large}
 
@@ -91,7 +92,7 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     assert stager.pinned and stager.host_bytes()["pinned"] == stager.staged_bytes
     assert all(driver.covers(t) for t in weights(module).values())
     # Two registrations: the large weight's pages, and one exactly sized block for the small ones.
-    assert len(driver.ranges) == 2 and driver.registered_bytes == host_memory.locked_bytes()
+    assert len(driver.ranges) == 2 and driver.registered_bytes == pinning.locked_bytes()
     assert driver.registered_bytes <= stager.staged_bytes + 4 * PAGE + 3 * 512
 
     stager.load()
@@ -99,7 +100,7 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     stager.offload()
     assert torch.equal(module(x), expected)
     stager.close()
-    assert driver.ranges == {} and host_memory.locked_bytes() == 0
+    assert driver.ranges == {} and pinning.locked_bytes() == 0
     assert large.data_ptr() == address and torch.equal(module(x), expected)
 
 
@@ -113,8 +114,8 @@ def test_masters_side_by_side_in_a_locked_block_load_in_one_copy(driver: FakeDri
     expected = module(x)
     stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
     spans: list[int] = []
-    span = host_memory.host_span
-    monkeypatch.setattr(host_memory, "host_span", lambda address, nbytes: (spans.append(nbytes), span(address, nbytes))[1])
+    span = pinning.host_span
+    monkeypatch.setattr(pinning, "host_span", lambda address, nbytes: (spans.append(nbytes), span(address, nbytes))[1])
     offsets, _, runs = stager._placed()
     # The large weight first (module order), locked where it is; then the block of the three small ones.
     assert runs == ((0, 0), (1, 3))
@@ -146,7 +147,7 @@ def test_a_large_weight_in_the_malloc_heap_is_copied_not_locked_in_place(
     large = module[0].weight
     address = large.data_ptr()
     # Where the weight lands depends on the heap's history; make it the heap, as it was there.
-    monkeypatch.setattr(host_memory, "_malloc_heap_range", lambda: (address - 4 * PAGE, address + (256 << 20)))
+    monkeypatch.setattr(pinning, "_malloc_heap_range", lambda: (address - 4 * PAGE, address + (256 << 20)))
     stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
     assert large.data_ptr() != address, "copied into a block of its own"
     assert stager.pinned and all(driver.covers(t) for t in weights(module).values())
@@ -167,12 +168,12 @@ def test_pipeline_masters_all_locked_and_outputs_unchanged(flux, driver: FakeDri
 
 def test_pin_budget_counts_every_component_and_leaves_the_rest_pageable(flux, driver: FakeDriver) -> None:
     first = ModuleStager(flux.pipe.transformer, CPU, pin_memory=True, pin_budget=1 << 40)
-    budget = host_memory.locked_bytes() + PAGE  # room for the first component only
+    budget = pinning.locked_bytes() + PAGE  # room for the first component only
     second = ModuleStager(flux.pipe.text_encoder_2, CPU, pin_memory=True, pin_budget=budget)
 
     assert first.pinned and not second.pinned
     assert second.host_bytes() == {"pinned": 0, "pageable": second.staged_bytes, "mapped": 0}
-    assert host_memory.locked_bytes() <= budget
+    assert pinning.locked_bytes() <= budget
     first.load()
     second.load()
     assert torch.equal(flux.run(), flux.reference), "loads from pageable masters work too"
@@ -207,20 +208,20 @@ def test_components_never_register_a_page_twice(flux, driver: FakeDriver) -> Non
         ModuleStager(flux.pipe.text_encoder_2, CPU, pin_memory=True, pin_budget=1 << 40),
     ]
     assert all(stager.pinned for stager in stagers), "overlapping pages went to a block, not refused"
-    assert host_memory.locked_bytes() == driver.registered_bytes
+    assert pinning.locked_bytes() == driver.registered_bytes
     for stager in stagers:
         stager.close()
     assert driver.ranges == {}
 
 
 def test_pin_budget_arguments() -> None:
-    ram = host_memory.physical_memory_bytes()
-    assert host_memory.resolve_pin_budget(None) == int(host_memory.DEFAULT_PIN_FRACTION * ram)
-    assert host_memory.resolve_pin_budget(0.5) == int(0.5 * ram)
-    assert host_memory.resolve_pin_budget(1 << 30) == 1 << 30
+    ram = pinning.physical_memory_bytes()
+    assert pinning.resolve_pin_budget(None) == int(pinning.DEFAULT_PIN_FRACTION * ram)
+    assert pinning.resolve_pin_budget(0.5) == int(0.5 * ram)
+    assert pinning.resolve_pin_budget(1 << 30) == 1 << 30
     for bad, error in ((0.0, ValueError), (1.5, ValueError), (-1, ValueError), ("8GB", TypeError), (True, TypeError)):
         with pytest.raises(error, match="pin_budget"):
-            host_memory.resolve_pin_budget(bad)
+            pinning.resolve_pin_budget(bad)
 
 
 def test_bad_pin_budget_is_refused_before_anything_changes(flux) -> None:
@@ -237,7 +238,7 @@ def test_a_block_holds_each_copy_at_its_alignment_and_takes_empty_tensors() -> N
         torch.arange(5, dtype=torch.uint8),
         torch.ones(700, dtype=torch.uint8),
     ]
-    masters = host_memory.copy_to_host(sources, [0, 3, 48], budget=0, pin=False)
+    masters = pinning.copy_to_host(sources, [0, 3, 48], budget=0, pin=False)
     assert [m.data.numel() for m in masters] == [0, 5, 700]
     assert all(torch.equal(m.data, s) for m, s in zip(masters, sources))
     assert [m.data.data_ptr() % 64 for m in masters[1:]] == [3, 48]
@@ -304,14 +305,14 @@ def test_masters_mapped_from_a_file_read_it_unless_their_pages_were_written(tmp_
     sources[1].view[PAGE * 4 : PAGE * 4 + 8] = 255
     expected = [source.view.clone() for source in sources]
     reads = []
-    real_preadv = host_memory.os.preadv
+    real_preadv = files.os.preadv
 
     def counted_preadv(fd, buffers, offset):
         reads.append(offset)
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(host_memory.os, "preadv", counted_preadv)
-    masters = host_memory.finished(ReadBack(sources, [0, 0, 0], 0, pin=False))
+    monkeypatch.setattr(files.os, "preadv", counted_preadv)
+    masters = file_reads.finished(ReadBack(sources, [0, 0, 0], 0, pin=False))
     assert [torch.equal(master.data, want) for master, want in zip(masters, expected)] == [True] * 3
     assert sorted(set(reads)) == sorted({sources[0].offset, sources[2].offset}), "the written view is copied"
     assert all(master.data.data_ptr() % 512 == 0 and not master.pinned for master in masters)
@@ -327,16 +328,16 @@ def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path,
     sources = [views[id(layer.weight)] for layer in module]
     order = sorted(range(6), key=lambda i: sources[i].offset)
     assert all(sources[b].offset == sources[a].offset + sources[a].view.numel() for a, b in zip(order, order[1:]))
-    real_preadv = host_memory.os.preadv
+    real_preadv = files.os.preadv
     reads: list[tuple[int, int]] = []
 
     def short_preadv(fd, buffers, offset):
         reads.append((offset, len(buffers)))
         return real_preadv(fd, [buffers[0][:3000]], offset)  # a short read: 3000 bytes at most
 
-    monkeypatch.setattr(host_memory.os, "preadv", short_preadv)
+    monkeypatch.setattr(files.os, "preadv", short_preadv)
     alignments = [0, 4, 0, 8, 0, 0]
-    masters = host_memory.finished(ReadBack(sources, alignments, 0, pin=False))
+    masters = file_reads.finished(ReadBack(sources, alignments, 0, pin=False))
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
     assert [master.data.data_ptr() % 512 for master in masters] == alignments
     assert reads[0] == (sources[order[0]].offset, 6), "the first read asks for all six masters at once"
@@ -344,7 +345,7 @@ def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path,
 
     reads.clear()
     sources[3].view[PAGE : PAGE + 8] = 7
-    masters = host_memory.finished(ReadBack(sources, alignments, 0, pin=False))
+    masters = file_reads.finished(ReadBack(sources, alignments, 0, pin=False))
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
     assert sources[3].offset not in {offset for offset, _ in reads}, "the written master is copied from its view"
     assert all(count == 1 for _, count in reads), "one master per read in a run with a written page"
@@ -356,8 +357,8 @@ def _six_mapped_weights(tmp_path, monkeypatch) -> list[MappedBytes]:
     torch.manual_seed(0)
     module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(6)))
     views = _mapped_checkpoint(tmp_path, module)
-    monkeypatch.setattr(host_memory, "_RING_SLOT_BYTES", 100 << 10)
-    monkeypatch.setattr(host_memory, "_RING_SLOTS", 2)
+    monkeypatch.setattr(file_reads, "_RING_SLOT_BYTES", 100 << 10)
+    monkeypatch.setattr(file_reads, "_RING_SLOTS", 2)
     return [views[id(layer.weight)] for layer in module]
 
 
@@ -369,17 +370,17 @@ def test_copying_from_files_goes_through_a_ring_of_slots_locked_once(tmp_path, d
     registered: list[int] = []
     register = driver.register
     monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered.append(args[1]) or register(*args))
-    host_memory.copy_from_files(sources, targets, budget, pin=True, device=CPU)
+    file_reads.copy_from_files(sources, targets, budget, pin=True, device=CPU)
     assert all(torch.equal(target, source.view) for target, source in zip(targets, sources))
     assert len(registered) == (2 if budget else 0), "each slot locked once, within the budget"
-    assert driver.ranges == {} and host_memory.locked_bytes() == 0, "and unlocked before it returns"
+    assert driver.ranges == {} and pinning.locked_bytes() == 0, "and unlocked before it returns"
 
 
 @pytest.mark.parametrize("failure", ["read", "file written"])
 def test_copying_from_files_that_fails_part_way_leaves_nothing_locked(tmp_path, driver: FakeDriver, monkeypatch, failure: str) -> None:
     sources = _six_mapped_weights(tmp_path, monkeypatch)
     targets = [torch.zeros(source.view.numel(), dtype=torch.uint8) for source in sources]
-    real_preadv, reads = host_memory.os.preadv, []
+    real_preadv, reads = files.os.preadv, []
     (path,) = tmp_path.glob("*.safetensors")
 
     def preadv(fd, buffers, offset):
@@ -391,40 +392,40 @@ def test_copying_from_files_that_fails_part_way_leaves_nothing_locked(tmp_path, 
             os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # a save into the folder
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(host_memory.os, "preadv", preadv)
+    monkeypatch.setattr(files.os, "preadv", preadv)
     with pytest.raises((OSError, RuntimeError), match="injected" if failure == "read" else "changed since"):
-        host_memory.copy_from_files(sources, targets, 1 << 40, pin=True, device=CPU)
-    assert driver.ranges == {} and host_memory.locked_bytes() == 0
+        file_reads.copy_from_files(sources, targets, 1 << 40, pin=True, device=CPU)
+    assert driver.ranges == {} and pinning.locked_bytes() == 0
 
 
 def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: FakeDriver, monkeypatch) -> None:
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", 3 * PAGE)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", 3 * PAGE)
     sizes = [PAGE, 2 * PAGE, PAGE + 100, 5 * PAGE, 7]
     sources = [MappedBytes(torch.randint(0, 256, (size,), dtype=torch.uint8)) for size in sizes]
     alignments = [0, 0, 4, 0, 2]
-    masters = host_memory.finished(ReadBack(sources, alignments, 1 << 40, pin=True))
+    masters = file_reads.finished(ReadBack(sources, alignments, 1 << 40, pin=True))
     assert len(driver.ranges) == 4, "pieces of [1, 2], [3], [4] and [5] pages' worth"
     for master, source, alignment in zip(masters, sources, alignments):
         assert torch.equal(master.data, source.view) and master.pinned and driver.covers(master.data)
         assert master.data.data_ptr() % 512 == alignment
     assert len({id(master.pin) for master in masters}) == 4
     starts = sorted(driver.ranges)
-    assert all(start % host_memory._HUGE_PAGE == starts[0] % host_memory._HUGE_PAGE for start in starts)
+    assert all(start % file_reads._HUGE_PAGE == starts[0] % file_reads._HUGE_PAGE for start in starts)
     del masters, master
     gc.collect()
     assert driver.ranges == {}, "each piece is unlocked with the last master in it"
 
     budget = 3 * PAGE  # the first piece fits, the rest do not
-    masters = host_memory.finished(ReadBack(sources, alignments, budget, pin=True))
+    masters = file_reads.finished(ReadBack(sources, alignments, budget, pin=True))
     assert [master.pinned for master in masters] == [True, True, False, False, False]
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
 
 def test_a_small_unit_is_read_back_in_a_piece_per_thread(driver: FakeDriver, monkeypatch) -> None:
     """Each piece is one thread's: a unit under a piece's worth would be read by one thread alone."""
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", 8 * PAGE)
-    monkeypatch.setattr(host_memory, "_SMALLEST_PIECE_BYTES", PAGE)
-    monkeypatch.setattr(host_memory, "_READ_THREADS", 4)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", 8 * PAGE)
+    monkeypatch.setattr(file_reads, "_SMALLEST_PIECE_BYTES", PAGE)
+    monkeypatch.setattr(file_reads, "READ_THREADS", 4)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(8)]
     read = ReadBack(sources, [0] * 8, 1 << 40, pin=True)
     masters = read.finish()
@@ -437,45 +438,45 @@ def test_a_small_unit_is_read_back_in_a_piece_per_thread(driver: FakeDriver, mon
 
 
 def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver, monkeypatch) -> None:
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", PAGE)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(6)]
-    real_fill = host_memory._fill
+    real_fill = file_reads.fill_from_file
 
     def failing_fill(slot, source):
         if source is sources[3]:
             raise OSError("injected: unreadable")
         real_fill(slot, source)
 
-    monkeypatch.setattr(host_memory, "_fill", failing_fill)
+    monkeypatch.setattr(file_reads, "fill_from_file", failing_fill)
     with pytest.raises(OSError, match="injected"):
-        host_memory.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
+        file_reads.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
-    assert host_memory.locked_bytes() == 0, "and those never filled no longer count against the budget"
+    assert pinning.locked_bytes() == 0, "and those never filled no longer count against the budget"
 
 
 def test_an_abandoned_read_back_gives_back_every_claim_and_lock_before_it_returns(driver: FakeDriver, monkeypatch) -> None:
     """Pieces not started are cancelled and their budget claims given back; pieces being filled
     finish, lock, and are unlocked again, all before abandon() returns (no garbage collection)."""
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", PAGE)
     gate = threading.Event()
-    real_fill = host_memory._fill
+    real_fill = file_reads.fill_from_file
 
     def gated_fill(slot, source):
         assert gate.wait(timeout=10)
         real_fill(slot, source)
 
-    monkeypatch.setattr(host_memory, "_fill", gated_fill)
+    monkeypatch.setattr(file_reads, "fill_from_file", gated_fill)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(40)]
     read = ReadBack(sources, [0] * 40, 1 << 40, pin=True)
-    assert host_memory.locked_bytes() == 40 * PAGE, "every piece's budget is claimed at the start"
+    assert pinning.locked_bytes() == 40 * PAGE, "every piece's budget is claimed at the start"
     threading.Timer(0.2, gate.set).start()
     read.abandon()
-    assert host_memory.locked_bytes() == 0 and driver.ranges == {}
+    assert pinning.locked_bytes() == 0 and driver.ranges == {}
 
 
 @pytest.mark.parametrize("where", ["registration", "submission"])
 def test_a_read_back_that_fails_to_start_or_to_lock_gives_its_claims_back(driver: FakeDriver, monkeypatch, where: str) -> None:
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", PAGE)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", PAGE)
     sources = [MappedBytes(torch.full((PAGE,), index, dtype=torch.uint8)) for index in range(6)]
     if where == "registration":
         # The runtime raising (rather than returning an error) inside the call, on a reader thread.
@@ -488,7 +489,7 @@ def test_a_read_back_that_fails_to_start_or_to_lock_gives_its_claims_back(driver
 
         monkeypatch.setattr(_device, "register_host_memory", register)
     else:
-        pool = host_memory._reader_pool()
+        pool = file_reads._reader_pool()
 
         class FailingPool:
             def __init__(self) -> None:
@@ -500,18 +501,18 @@ def test_a_read_back_that_fails_to_start_or_to_lock_gives_its_claims_back(driver
                     raise RuntimeError("injected: cannot schedule")
                 return pool.submit(*args)
 
-        monkeypatch.setattr(host_memory, "_reader_pool", FailingPool)
+        monkeypatch.setattr(file_reads, "_reader_pool", FailingPool)
     with pytest.raises(RuntimeError, match="injected"):
-        host_memory.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
+        file_reads.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     gc.collect()
-    assert host_memory.locked_bytes() == 0 and driver.ranges == {}
+    assert pinning.locked_bytes() == 0 and driver.ranges == {}
 
 
 def _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch) -> tuple[torch.nn.Module, ModuleStager, torch.Tensor]:
     """A stager whose four masters map a checkpoint file, read back one per piece."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(*(torch.nn.Linear(512, 512, bias=False) for _ in range(4))).eval()
-    monkeypatch.setattr(host_memory, "_PIECE_BYTES", module[0].weight.nbytes)
+    monkeypatch.setattr(file_reads, "_PIECE_BYTES", module[0].weight.nbytes)
     stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
     assert stager.map_masters(_mapped_checkpoint(tmp_path, module)) == 4 * module[0].weight.nbytes
     return module, stager, torch.randn(2, 512)
@@ -599,7 +600,7 @@ def test_a_load_from_the_files_that_fails_leaves_the_masters_mapped(tmp_path, dr
     module, stager, x = _four_layers_read_back_in_four_pieces(tmp_path, monkeypatch)
     expected = module(x)
     mapped, registered = stager.host_bytes()["mapped"], dict(driver.ranges)
-    real_preadv = host_memory.os.preadv
+    real_preadv = files.os.preadv
     third = stager._groups[2].mapped_from
 
     def failing_preadv(fd, buffers, offset):
@@ -608,12 +609,12 @@ def test_a_load_from_the_files_that_fails_leaves_the_masters_mapped(tmp_path, dr
         return real_preadv(fd, buffers, offset)
 
     with monkeypatch.context() as patch:
-        patch.setattr(host_memory.os, "preadv", failing_preadv)
+        patch.setattr(files.os, "preadv", failing_preadv)
         with pytest.raises(OSError, match="injected"):
             stager.load()
         assert not stager.loaded and stager.host_bytes()["mapped"] == mapped
         assert driver.ranges == registered, "the slots locked before the failure are unlocked"
-        assert host_memory.locked_bytes() == sum(registered.values())
+        assert pinning.locked_bytes() == sum(registered.values())
 
         def failing_synchronize(device):
             raise RuntimeError("injected: the device failed too")

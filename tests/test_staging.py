@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import ModuleStager, _device
-from diffusers_residency.host_memory import MappedBytes
+from diffusers_residency.files import MappedBytes
 from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
 
 from .helpers import count_device_allocations
