@@ -28,6 +28,7 @@ from . import _device
 from .adaptive import PipelineResidency, abort_call, apply_plan, begin_call, end_call
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
+from .masters import refuse_staged_elsewhere
 from .planner import (
     BudgetTooSmallError,
     ComponentSizes,
@@ -43,7 +44,6 @@ from .policy import Policy
 from .profile import ResidencyProfile, cache_folder, call_shape, profile_key, profile_path, read_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
-from .staging import refuse_staged_elsewhere
 from .streaming import repeated_blocks
 from .weights import module_tensors, refuse_shared_quantization_state, refuse_unstageable_tensors, storage_bytes
 

@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from . import _device, files, pinning
+from .masters import staged_by
+from .placement import DeviceSlots
 from .policy import Policy
 from .retention import RetentionBudget
-from .staging import DeviceSlots, ModuleStager, staged_by
+from .staging import ModuleStager
 from .streaming import BlockStream
 from .weights import module_stored_tensors, module_tensors
 

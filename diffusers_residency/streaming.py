@@ -8,7 +8,7 @@ every other block is loaded just before it runs and dropped after, while the nex
 copy stream behind the compute.
 
 Device memory for streamed blocks is not allocated anew at each step: a dropped block hands its
-storage to the block that loads in its place through the stream's :class:`~.staging.DeviceSlots`
+storage to the block that loads in its place through the stream's :class:`~.placement.DeviceSlots`
 (the copy into it first waits for the compute that last read it; see ``_device.TimedCopy``), so the
 window's storage is allocated when the component starts running and goes back to the allocator with
 the last blocks loaded, when another component evicts them.
@@ -18,19 +18,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from . import _device
+from .placement import DeviceSlots
 from .policy import Policy
-from .staging import DeviceSlots
-
-if TYPE_CHECKING:
-    from .residency import ResidencyGroup, StagedUnit
+from .staging import ModuleStager
 
 logger = logging.getLogger(__name__)
+
+
+class Block(Protocol):
+    """What a stream needs of one of its blocks (a residency unit): its stager, its policy, and its load."""
+
+    name: str
+    policy: Policy
+    stager: ModuleStager
+
+    def load(self, *, ahead: bool = False, slots: DeviceSlots | None = None) -> None: ...
+
+
+class StreamOwner(Protocol):
+    """What a stream needs of the group it runs in (a residency group)."""
+
+    # How many times the device has switched from one component to another: a stream that sees it
+    # move knows another component ran since its last block.
+    switches: int
+
+    def first_pass_ran(self, component: str) -> None:
+        """Told once a component's blocks have run through once in a call."""
 
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -73,29 +92,29 @@ class BlockStream:
     """
 
     def __init__(
-        self, component: str, blocks: Sequence[StagedUnit], prefetch_blocks: int, group: ResidencyGroup
+        self, component: str, blocks: Sequence[Block], prefetch_blocks: int, group: StreamOwner
     ) -> None:
         self.component = component
         self.group = group
         self.blocks = tuple(blocks)
         self.prefetch_blocks = prefetch_blocks
-        self._order: tuple[StagedUnit, ...] = self.blocks
-        self._recording: list[StagedUnit] | None = []
-        self._windows: dict[int, tuple[StagedUnit, ...]] = {}
-        self._staged_windows: dict[int, tuple[StagedUnit, ...]] = {}
+        self._order: tuple[Block, ...] = self.blocks
+        self._recording: list[Block] | None = []
+        self._windows: dict[int, tuple[Block, ...]] = {}
+        self._staged_windows: dict[int, tuple[Block, ...]] = {}
         # Streamed blocks this stream loaded and has not dropped yet.
-        self._held: list[StagedUnit] = []
+        self._held: list[Block] = []
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
         # The pass being timed: (start, end) compute timestamps per block, and the block running
         # with its start. Passes are counted from the group's switch count they began at.
-        self._stamps: dict[StagedUnit, tuple] | None = None
-        self._running: tuple[StagedUnit, torch.Event | float] | None = None
+        self._stamps: dict[Block, tuple] | None = None
+        self._running: tuple[Block, torch.Event | float] | None = None
         self._activation = -1
         self._passes = 0
         # The first pass ever timed and the latest: their stamps until read, then their sums.
-        self._first_step: dict[StagedUnit, tuple] | float | None = None
-        self._latest_step: dict[StagedUnit, tuple] | float | None = None
+        self._first_step: dict[Block, tuple] | float | None = None
+        self._latest_step: dict[Block, tuple] | float | None = None
         # How many passes were timed: whether the latest was timed after a given moment.
         self.steps_timed = 0
         self._compute_windows()
@@ -120,7 +139,7 @@ class BlockStream:
             staged[id(unit)] = self._following(position, Policy.STAGED, self.prefetch_blocks)
         self._windows, self._staged_windows = windows, staged
 
-    def _following(self, position: int, policy: Policy, depth: int) -> tuple[StagedUnit, ...]:
+    def _following(self, position: int, policy: Policy, depth: int) -> tuple[Block, ...]:
         """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around."""
         order = self._order
         count = len(order)
@@ -152,7 +171,7 @@ class BlockStream:
         )
         return self._first_step, self._latest_step
 
-    def _pass_begins(self, unit: StagedUnit) -> None:
+    def _pass_begins(self, unit: Block) -> None:
         switches = self.group.switches
         if switches != self._activation:
             # Another component ran since this one last did: a pass it cut short is not a step.
@@ -170,12 +189,12 @@ class BlockStream:
             self._stamps = {}
             self.group.first_pass_ran(self.component)
 
-    def _stamp_end(self, unit: StagedUnit) -> None:
+    def _stamp_end(self, unit: Block) -> None:
         ran, started = self._running
         self._stamps[ran] = (started, _device.compute_timestamp(unit.stager.device))
         self._running = None
 
-    def _learn(self, unit: StagedUnit) -> None:
+    def _learn(self, unit: Block) -> None:
         recording = self._recording
         if unit in recording:
             self._recording = None
@@ -189,7 +208,7 @@ class BlockStream:
             return
         recording.append(unit)
 
-    def enter(self, unit: StagedUnit) -> None:
+    def enter(self, unit: Block) -> None:
         """``unit`` is about to run: have it loaded, drop streamed blocks outside its window, and
         start loading the window. Runs before every block's forward, so it allocates nothing but
         device storage for loads that no dropped block's storage fits."""

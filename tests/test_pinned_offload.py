@@ -202,10 +202,10 @@ def test_a_round_trip_on_kept_masters_swaps_them_without_a_new_snapshot(
     module.to(dtype=torch.float64)
     module.to(dtype=torch.float32)
     snapshots, views = [], []
-    snapshot, views_over = diffusers_residency.staging._snapshot, ModuleStager._views_over
+    snapshot, views_over = diffusers_residency.staging.snapshot, ModuleStager._views_over
     spy_snapshot = lambda *args, **kwargs: (snapshots.append(1), snapshot(*args, **kwargs))[1]  # noqa: E731
     spy_views = lambda *args, **kwargs: (views.append(1), views_over(*args, **kwargs))[1]  # noqa: E731
-    monkeypatch.setattr(diffusers_residency.staging, "_snapshot", spy_snapshot)
+    monkeypatch.setattr(diffusers_residency.staging, "snapshot", spy_snapshot)
     monkeypatch.setattr(ModuleStager, "_views_over", spy_views)
     for _ in range(2):
         module.to(dtype=torch.float64)

@@ -9,9 +9,11 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from diffusers_residency import ModuleStager, _device
+from diffusers_residency import ModuleStager, _device, staging
+from diffusers_residency.conversions import same_bits
 from diffusers_residency.files import MappedBytes
-from diffusers_residency.staging import DeviceSlots, _same_bits, module_tensors
+from diffusers_residency.placement import DeviceSlots
+from diffusers_residency.weights import module_tensors
 
 from .helpers import count_device_allocations
 
@@ -273,18 +275,18 @@ def test_kept_masters_stand_for_a_conversion_only_with_the_same_bits_throughout(
     storage = torch.randn(46, dtype=torch.float64).to(dtype)
     for offset, count in ((0, 37), (1, 37), (3, 8), (1, 1)):
         kept = storage[offset : offset + count]
-        assert _same_bits(kept, kept.clone())
+        assert same_bits(kept, kept.clone())
         for position in {0, count - 1}:
             fresh = kept.clone()
             fresh[position] = fresh[position] * 2 + 1
-            assert not _same_bits(kept, fresh), (offset, count, position)
+            assert not same_bits(kept, fresh), (offset, count, position)
             zero, negative_zero = kept.clone(), kept.clone()
             zero[position], negative_zero[position] = 0.0, -0.0
-            assert not _same_bits(zero, negative_zero), (offset, count, position)
+            assert not same_bits(zero, negative_zero), (offset, count, position)
     nan = torch.full((5,), float("nan"), dtype=dtype)
-    assert _same_bits(nan, nan.clone()), "a NaN stands for the same NaN"
-    assert not _same_bits(storage[:4], storage[:8:2]), "another layout"
-    assert not _same_bits(storage[:4], storage[:4].to(torch.float64 if dtype != torch.float64 else torch.float32))
+    assert same_bits(nan, nan.clone()), "a NaN stands for the same NaN"
+    assert not same_bits(storage[:4], storage[:8:2]), "another layout"
+    assert not same_bits(storage[:4], storage[:4].to(torch.float64 if dtype != torch.float64 else torch.float32))
 
 
 def test_module_tensors_come_in_parameters_then_buffers_order_with_shared_and_excluded_modules() -> None:
@@ -339,7 +341,7 @@ def test_a_retake_that_fails_after_taking_new_masters_waits_for_copies_reading_t
     module.weight = nn.Parameter(module.weight.detach() * 2)  # a new parameter: new masters to take
     waited: list[tuple] = []
     monkeypatch.setattr(ModuleStager, "_wait_before_letting_go", lambda self, groups: waited.append(groups))
-    monkeypatch.setattr(ModuleStager, "_claim_tensors", lambda self: (_ for _ in ()).throw(RuntimeError("injected")))
+    monkeypatch.setattr(staging, "claim", lambda owner, groups: (_ for _ in ()).throw(RuntimeError("injected")))
     before = stager._groups
     with pytest.raises(RuntimeError, match="injected"):
         stager.retake_masters()

@@ -1,0 +1,451 @@
+"""Host masters and what is bound to them: one master per storage, and each tensor's place in it.
+
+Bookkeeping is per *storage*, not per tensor: two parameters that share a storage (tied embeddings,
+views, fused projections sliced into q/k/v) get one master and one device copy, and every tensor
+keeps its dtype, shape, stride and storage offset within it. Two masters for one storage would
+untie tied weights and let each side go stale on its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import weakref
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from . import _device, files, pinning
+from .weights import Wrappers, flat_bytes, module_stored_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class Owner(Protocol):
+    """What the registry of staged tensors needs of a stager."""
+
+    closed: bool
+
+
+@dataclass(frozen=True)
+class TensorBinding:
+    """One tensor's place in its storage: enough to rebuild it over any copy of the storage's bytes."""
+
+    target: torch.Tensor
+    inference: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    def view_over(self, backing: torch.Tensor) -> torch.Tensor:
+        """This tensor over ``backing``, a flat byte tensor that may start inside its storage."""
+        offset = backing.storage_offset() // self.dtype.itemsize + self.storage_offset
+        return torch.empty(0, dtype=self.dtype, device=backing.device).set_(
+            backing.untyped_storage(), offset, self.shape, self.stride
+        )
+
+
+@dataclass(frozen=True)
+class StorageGroup:
+    """The host master of one storage (a flat byte tensor) and every tensor that lives in it.
+
+    ``mapped_from`` is set for a master that is a view of a memory-mapped checkpoint file rather than
+    memory of its own: its pages come from the page cache and can be dropped by the kernel at any time.
+    """
+
+    master: torch.Tensor
+    bindings: tuple[TensorBinding, ...]
+    # The storage's address modulo 64 when it was attached, kept for CPU copies (see _device).
+    alignment: int
+    mapped_from: files.MappedBytes | None = None
+    pinned: bool = False
+    # The registration that keeps the master page-locked, when this package made it so.
+    pin: pinning.HostPin | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.numel()
+
+    @property
+    def mapped(self) -> bool:
+        return self.mapped_from is not None
+
+
+# The stager holding masters of each tensor, process-wide: id(tensor) -> (tensor, stager), both
+# weakly. Keyed by id because tensors compare element-wise; the tensor reference tells a reused id
+# from the same tensor.
+_STAGED_BY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def staged_by(tensor: torch.Tensor) -> Owner | None:
+    """The open stager that holds a master of ``tensor``, if any."""
+    tensor_ref, stager_ref = _STAGED_BY.get(id(tensor), (None, None))
+    stager = stager_ref() if stager_ref is not None else None
+    if tensor_ref is None or tensor_ref() is not tensor or stager is None or stager.closed:
+        return None
+    return stager
+
+
+def refuse_staged_elsewhere(
+    modules: Iterable[nn.Module], what: str, allowed: Collection[Owner] = (), exclude: Iterable[nn.Module] = ()
+) -> None:
+    """Raise, before anything changes, if a weight is staged by another stager (a script's group on
+    a block of a component that a pipeline already stages, say): two stagers rebinding one tensor
+    would each undo the other."""
+    for tensor in module_stored_tensors(modules, exclude):
+        owner = staged_by(tensor)
+        if owner is not None and owner not in allowed:
+            raise ValueError(
+                f"{what} has weights that another staging group already stages (a module enclosing it, or "
+                "inside it). Detach that one first (disable_pinned_offload() or detach_staging_hook())."
+            )
+
+
+def claim(owner: Owner, groups: Iterable[StorageGroup]) -> None:
+    """Record ``owner`` as the stager holding masters of every tensor bound in ``groups``."""
+    me = weakref.ref(owner)
+    for group in groups:
+        for binding in group.bindings:
+            _STAGED_BY[id(binding.target)] = (weakref.ref(binding.target), me)
+
+
+def release(owner: Owner, groups: Iterable[StorageGroup]) -> None:
+    """Forget ``owner`` as the stager of the tensors bound in ``groups`` (those it still holds)."""
+    for group in groups:
+        for binding in group.bindings:
+            if staged_by(binding.target) is owner:
+                del _STAGED_BY[id(binding.target)]
+
+
+def snapshot(
+    tensors: Iterable[torch.Tensor], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
+) -> tuple[tuple[StorageGroup, ...], bool]:
+    """Group every tensor by storage and take one host master per storage; also say whether a host
+    storage was copied into a master (its memory goes back to malloc once the tensors are rebound).
+
+    A host storage becomes its own master, page-locked in place when ``pin_budget`` (bytes, None for
+    no pinning) allows; a device storage, or a host storage whose pages could not be locked in
+    place, is copied once into one host block sized to the copies. Masters of ``previous`` that the
+    tensors still live in are kept as they are, registration and alignment included, so a snapshot
+    after a small change (a LoRA layer added) copies and pins only what is new.
+    """
+    # A tensor keeps the inference-ness it had when first staged: one replaced under inference mode
+    # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
+    was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
+    # Masters that view a checkpoint file (asleep at level 2) are slices of one mapping of the whole
+    # file. A tensor in such a mapping goes with the view it lies in, placed within it, rather than
+    # being grouped by its storage, the file's, which would take the whole file as one master.
+    views_in: dict[int, list[StorageGroup]] = {}
+    for group in sorted((group for group in previous if group.mapped), key=lambda group: group.master.data_ptr()):
+        views_in.setdefault(group.master.untyped_storage().data_ptr(), []).append(group)
+    in_view: dict[tuple, StorageGroup] = {}
+    grouped: dict[tuple, tuple[torch.Tensor, list[TensorBinding]]] = {}
+    for local in tensors:
+        storage = local.untyped_storage()
+        view = _view_holding(local, views_in.get(storage.data_ptr(), ())) if views_in else None
+        if view is not None:
+            key = ("mapped", id(view))
+            in_view[key] = view
+            offset = (local.data_ptr() - view.master.data_ptr()) // local.element_size()
+        else:
+            key = (local.device, storage.data_ptr()) if storage.nbytes() else ("empty", id(local))
+            offset = local.storage_offset()
+        binding = TensorBinding(
+            target=local,
+            inference=was_inference.get(id(local), local.is_inference()),
+            dtype=local.dtype,
+            shape=tuple(local.shape),
+            stride=tuple(local.stride()),
+            storage_offset=offset,
+        )
+        grouped.setdefault(key, (local, []))[1].append(binding)
+
+    kept = {(group.master.data_ptr(), group.nbytes): group for group in previous if group.master.device.type == "cpu"}
+    previous_alignments = {id(binding.target): group.alignment for group in previous for binding in group.bindings}
+    wholes, alignments = [], []
+    settled: dict[int, StorageGroup] = {}
+    for index, (key, (source, bindings)) in enumerate(grouped.items()):
+        view = in_view.get(key)
+        if view is not None:
+            wholes.append(view.master)
+            alignments.append(view.alignment)
+            settled[index] = replace(view, bindings=tuple(bindings))
+            continue
+        storage = source.untyped_storage()
+        whole = flat_bytes(storage)
+        wholes.append(whole.detach())
+        alignment = previous_alignments.get(id(bindings[0].target), _device.host_alignment(whole))
+        if any(alignment % binding.dtype.itemsize for binding in bindings):
+            alignment = _device.host_alignment(whole)
+        alignments.append(alignment)
+        previous_group = kept.get((whole.data_ptr(), whole.numel())) if whole.device.type == "cpu" else None
+        if previous_group is not None:
+            settled[index] = replace(previous_group, bindings=tuple(bindings))
+    if pin_budget is not None:
+        masters = _pinned_masters(wholes, alignments, settled.keys(), pin_budget)
+    else:
+        # Unpinned (the CPU device): a device storage still gets a host copy, never pinned.
+        to_copy = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
+        copies = pinning.copy_to_host([wholes[i] for i in to_copy], [alignments[i] for i in to_copy], 0, pin=False)
+        masters = dict(zip(to_copy, copies))
+
+    copied_host = any(
+        wholes[i].device.type == "cpu" and master.data.data_ptr() != wholes[i].data_ptr() for i, master in masters.items()
+    )
+    groups = []
+    for index, (source, bindings) in enumerate(grouped.values()):
+        if index in settled:
+            groups.append(settled[index])
+            continue
+        whole = wholes[index]
+        # An empty storage has no bytes to lock, and must not make the unit look pageable.
+        empty_pinned = pin_budget is not None and not whole.numel()
+        master = masters.get(index, pinning.HostMaster(whole, None, pinned=empty_pinned))
+        groups.append(
+            StorageGroup(
+                master=master.data,
+                bindings=tuple(bindings),
+                alignment=alignments[index],
+                pinned=master.pinned,
+                pin=master.pin,
+            )
+        )
+    return tuple(groups), copied_host
+
+
+def _view_holding(tensor: torch.Tensor, views: Sequence[StorageGroup]) -> StorageGroup | None:
+    """Among ``views`` (groups whose masters view one checkpoint file, by address), the one that holds
+    every byte of ``tensor`` at a place its dtype can start at, if any."""
+    start = tensor.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1 if tensor.numel() else 0
+    end = start + extent * tensor.element_size()
+    # Views of one file do not overlap: only the last one starting at or before the tensor can hold it.
+    index = bisect.bisect_right(views, start, key=lambda group: group.master.data_ptr()) - 1
+    if index < 0:
+        return None
+    group = views[index]
+    first = group.master.data_ptr()
+    return group if end <= first + group.nbytes and (start - first) % tensor.element_size() == 0 else None
+
+
+def bound_as_taken(binding: TensorBinding, master: torch.Tensor) -> bool:
+    """Whether the binding's tensor is still bound to ``master`` as it was (its place and layout)."""
+    tensor = binding.target
+    return (
+        tensor.data_ptr() == master.data_ptr() + binding.storage_offset * binding.dtype.itemsize
+        and tensor.dtype == binding.dtype
+        and tensor.shape == binding.shape
+        and tensor.stride() == binding.stride
+    )
+
+
+def _pinned_masters(
+    wholes: list[torch.Tensor], alignments: list[int], settled: Iterable[int], pin_budget: int
+) -> dict[int, pinning.HostMaster]:
+    """Masters for the storages not ``settled`` yet: large host ones locked in place, the rest copied
+    into one pinned block while the budget lasts; what the budget cannot hold stays (or becomes)
+    pageable."""
+    settled = set(settled)
+    on_host = [i for i, w in enumerate(wholes) if i not in settled and w.device.type == "cpu" and w.numel()]
+    in_place = [i for i, owned in zip(on_host, pinning.owns_its_pages([wholes[i] for i in on_host])) if owned]
+    masters = dict(zip(in_place, pinning.pin_in_place([wholes[i] for i in in_place], pin_budget)))
+    unpinned_host = [i for i in on_host if i not in masters or not masters[i].pinned]
+    on_device = [i for i, w in enumerate(wholes) if i not in settled and w.device.type != "cpu"]
+    to_copy = unpinned_host + on_device
+    room = pin_budget - pinning.locked_bytes()
+    _, block = pinning.block_bytes([wholes[i].numel() for i in to_copy], [alignments[i] for i in to_copy])
+    if unpinned_host and (block > room or not _device.can_register_host_memory()):
+        # Copying host memory that cannot be pinned in place only pays if the copy gets pinned.
+        to_copy = on_device
+    sources, source_alignments = [wholes[i] for i in to_copy], [alignments[i] for i in to_copy]
+    copies = pinning.copy_to_host(sources, source_alignments, pin_budget, pin=True)
+    masters.update(zip(to_copy, copies))
+    return masters
+
+
+def fills_storage(group: StorageGroup) -> bool:
+    """Whether the group's single tensor is contiguous and covers its storage byte for byte."""
+    (binding,) = group.bindings
+    contiguous = torch.empty(binding.shape, device="meta").stride()
+    numel = torch.Size(binding.shape).numel()
+    return (
+        binding.storage_offset == 0
+        and (binding.stride == contiguous or numel <= 1)
+        and numel * binding.dtype.itemsize == group.nbytes
+    )
+
+
+# Bound tensors, each with its view over a backing: ordinary tensors, and inference tensors.
+Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class MasterBindings:
+    """A stager's masters and the tensors bound to them: views over a backing (the masters, or a
+    load's device storage), binding to them, and the checks that what is bound is what was taken.
+
+    Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
+    ``exclude``, ``_groups`` (the current masters), ``_kept_groups`` (see :mod:`.conversions`),
+    ``_master_views_by``, ``_wrappers`` and ``_loaded_state``."""
+
+    modules: tuple[nn.Module, ...]
+    exclude: tuple[nn.Module, ...]
+    _groups: tuple[StorageGroup, ...]
+    _kept_groups: tuple[StorageGroup, ...]
+    _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
+    _wrappers: Wrappers
+    _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
+    _loaded_wrapper_versions: tuple[int | None, ...]
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The plain tensors behind the modules' parameters and buffers that this stager holds
+        masters of (see weights.stored_tensors)."""
+        return module_stored_tensors(self.modules, self.exclude)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Unique bytes behind the modules' tensors: what one load moves."""
+        return sum(group.nbytes for group in self._groups)
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(group.bindings) for group in self._groups)
+
+    @property
+    def pinned(self) -> bool:
+        return all(group.pinned for group in self._groups)
+
+    def host_bytes(self) -> dict[str, int]:
+        """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file;
+        masters kept from before the last conversion (see :meth:`convert`) included."""
+        held = {"pinned": 0, "pageable": 0, "mapped": 0}
+        for group in self._groups + self._kept_groups:
+            kind = "mapped" if group.mapped else "pinned" if group.pinned else "pageable"
+            held[kind] += group.nbytes
+        return held
+
+    def _views_over(self, backings: Iterable[torch.Tensor]) -> Views:
+        """Every bound tensor with its view over its group's backing, ordinary tensors and inference
+        tensors apart.
+
+        A view must match its target's inference-ness. Ordinary parameters get ordinary views even
+        when the pipeline runs under inference mode: inference tensors would be refused by autograd
+        and by in-place updates (LoRA fusing) once the call is over. Tensors that already are
+        inference tensors (diffusers' own offload moved them under inference mode) need inference
+        views, or their next view or slice fails on a missing version counter."""
+        ordinary, inference = [], []
+        with torch.inference_mode(False):
+            for backing, group in zip(backings, self._groups):
+                for binding in group.bindings:
+                    if binding.inference:
+                        inference.append((binding, backing))
+                    else:
+                        ordinary.append((binding.target, binding.view_over(backing)))
+        if inference:
+            with torch.inference_mode():
+                inference = [(binding.target, binding.view_over(backing)) for binding, backing in inference]
+        return ordinary, inference
+
+    def _assign(self, views: Views, keep: frozenset[int] = frozenset()) -> None:
+        ordinary, inference = views
+        with torch.inference_mode(False):
+            for target, view in ordinary:
+                if id(target) not in keep:
+                    target.data = view
+        if inference:
+            with torch.inference_mode():
+                for target, view in inference:
+                    if id(target) not in keep:
+                        target.data = view
+        if self._wrappers.tensors:
+            self._wrappers.follow()
+
+    def _bind(self, backings: Iterable[torch.Tensor]) -> None:
+        self._assign(self._views_over(backings))
+
+    def _master_views(self) -> Views:
+        """The views over the masters, made once per set of masters: an offload rebinds every tensor
+        (every block that streams, at every step), and making a view costs many times what binding
+        one does. Binding shares the view's storage and copies its shape; the view itself is never
+        changed, so it serves every offload until the masters change."""
+        entry = self._master_views_by.get(id(self._groups))
+        if entry is None or entry[0] is not self._groups:
+            entry = (self._groups, self._views_over(group.master for group in self._groups))
+            # The kept masters' views stay too: a cast and its way back swap the two sets.
+            kept = self._master_views_by.get(id(self._kept_groups))
+            self._master_views_by = {id(self._groups): entry}
+            if kept is not None and kept[0] is self._kept_groups:
+                self._master_views_by[id(self._kept_groups)] = kept
+        return entry[1]
+
+    def masters_current(self, tensors: list[torch.Tensor] | None = None) -> bool:
+        """Whether the modules still hold exactly the tensors the masters were taken for, each with the
+        storage, dtype and layout it had then (``tensors``: the modules' tensors, if already listed)."""
+        return self._bound_to(self._groups, tensors)
+
+    def _bound_to(self, groups: tuple[StorageGroup, ...], tensors: list[torch.Tensor] | None = None) -> bool:
+        """Whether the modules hold exactly the tensors of ``groups``, each over its group's master."""
+        if not all(bound_as_taken(binding, group.master) for group in groups for binding in group.bindings):
+            return False
+        return self._holds_only_bound_tensors(tensors, groups)
+
+    def _holds_only_bound_tensors(
+        self, tensors: list[torch.Tensor] | None = None, groups: tuple[StorageGroup, ...] | None = None
+    ) -> bool:
+        """Whether the modules' tensors are exactly the ones the masters (of ``groups``, else the
+        current ones) were taken for (none added, none replaced by another object)."""
+        groups = self._groups if groups is None else groups
+        bound = {id(binding.target) for group in groups for binding in group.bindings}
+        return bound == {id(t) for t in (self.tensors() if tensors is None else tensors)}
+
+    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor]]:
+        """Tensors given a new dtype, shape or stride since the last load (by id), and tensors
+        written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
+        their version counters, or their wrapper's, moved).
+
+        A tensor elsewhere with its old layout is neither: diffusers' layerwise casting casts each
+        weight up and back down at every forward, leaving equal values in new storage, which the
+        masters still hold. Nor is a write through ``.data``, which no counter sees."""
+        in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
+        replaced, written = set(), []
+        for binding, address, version in self._loaded_state:
+            target = binding.target
+            at_address = target.data_ptr() == address
+            if at_address and id(target) not in in_written_wrappers and (version is None or target._version == version):
+                continue  # nearly every tensor: untouched
+            if (
+                target.dtype != binding.dtype
+                or tuple(target.shape) != binding.shape
+                or tuple(target.stride()) != binding.stride
+            ):
+                replaced.add(id(target))
+            elif at_address:
+                written.append(target)
+        return frozenset(replaced), written
+
+    def _keep_writes(self, written: list[torch.Tensor]) -> frozenset[int]:
+        """Copy tensors written in place while loaded back into their masters: the one device-to-host
+        copy an offload makes, and only of what changed. Returns those whose master is mapped from a
+        file, which is not written: they are kept like replaced tensors and get masters of their own."""
+        mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
+        ordinary, _ = self._master_views()
+        views = {id(target): view for target, view in ordinary}
+        logger.info("%d tensors were written in place while loaded; copying them back to their masters", len(written))
+        with torch.no_grad():
+            for target in written:
+                if id(target) not in mapped:
+                    views[id(target)].copy_(target)
+        return frozenset(id(target) for target in written if id(target) in mapped)
+
+    def _swap_masters(self, groups: tuple[StorageGroup, ...]) -> None:
+        """Take ``groups`` (the same tensors over other masters) and bind the tensors to them, but
+        those replaced since they were bound (``param.data = ...`` while asleep): binding them would
+        undo that, and the next load takes masters for them."""
+        replaced = frozenset(
+            id(binding.target) for group in self._groups for binding in group.bindings if not bound_as_taken(binding, group.master)
+        )
+        self._groups = groups
+        self._assign(self._master_views(), keep=replaced)
