@@ -141,9 +141,8 @@ class _Retime:
     a call of fewer than three steps times none).
 
     The measuring call keeps the least on the device, and under a tight cap the allocator's retries
-    (each a device synchronisation) fell inside its timed step: FLUX.1-dev at 8 GB on the H200
-    machine timed 0.434 s of compute for a step that computes in 0.170 s, and the plan took the
-    bus for the compute's equal."""
+    (each a device synchronisation) fall inside its timed step, which then overstates the compute
+    by more than twice (docs/measurements.md)."""
 
     state: PipelineResidency
     # The plan the steps are to be timed under, and each component's steps timed when it was applied.

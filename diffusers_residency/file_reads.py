@@ -48,9 +48,8 @@ _SMALLEST_PIECE_BYTES = 16 << 20
 # Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.
 _HUGE_PAGE = 2 << 20
 # A load from masters mapped from files goes through a ring of this many page-locked slots of this
-# size (see copy_from_files). On the H200 machine, FLUX.1-dev's transformer (23.8 GB) went from
-# the page cache to the device at 29-32 GB/s through 32 slots of 32 MiB, and about as fast through
-# slots of 16 or 64 MiB; FLUX.1-dev's wake ran at 22 GB/s reading into new memory first.
+# size (see copy_from_files): 1 GiB in all, enough to keep the bus busy, and slots of 16 to 64 MiB
+# ran about as fast (docs/measurements.md).
 _RING_SLOT_BYTES = 32 << 20
 _RING_SLOTS = 32
 
@@ -186,9 +185,9 @@ class ReadBack:
         with one scatter read (see :func:`read_into`), where this process never wrote to their mapped
         pages, the rest one master at a time (see :func:`fill_from_file`).
 
-        Locked here rather than by the thread that copies: registering FLUX.1-dev's 33.7 GB kept
-        that thread busy for about 1.0 s of a 1.4-1.6 s wake on the H200 machine (beside sixteen
-        readers), in step with the reads, so its copies trailed them. The driver takes
+        Locked here rather than by the thread that copies: registering a whole pipeline keeps that
+        thread busy for most of a wake, in step with the reads, so its copies would trail them
+        (docs/measurements.md). The driver takes
         registrations from several threads at once: 8 GiB in 256 MiB pieces went in at 49-62 GB/s
         from one to sixteen threads there."""
         try:
@@ -322,8 +321,7 @@ def copy_from_files(
     A level-2 wake that read the masters into new memory of their own and copied them from there
     moved each byte through host memory four times: the kernel zeroes each new page, the read
     copies into it (reading the page cache and writing), and the device reads it back, and the
-    host's memory bandwidth set the pace (1.5 s for FLUX.1-dev's 33.7 GB on the H200 machine, 2.3x
-    its level-1 wake). Through at most 1 GiB of slots, mapped and page-locked once per call,
+    host's memory bandwidth set the pace (2.3x a level-1 wake; docs/measurements.md). Through at most 1 GiB of slots, mapped and page-locked once per call,
     the zeroing and the locking of every page go: the masters are read back into memory of their
     own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
 

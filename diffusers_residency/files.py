@@ -25,8 +25,8 @@ from .pinning import (
 
 logger = logging.getLogger(__name__)
 
-# Reading the page cache is a copy the kernel makes on the calling thread: one thread read 6.1 GB/s
-# on the H200 machine, sixteen 44 GB/s.
+# Reading the page cache is a copy the kernel makes on the calling thread: sixteen threads read about
+# seven times as fast as one (docs/measurements.md).
 READ_THREADS = max(1, min(16, os.cpu_count() or 1))
 # Weights are compared with their files through a scratch buffer of this size per thread.
 _COMPARED_AT_ONCE = 64 << 20
@@ -125,9 +125,8 @@ def fill_from_file(slot: torch.Tensor, source: MappedBytes) -> None:
     wrote to its mapped view, else from the view.
 
     Copying from the view makes the kernel fault in every 4 KiB page of the mapping and, at the
-    end, unmap them; reading the file copies out of the page cache with neither. On the H200 machine,
-    8 GiB went in at 12.4 GB/s through a mapping, and at 20.3 GB/s read by 16 threads into pieces
-    locked as they filled."""
+    end, unmap them; reading the file copies out of the page cache with neither, and ran 1.6x as
+    fast (docs/measurements.md)."""
     if source.file is None or _view_written(source.view):
         slot.copy_(source.view)
     elif not read_into(source.file, source.offset, [bytes_of(slot)]):
@@ -198,8 +197,8 @@ def _equal_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
 
 def hold_the_same_bytes(masters: Sequence[torch.Tensor], sources: Sequence[MappedBytes]) -> list[bool]:
     """For each master, whether its source in a checkpoint file holds the same bytes, compared by
-    threads (a level-2 sleep compares every weight; through the views, FLUX.1-dev's 33.7 GB took
-    10 s on the H200 machine)."""
+    threads (a level-2 sleep compares every weight, and one thread through the views is slow:
+    docs/measurements.md)."""
     scratches = threading.local()
 
     def holds(pair: tuple[torch.Tensor, MappedBytes]) -> bool:

@@ -60,8 +60,8 @@ PREFETCH_BLOCKS = 2
 PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
 # Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
 # budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
-# (the VAE decoding at full resolution): 2.6 GB on the H200 machine (peak 36.34 GB allocated,
-# resident, over 33.74 GB of weights), plus room for the allocator's rounding. It decides whether a
+# (the VAE decoding at full resolution: 2.6 GB, docs/measurements.md), plus room for the
+# allocator's rounding. It decides whether a
 # budget keeps everything on the device and whether the least-on-the-device plan of a measuring
 # call fits (see adaptive.learn_activations).
 DEFAULT_RESERVE_FRACTION = 0.1

@@ -2,8 +2,8 @@
 
 ``enable_model_cpu_offload()`` calls ``empty_cache()`` after every component. That returns blocks the
 very next component would have reused, and the next load pays ``cudaMalloc`` (and ``cudaFree``
-waits for the whole device) again: reloading 8 GiB as 1 MiB tensors took 205 ms with the cache kept
-and 610-750 ms with it flushed, on the H200 machine. Keeping the cache forever is no better when
+waits for the whole device) again: a reload with the cache flushed took three times as long as
+with it kept (docs/measurements.md). Keeping the cache forever is no better when
 several pipelines or another process share the device. So the cache is kept while it stays within a
 budget derived from what the stagers hold and what was actually observed, and while the device still
 has physical headroom.
@@ -67,7 +67,7 @@ class RetentionBudget:
         # dropped block's memory for the next component's activations wherever its free blocks
         # fit them (any size, with expandable segments), and a release costs a device
         # synchronisation and, for the next loads and activations, all that memory mapped again
-        # (SDXL at 8 GB ran visibly slower that way on the H200 machine). Where the free blocks
+        # (SDXL at 8 GB ran visibly slower that way). Where the free blocks
         # do not fit, the allocator fails under a cap, frees its cache and retries, synchronising
         # mid-call.
         self.reserved_limit: int | None = None

@@ -228,9 +228,8 @@ class AwakeRotation:
     ``rotation.use("sdxl")`` puts the awake pipeline to sleep first, so the device never holds two
     pipelines' weights at once, then wakes the one asked for and returns it. The sleeping one's
     device memory stays in the allocator's cache until the other has woken into it, and what is
-    left is given back after: freed first, the memory made the wake's copies run slower (on the
-    H200 machine, a 6.9 GB copy into new memory right after 33.7 GB were freed took 195-206 ms,
-    against 126 ms a second later or into the cache). Cache the woken pipeline's weights share a
+    left is given back after: freed first, the memory made the wake's copies run about 1.6x slower
+    (docs/measurements.md). Cache the woken pipeline's weights share a
     segment with stays reserved, for its calls to use (``memory_reserved()`` shows it).
 
     ``keep_cache=True`` gives nothing back at a switch: the process keeps the device memory of the
