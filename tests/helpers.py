@@ -98,3 +98,14 @@ def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str
         if transformer.policy is Policy.STREAMED and 0 < len(transformer.resident_blocks) < blocks:
             return budget
     pytest.fail("no budget streams the transformer behind a resident prefix")
+
+
+def enable_with_transformer(case: PipelineCase, policy: str) -> None:
+    """Enable on the CPU with the transformer ``resident`` or ``staged`` (no budget), or ``streamed``
+    under the budget that streams it behind a resident prefix of its blocks."""
+    if policy == "streamed":
+        case.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(case), activation_reserve=RESERVE)
+        plan = case.pipe.residency_plan()
+        assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks, str(plan)
+    else:
+        case.pipe.enable_pinned_offload("cpu", components={"transformer": policy}, vram_budget=None)

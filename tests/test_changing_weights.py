@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from diffusers_residency import ModuleStager, Policy, _device
+from diffusers_residency import ModuleStager, _device
 from diffusers_residency.pipeline import pipeline_state
 
-from .helpers import RESERVE, PipelineCase, assert_weights_equal, streaming_budget
+from .helpers import RESERVE, PipelineCase, assert_weights_equal, enable_with_transformer, streaming_budget
 
 peft = pytest.importorskip("peft")
 
@@ -307,12 +307,7 @@ def test_load_state_dict_into_a_loaded_component_is_kept(policy: str, subset: bo
     expected = resident.run()
     assert not torch.equal(expected, offloaded.reference), "the new weights must change the output"
 
-    if policy == "streamed":
-        offloaded.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(offloaded), activation_reserve=RESERVE)
-        plan = offloaded.pipe.residency_plan()
-        assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks, str(plan)
-    else:
-        offloaded.pipe.enable_pinned_offload("cpu", components={"transformer": policy}, vram_budget=None)
+    enable_with_transformer(offloaded, policy)
     offloaded.run()
     group = pipeline_state(offloaded.pipe).group
     assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"

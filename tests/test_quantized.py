@@ -16,7 +16,14 @@ from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
 from diffusers_residency.weights import module_tensors, storage_bytes, stored_tensors
 
-from .helpers import RESERVE, PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, streaming_budget
+from .helpers import (
+    RESERVE,
+    PipelineCase,
+    assert_no_meta_or_foreign_device,
+    assert_weights_equal,
+    enable_with_transformer,
+    streaming_budget,
+)
 
 
 def _torchao(config: str) -> Callable[[PipelineCase, Path], None]:
@@ -221,12 +228,7 @@ def test_quantized_weights_loaded_into_a_loaded_transformer_are_kept(kind: str, 
     expected = resident.run()
     assert not torch.equal(expected, offloaded.reference), "the new weights must change the output"
 
-    if policy == "streamed":
-        offloaded.pipe.enable_pinned_offload("cpu", vram_budget=streaming_budget(offloaded), activation_reserve=RESERVE)
-        plan = offloaded.pipe.residency_plan()
-        assert plan["transformer"].policy is Policy.STREAMED and plan["transformer"].resident_blocks, str(plan)
-    else:
-        offloaded.pipe.enable_pinned_offload("cpu", components={"transformer": "resident"}, vram_budget=None)
+    enable_with_transformer(offloaded, policy)
     offloaded.run()
     units = pipeline_state(offloaded.pipe).group.units_of("transformer")
     assert any(u.stager.loaded for u in units), "some of the transformer must be loaded"
