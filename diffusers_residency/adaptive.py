@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .hooks import StagingHook
-from .planner import BudgetTooSmallError, ResidencyPlan, StepTiming, format_bytes
+from .planner import BudgetTooSmallError, ResidencyPlan, StepTiming
 from .policy import Policy
 from .profile import CallFigures, ResidencyProfile, write_profile
 from .report import report_for
 from .residency import ResidencyGroup
+from .text import format_bytes
 
 logger = logging.getLogger(__name__)
 

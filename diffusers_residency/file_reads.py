@@ -253,7 +253,7 @@ class ReadBack:
         self._fills, self._waited, self._piece_pins = [], 0, [None] * len(self.pieces)
 
 
-def finished(reading: ReadBack) -> list[HostMaster]:
+def finish_or_unlock(reading: ReadBack) -> list[HostMaster]:
     """``reading.finish()``, for a read-back nothing copies from yet: if it fails, the pieces
     locked so far are unlocked at once, not whenever the traceback holding them goes."""
     try:

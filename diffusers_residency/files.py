@@ -167,7 +167,7 @@ def read_into(file: OpenFile, offset: int, targets: Sequence[memoryview]) -> boo
     return True
 
 
-def _holds(master: torch.Tensor, source: MappedBytes, scratch: torch.Tensor) -> bool:
+def _same_as_file(master: torch.Tensor, source: MappedBytes, scratch: torch.Tensor) -> bool:
     """Whether ``source`` holds the same bytes as ``master``, read from its file a chunk at a time
     into ``scratch`` where it has one (see :func:`fill_from_file` for why not through the view)."""
     if master.numel() != source.view.numel():
@@ -204,7 +204,7 @@ def hold_the_same_bytes(masters: Sequence[torch.Tensor], sources: Sequence[Mappe
     def holds(pair: tuple[torch.Tensor, MappedBytes]) -> bool:
         if not hasattr(scratches, "tensor"):
             scratches.tensor = torch.empty(_COMPARED_AT_ONCE, dtype=torch.uint8)
-        return _holds(*pair, scratches.tensor)
+        return _same_as_file(*pair, scratches.tensor)
 
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hold_the_same_bytes") as readers:
         return list(readers.map(holds, zip(masters, sources)))

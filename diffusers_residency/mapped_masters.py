@@ -177,4 +177,4 @@ class FileBackedMasters:
         if reading is None and self._maps_files:
             reading = self._new_read_back(pin=pin)
         if reading is not None:
-            self._swap_masters(self._over_masters_read_back(file_reads.finished(reading)))
+            self._swap_masters(self._over_masters_read_back(file_reads.finish_or_unlock(reading)))

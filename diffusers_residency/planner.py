@@ -48,6 +48,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .policy import Policy
+from .text import format_bytes, text_table
 
 # One block computing and two in flight keep the copy stream busy behind the compute; a deeper
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
@@ -85,14 +86,6 @@ def parse_bytes(value: int | str, what: str = "vram_budget") -> int:
     if nbytes <= 0:
         raise ValueError(f"{what} must be positive, got {value!r}")
     return nbytes
-
-
-def format_bytes(nbytes: int) -> str:
-    """Bytes in the largest decimal unit that keeps a digit before the point: "23.80 GB", "512.0 kB"."""
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def default_reserve(budget: int) -> int:
@@ -228,19 +221,23 @@ class ResidencyPlan:
                 return plan
         raise KeyError(name)
 
+    @functools.cached_property
+    def _sizes_by_name(self) -> dict[str, ComponentSizes]:
+        return {s.name: s for s in self.sizes}
+
     @property
     def resident_weight_bytes(self) -> int:
         """Weight bytes the plan keeps on the device across calls."""
-        return _resident(self.components, self.sizes)
+        return _resident(self.components, self._sizes_by_name)
 
     @property
     def transient_weight_bytes(self) -> int:
         """The most weight bytes any one component adds while it runs."""
-        return _transient(self.components, self.sizes)
+        return _transient(self.components, self._sizes_by_name)
 
     def transient_bytes_of(self, name: str) -> int:
         """The weight bytes component ``name`` adds while it runs."""
-        return self[name].transient_bytes(next(s for s in self.sizes if s.name == name))
+        return self[name].transient_bytes(self._sizes_by_name[name])
 
     def activation_bytes_of(self, name: str) -> int:
         """What component ``name`` needs above the weights while it runs: measured, else the reserve."""
@@ -258,16 +255,16 @@ class ResidencyPlan:
     @property
     def keeps_everything(self) -> bool:
         """Whether every weight stays on the device across calls: then nothing moves after the first."""
-        by_name = {s.name: s for s in self.sizes}
+        by_name = self._sizes_by_name
         return all(p.resident_bytes(by_name[p.name]) == by_name[p.name].nbytes for p in self.components)
 
     @property
     def peak_bytes(self) -> int:
         """The most the plan expects on the device at any moment of a call, activations included."""
-        return _call_peak(self.components, self.sizes, self.activation_bytes_of)
+        return _call_peak(self.components, self._sizes_by_name, self.activation_bytes_of)
 
     def __str__(self) -> str:
-        by_name = {s.name: s for s in self.sizes}
+        by_name = self._sizes_by_name
         rows = [
             ("component", "policy", "GB", "resident GB", "blocks resident/staged/streamed", "prefetch", "activations GB")
         ]
@@ -289,8 +286,7 @@ class ResidencyPlan:
                     activations if self.budget is not None else "-",
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        table = text_table(rows)
         budget = "none" if self.budget is None else format_bytes(self.budget)
         head = f"vram budget {budget}, peak weights {format_bytes(self.peak_weight_bytes)}"
         if self.budget is not None:
@@ -311,24 +307,23 @@ class BudgetTooSmallError(ValueError):
 
 
 
-def _resident(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) -> int:
-    by_name = {s.name: s for s in sizes}
+def _resident(plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes]) -> int:
     return sum(p.resident_bytes(by_name[p.name]) for p in plans)
 
 
-def _transient(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes]) -> int:
-    by_name = {s.name: s for s in sizes}
+def _transient(plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes]) -> int:
     return max((p.transient_bytes(by_name[p.name]) for p in plans), default=0)
 
 
-def _call_peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes], activations: Callable[[str], int]) -> int:
+def _call_peak(
+    plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes], activations: Callable[[str], int]
+) -> int:
     """The most on the device at any moment of a call: what stays, plus the running component's
     transient weights and activations, at its largest.
 
     A resident component evicts nothing when it starts (it may run interleaved with others, a
     ControlNet inside the denoising loop), so while it runs the transient weights of whichever
     component ran before it may still be there: its moment counts the largest of them."""
-    by_name = {s.name: s for s in sizes}
     transient = {p.name: p.transient_bytes(by_name[p.name]) for p in plans}
 
     def moment(plan: ComponentPlan) -> int:
@@ -337,14 +332,14 @@ def _call_peak(plans: Sequence[ComponentPlan], sizes: Sequence[ComponentSizes], 
             return left + activations(plan.name)
         return transient[plan.name] + activations(plan.name)
 
-    return _resident(plans, sizes) + max(map(moment, plans), default=0)
+    return _resident(plans, by_name) + max(map(moment, plans), default=0)
 
 
 def _streamed(sizes: ComponentSizes) -> ComponentPlan:
     return ComponentPlan(sizes.name, Policy.STREAMED, frozenset(), PREFETCH_BLOCKS)
 
 
-def _away(sizes: ComponentSizes) -> ComponentPlan:
+def _off_device_between_uses(sizes: ComponentSizes) -> ComponentPlan:
     """The cheapest way to keep a component off the device between its uses: streamed when its
     trunk and window take less room than the whole of it, else staged."""
     streamed = _streamed(sizes)
@@ -454,26 +449,26 @@ def plan_residency(
         return activations.get(name, reserve)
 
     def fits(plans: Mapping[str, ComponentPlan]) -> bool:
-        return _call_peak(list(plans.values()), sizes, need) <= budget
+        return _call_peak(list(plans.values()), by_name, need) <= budget
 
-    def finish(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
+    def as_plan(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
         return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes), activations, timings)
 
-    def most(s: ComponentSizes) -> ComponentPlan:
+    def most_resident(s: ComponentSizes) -> ComponentPlan:
         # A fixed streamed component at its most: every block resident.
         if s.name not in fixed:
             return ComponentPlan(s.name, Policy.RESIDENT)
         plan = _as_given(s, fixed[s.name])
         return replace(plan, resident_blocks=frozenset(range(len(s.block_bytes)))) if plan.policy is Policy.STREAMED else plan
 
-    resident = {s.name: most(s) for s in sizes}
+    resident = {s.name: most_resident(s) for s in sizes}
     if fits(resident) and not least:
-        return finish(resident)
+        return as_plan(resident)
 
     free = [s for s in sizes if s.name not in fixed]
-    plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _away(s) for s in sizes}
+    plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _off_device_between_uses(s) for s in sizes}
     if not fits(plans):
-        peak = _call_peak(list(plans.values()), sizes, need)
+        peak = _call_peak(list(plans.values()), by_name, need)
         raise BudgetTooSmallError(
             f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but "
             f"those you fixed, a call needs {format_bytes(peak)} at its largest moment, weights and "
@@ -485,7 +480,7 @@ def plan_residency(
         # A per-step component whose activations a measuring call already measured (its first
         # step) keeps, for the rest of that call, the blocks its own moment has room for; the
         # others' moments are still unknown, and staged blocks leave them all their room.
-        return finish(_stage_blocks(plans, by_name, fits, only=activations.keys()))
+        return as_plan(_stage_blocks(plans, by_name, fits, only=activations.keys()))
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
     # per-step component would be streamed at every step to save one load per call.
@@ -500,8 +495,9 @@ def plan_residency(
     # took their room, a shallower window's slot would go to them, not to blocks of this one.
     for name, timing in timings.items():
         if name in plans and plans[name].policy is Policy.STREAMED:
-            plans = _stage_blocks(_grown(plans, name, by_name, fits, timing, PREFETCH_CHOICES), by_name, fits)
-    return finish(plans)
+            plans = _with_resident_blocks(plans, name, by_name, fits, timing, PREFETCH_CHOICES)
+            plans = _stage_blocks(plans, by_name, fits)
+    return as_plan(plans)
 
 
 def _grow_streamed(
@@ -516,11 +512,11 @@ def _grow_streamed(
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
-        plans = _grown(plans, name, by_name, fits, timings.get(name), (plans[name].prefetch_blocks,))
+        plans = _with_resident_blocks(plans, name, by_name, fits, timings.get(name), (plans[name].prefetch_blocks,))
     return plans
 
 
-def _grown(
+def _with_resident_blocks(
     plans: dict[str, ComponentPlan],
     name: str,
     by_name: Mapping[str, ComponentSizes],

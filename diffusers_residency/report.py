@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from . import _device
 from .residency import ResidencyGroup, StagedUnit
+from .text import text_table
 
 _GB = 1e9
 
@@ -90,8 +91,7 @@ class ResidencyReport:
             )
             for c in self.components
         ]
-        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+        lines = text_table((header, *rows))
         budget = "n/a" if self.retention_budget_bytes is None else f"{self.retention_budget_bytes / _GB:.2f} GB"
         return "\n".join([f"device {self.device}, retention budget {budget}", *lines])
 

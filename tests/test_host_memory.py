@@ -312,7 +312,7 @@ def test_masters_mapped_from_a_file_read_it_unless_their_pages_were_written(tmp_
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(files.os, "preadv", counted_preadv)
-    masters = file_reads.finished(ReadBack(sources, [0, 0, 0], 0, pin=False))
+    masters = file_reads.finish_or_unlock(ReadBack(sources, [0, 0, 0], 0, pin=False))
     assert [torch.equal(master.data, want) for master, want in zip(masters, expected)] == [True] * 3
     assert sorted(set(reads)) == sorted({sources[0].offset, sources[2].offset}), "the written view is copied"
     assert all(master.data.data_ptr() % 512 == 0 and not master.pinned for master in masters)
@@ -337,7 +337,7 @@ def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path,
 
     monkeypatch.setattr(files.os, "preadv", short_preadv)
     alignments = [0, 4, 0, 8, 0, 0]
-    masters = file_reads.finished(ReadBack(sources, alignments, 0, pin=False))
+    masters = file_reads.finish_or_unlock(ReadBack(sources, alignments, 0, pin=False))
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
     assert [master.data.data_ptr() % 512 for master in masters] == alignments
     assert reads[0] == (sources[order[0]].offset, 6), "the first read asks for all six masters at once"
@@ -345,7 +345,7 @@ def test_masters_back_to_back_in_a_file_are_read_with_one_scatter_read(tmp_path,
 
     reads.clear()
     sources[3].view[PAGE : PAGE + 8] = 7
-    masters = file_reads.finished(ReadBack(sources, alignments, 0, pin=False))
+    masters = file_reads.finish_or_unlock(ReadBack(sources, alignments, 0, pin=False))
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
     assert sources[3].offset not in {offset for offset, _ in reads}, "the written master is copied from its view"
     assert all(count == 1 for _, count in reads), "one master per read in a run with a written page"
@@ -403,7 +403,7 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     sizes = [PAGE, 2 * PAGE, PAGE + 100, 5 * PAGE, 7]
     sources = [MappedBytes(torch.randint(0, 256, (size,), dtype=torch.uint8)) for size in sizes]
     alignments = [0, 0, 4, 0, 2]
-    masters = file_reads.finished(ReadBack(sources, alignments, 1 << 40, pin=True))
+    masters = file_reads.finish_or_unlock(ReadBack(sources, alignments, 1 << 40, pin=True))
     assert len(driver.ranges) == 4, "pieces of [1, 2], [3], [4] and [5] pages' worth"
     for master, source, alignment in zip(masters, sources, alignments):
         assert torch.equal(master.data, source.view) and master.pinned and driver.covers(master.data)
@@ -416,7 +416,7 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
     assert driver.ranges == {}, "each piece is unlocked with the last master in it"
 
     budget = 3 * PAGE  # the first piece fits, the rest do not
-    masters = file_reads.finished(ReadBack(sources, alignments, budget, pin=True))
+    masters = file_reads.finish_or_unlock(ReadBack(sources, alignments, budget, pin=True))
     assert [master.pinned for master in masters] == [True, True, False, False, False]
     assert all(torch.equal(master.data, source.view) for master, source in zip(masters, sources))
 
@@ -449,7 +449,7 @@ def test_a_failed_read_back_unlocks_every_piece_locked_so_far(driver: FakeDriver
 
     monkeypatch.setattr(file_reads, "fill_from_file", failing_fill)
     with pytest.raises(OSError, match="injected"):
-        file_reads.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
+        file_reads.finish_or_unlock(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     assert driver.ranges == {}, "the pieces before the failure are unlocked at once"
     assert pinning.locked_bytes() == 0, "and those never filled no longer count against the budget"
 
@@ -503,7 +503,7 @@ def test_a_read_back_that_fails_to_start_or_to_lock_gives_its_claims_back(driver
 
         monkeypatch.setattr(file_reads, "_reader_pool", FailingPool)
     with pytest.raises(RuntimeError, match="injected"):
-        file_reads.finished(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
+        file_reads.finish_or_unlock(ReadBack(sources, [0] * 6, 1 << 40, pin=True))
     gc.collect()
     assert pinning.locked_bytes() == 0 and driver.ranges == {}
 

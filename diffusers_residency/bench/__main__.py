@@ -41,8 +41,9 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import _device
-from ..planner import format_bytes, parse_bytes
+from ..planner import parse_bytes
 from ..policy import Policy
+from ..text import format_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .modes import DENOISERS, MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode

@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import _device
+from ..text import text_table
 
 # Methods a component is entered through: a VAE decodes through ``decode``, not ``forward``.
 _ENTRY_METHODS = ("forward", "encode", "decode")
@@ -87,9 +88,7 @@ class CallTrace:
             (c.name, str(c.entries), ms(c.host_ms), ms(c.kernel_ms), ms(c.copy_ms), ms(c.device_idle_ms))
             for c in self.components
         ]
-        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-        lines = [f"one call traced: {self.wall_ms:.1f} ms wall{busy}"]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+        lines = [f"one call traced: {self.wall_ms:.1f} ms wall{busy}", *text_table((header, *rows))]
         if self.gaps:
             lines.append(f"longest device idle stretches (over {_GAP_MIN_US / 1000:.0f} ms):")
         for gap in self.gaps:
