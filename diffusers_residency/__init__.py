@@ -24,7 +24,7 @@ from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, Residen
 from .policy import Policy
 from .profile import ResidencyProfile
 from .report import ComponentReport, ResidencyReport
-from .residency import ResidencyGroup, StagedUnit
+from .residency import ResidencyGroup, ResidencyUnit
 from .retention import RetentionBudget, RetentionDecision
 from .sleep_mode import AwakeRotation, is_sleeping, sleep, wake_up
 from .staging import ModuleStager
@@ -57,7 +57,7 @@ __all__ = [
     "ResidencyReport",
     "RetentionBudget",
     "RetentionDecision",
-    "StagedUnit",
+    "ResidencyUnit",
     "StagingHook",
     "attach_block_streaming",
     "attach_staging_hook",

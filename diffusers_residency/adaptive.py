@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .budget_watch import BudgetWatch
 from .hooks import StagingHook
 from .planner import BudgetTooSmallError, ResidencyPlan, StepTiming
 from .policy import Policy
@@ -100,14 +101,18 @@ def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
     if plan.budget is None:
         group.retention.reserved_limit = None  # under a budget, set at each switch (evict_others)
     if plan.budget is None:
-        group.unwatch_budget()
-    elif group.vram_budget != plan.budget:
+        group.budget_watch = None
+    elif group.budget_watch is None or group.budget_watch.vram_budget != plan.budget:
         _watch(state, measure=state.measuring)
 
 
 def _watch(state: PipelineResidency, *, measure: bool) -> None:
     """Watch the budget for overshoots and retries and, with ``measure``, measure the next whole call."""
-    state.group.watch_budget(
+    group = state.group
+    group.budget_watch = BudgetWatch(
+        group.device,
+        group.retention,
+        group.loaded_bytes,
         state.plan.budget,
         lambda component, overshoot, retried: learn_overshoot(state, component, overshoot, retried),
         on_first_call=(lambda measured: learn_activations(state, measured)) if measure else None,
@@ -134,7 +139,7 @@ def replan_in_place(
 
 @dataclass
 class _Retime:
-    """Asked as each call starts and as it returns (ResidencyGroup.on_call_start) after the
+    """Asked as each call starts and as it returns (BudgetWatch.on_call_start) after the
     measuring call's plan is applied: once every timed component has timed a step under the plan in place, plan again for
     those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
     once done; False, to be asked again at the next call start, while some step was not timed yet
@@ -174,6 +179,12 @@ class _Retime:
             apply_plan(state, new_plan)
             logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
         return True
+
+
+def _time_steps_again(state: PipelineResidency, plan: ResidencyPlan) -> None:
+    """Time the steps again under ``plan``, from the next call start on (see :class:`_Retime`)."""
+    if state.group.budget_watch is not None:
+        state.group.budget_watch.on_call_start = _Retime(state, plan, _steps_timed(state))
 
 
 def _steps_timed(state: PipelineResidency) -> dict[str, int]:
@@ -283,7 +294,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     apply_plan(state, new_plan)
     state.group.load_resident_ahead()
     if new_plan.timings:
-        state.group.on_call_start = _Retime(state, new_plan, _steps_timed(state))
+        _time_steps_again(state, new_plan)
     logger.info(
         "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
         needs,
@@ -342,13 +353,14 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
             logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", shape)
         else:
             source = "measured" if shape in state.measured_shapes else "from the residency profile"
-            group.stop_measuring()
+            if group.budget_watch is not None:
+                group.budget_watch.stop_measuring()
             group.retention.release_over_limit_before = set(figures.release_before)
             plan = replace(plan, source=source, shape=shape)
             apply_plan(state, plan)
             if figures.timings and not figures.retimed:
                 # Saved before its step was timed again under its plan: time it now.
-                group.on_call_start = _Retime(state, plan, _steps_timed(state))
+                _time_steps_again(state, plan)
             group.load_resident_ahead()
             logger.info("Planned for calls of %s from figures %s: %s", shape, source, _plan_summary(plan))
             return
@@ -362,21 +374,24 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
 def abort_call(state: PipelineResidency) -> None:
     """The pipeline call raised: nothing it measured is kept, and the next call plans for its shape
     again (measuring it afresh if it is still new)."""
-    state.group.abort_call()
+    if state.group.budget_watch is not None:
+        state.group.budget_watch.abort_call()
     state.shape = None
 
 
 def end_call(state: PipelineResidency) -> None:
     """The pipeline call returned: tell now what it measured, overshot or retried (rather than as
     the next call starts, which may be of another shape), and keep the figures its shape has now."""
-    state.group.end_call()
+    watch = state.group.budget_watch
+    if watch is not None:
+        watch.end_call()
     if state.profile is None or state.shape is None or not state.plan.source:
         return
     figures = CallFigures(
         dict(state.plan.activations),
         dict(state.plan.timings),
         frozenset(state.group.retention.release_over_limit_before),
-        retimed=not isinstance(state.group.on_call_start, _Retime),
+        retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
     )
     if state.profile.shapes.get(state.shape) == figures:
         return

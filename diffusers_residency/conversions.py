@@ -162,10 +162,10 @@ class ConversionReuse:
         every tensor to a kept master: the second cast of a pair, such as SDXL's VAE going back to
         float16, or, from the second call on, going up to float32 again. Nothing to group, pin or
         rebind, no view to make, and no master let go; the kept conversions hold both ways already."""
-        before = self.staged_bytes
+        before = self.weight_bytes
         self._groups, self._kept_groups = self._kept_groups, self._groups
         if self.retention is not None:
-            self.retention.resize(before, self.staged_bytes)
+            self.retention.resize(before, self.weight_bytes)
         self._count_conversion()
 
     def _count_conversion(self) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from . import _device
 from .planner import PREFETCH_BLOCKS
 from .policy import Policy
-from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, StagedUnit
+from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, ResidencyUnit
 from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class StagingHook(ModelHook):
     :meth:`~diffusers_residency.staging.ModuleStager.convert`).
     """
 
-    def __init__(self, group: ResidencyGroup, unit: StagedUnit) -> None:
+    def __init__(self, group: ResidencyGroup, unit: ResidencyUnit) -> None:
         _disable_compile_in_hooks()
         self.group = group
         self.unit = unit
@@ -334,7 +334,7 @@ def attach_block_streaming(
         remove_hook_from_module(module)
     block_modules = tuple(block for _, block in blocks)
     trunk = group.add(name, module, Policy.STREAMED, exclude=block_modules)
-    units: list[StagedUnit] = [trunk]
+    units: list[ResidencyUnit] = [trunk]
     try:
         for index, (path, block) in enumerate(blocks):
             policy = Policy.RESIDENT if index in resident_blocks else Policy.STREAMED

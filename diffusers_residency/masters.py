@@ -306,7 +306,7 @@ class MasterBindings:
         return module_stored_tensors(self.modules, self.exclude)
 
     @property
-    def staged_bytes(self) -> int:
+    def weight_bytes(self) -> int:
         """Unique bytes behind the modules' tensors: what one load moves."""
         return sum(group.nbytes for group in self._groups)
 

@@ -330,7 +330,7 @@ def enable_pinned_offload(
         previous.retry_replans.clear()
         previous.retries_left_alone.clear()
         previous.group.retention.release_over_limit_before.clear()
-        previous.group.unwatch_budget()  # watched again for the new plan, the peak reset
+        previous.group.budget_watch = None  # watched again for the new plan, the peak reset
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)
         return

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import _device, files, pinning
+from .budget_watch import BudgetWatch
 from .masters import staged_by
 from .placement import DeviceSlots
 from .policy import Policy
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # diffusers' registry of model hooks and the name its layerwise casting registers under, both private
 # to diffusers: read to tell a unit whose weights its forwards move to storage of their own (see
-# StagedUnit.load).
+# ResidencyUnit.load).
 DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
 _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
@@ -50,7 +51,7 @@ def casts_layerwise(module: nn.Module) -> bool:
 
 
 @dataclass(eq=False)
-class StagedUnit:
+class ResidencyUnit:
     """One module (a pipeline component, one of its blocks, or any submodule) under a group's control.
 
     ``component`` names what the unit belongs to (itself, unless it is a streamed block or trunk):
@@ -129,7 +130,7 @@ class ResidencyGroup:
         # time, so that a unit in use by one call is never offloaded under another's.
         self.call_lock = threading.RLock()
         self.copy_stream = _device.new_copy_stream(self.device)
-        self.units: list[StagedUnit] = []
+        self.units: list[ResidencyUnit] = []
         # The component whose units ran last (resident ones aside): switching away from it is
         # what evicts.
         self.active_component: str | None = None
@@ -137,36 +138,15 @@ class ResidencyGroup:
         # between two (see BlockStream).
         self.switches = 0
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
-        # hooks leave the timing to the outermost one (see StagedUnit.host_seconds).
+        # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
         # Components in call order, and the most weight bytes the group may hold while a given
         # component runs: together they let the next component load ahead while the current one
         # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_room: Callable[[str], int] | None = None
-        # The VRAM budget watched at each switch, and what to tell when a component was short of room.
-        self.vram_budget: int | None = None
-        self.on_over_budget: Callable[[str, int, bool], None] | None = None
-        # The allocator's count of out-of-memory retries when last read, and the components that
-        # retried since the call began (see _watch_peak).
-        self._retries_seen: int | None = None
-        self._retried: dict[str, None] = {}
-        # The component whose call is under way (resident ones included): the peak seen when
-        # another one starts is that one's.
-        self._running: str | None = None
-        # Told what each component of the first whole call needed above the weights, once: see
-        # watch_budget.
-        self.on_first_call: Callable[[dict[str, int]], None] | None = None
-        # Called as each call starts, until it returns True (done).
-        self.on_call_start: Callable[[], bool] | None = None
-        # Told, in a measured call, what a streamed component needed in its first pass (see
-        # first_pass_ran).
-        self.on_first_step: Callable[[str, int], None] | None = None
-        self._measured: dict[str, int] = {}
-        self._call_start: str | None = None
-        self._call_end: str | None = None
-        self._call_started = False
-        self._call_end_ran = False
+        # The budget watched at each switch, under a budget (see adaptive, which sets it).
+        self.budget_watch: BudgetWatch | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
         # Reached by copying a module this group stages from anywhere but the pipeline that enabled
@@ -178,164 +158,15 @@ class ResidencyGroup:
             "offloading), or call disable_pinned_offload() first."
         )
 
-    def watch_budget(
-        self,
-        vram_budget: int,
-        on_over_budget: Callable[[str, int, bool], None],
-        *,
-        on_first_call: Callable[[dict[str, int]], None] | None = None,
-        on_first_step: Callable[[str, int], None] | None = None,
-        call_start: str | None = None,
-        call_end: str | None = None,
-    ) -> None:
-        """Call ``on_over_budget(component, overshoot, retried)`` when ``component`` was short of room,
-        seen when another component starts: the device's peak allocated memory went ``overshoot``
-        bytes past ``vram_budget`` while it ran, or (``retried``) the caching allocator ran out under
-        a cap on the process (``set_per_process_memory_fraction``, a smaller GPU) and freed its cache
-        to retry. Under a cap the peak never passes the budget: the retries, each a device
-        synchronisation in the middle of the component's work, are the only sign. The peak
-        statistics are reset after each, so that the next overshoot shows. They are reset here
-        too, so that an earlier workload's peak (the pipeline run resident before, say) neither
-        counts against the budget nor hides an overshoot below it.
-
-        With ``on_first_call``, the first whole call is measured: from ``call_start`` to
-        ``call_start`` again after ``call_end`` ran (named, not taken from the first activation,
-        which may come from outside a call: a component loaded at enable or at wake). The peak is
-        reset (and the allocator's cache emptied) each time another component starts, and what
-        each one needed above the weights (its reserved peak less the weight bytes loaded when it
-        ended: the call's tensors, its activations, the allocator's fragmentation) is told once, as
-        ``on_first_call({component: bytes})``, when the next call starts (or as the pipeline call
-        returns, see :meth:`end_call`). A call that never reaches ``call_end`` (latents as output)
-        does not count. While measuring, a peak over the budget is measured, not
-        told, and retries are not told either; ``on_first_step(component, bytes)`` is told what a
-        streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
-        self.vram_budget = vram_budget
-        self.on_over_budget = on_over_budget
-        self.on_first_call = on_first_call
-        self.on_first_step = on_first_step
-        self.on_call_start = None
-        self._measured = {}
-        self._running = None
-        self._call_start = call_start
-        self._call_end = call_end
-        self._call_started = self._call_end_ran = False
-        if on_first_call is not None:
-            # Cache an earlier workload left behind would take room the call is measured to need.
-            _device.empty_cache(self.device)
-        _device.reset_peak_allocated(self.device)
-        self._retries_seen = _device.allocator_retries(self.device)
-        self._retried = {}
-
     @property
     def measures_next_call(self) -> bool:
-        """Whether the next whole call is measured (see :meth:`watch_budget`)."""
-        return self.on_first_call is not None
-
-    def stop_measuring(self) -> None:
-        """Measure no call, and time no step again: the plan in place was made from figures
-        measured before (see ``adaptive.begin_call``)."""
-        self.on_first_call = None
-        self.on_first_step = None
-        self.on_call_start = None
-
-    def end_call(self) -> None:
-        """The pipeline call returned: what its last component needed, overshot or retried is read
-        now, and what the call taught is told now, rather than when the next call's first component
-        starts: the next call may be of another shape, planned otherwise."""
-        if self.on_over_budget is None or self._running is None:
-            return
-        measured = self.on_first_call is not None
-        self._watch_peak(self._call_start)
-        self._running = None
-        if measured:
-            # The measured call's peaks were measured, not overshot: the next call starts afresh.
-            _device.reset_peak_allocated(self.device)
-
-    def abort_call(self) -> None:
-        """The pipeline call raised: what it measured so far is dropped (a call measured from here
-        starts over at its first component), and what it retried or overshot is not told."""
-        self._running = None
-        self._retried = {}
-        self._measured = {}
-        self._call_started = self._call_end_ran = False
-        self._retries_seen = _device.allocator_retries(self.device)
-        _device.reset_peak_allocated(self.device)
-
-    def unwatch_budget(self) -> None:
-        self.vram_budget = None
-        self.on_over_budget = None
-        self.on_first_call = None
-        self.on_first_step = None
-        self.on_call_start = None
-
-    def _watch_peak(self, component: str) -> bool:
-        """Check the peak as ``component`` starts; True when a measured component just ended, and the
-        peak is to be reset once the room for ``component`` is made (see :meth:`activate`)."""
-        if self.on_over_budget is None:
-            return False
-        peak = _device.peak_allocated(self.device)
-        if peak is None:
-            return False
-        ran, self._running = self._running, component
-        retries, seen = _device.allocator_retries(self.device), self._retries_seen
-        self._retries_seen = retries
-        if self.on_first_call is None:
-            kept_for = self.retention.kept_over_limit
-            if retries is not None and seen is not None and retries > seen:
-                if kept_for is not None:
-                    # The cache kept over the room of the component it was kept for did not fit
-                    # what ran since: give it back there from now on, rather than plan more room.
-                    self.retention.release_over_limit_before.add(kept_for)
-                    self.retention.kept_over_limit = None
-                    logger.info(
-                        "The allocator retried while %r ran, with the cache kept as %r started: releasing it there from now on",
-                        ran,
-                        kept_for,
-                    )
-                else:
-                    self._retried[ran or component] = None
-            if peak > self.vram_budget:
-                self.on_over_budget(ran or component, peak - self.vram_budget, False)
-                # Planned for: from here on a peak over the budget is a new one (a component
-                # outgrowing the room it was just given, or another going over by less).
-                _device.reset_peak_allocated(self.device)
-            # Retries are told once a call, as it returns (see end_call) or as the next one
-            # starts: a component that runs
-            # between the steps of another (a resident ControlNet) switches at every step, and
-            # the plan made for the first retries applies only at the next switch that evicts.
-            if self._call_start is None or component == self._call_start:
-                retried, self._retried = self._retried, {}
-                for short in retried:
-                    self.on_over_budget(short, 0, True)
-                # Unset while it runs: one that raises is not called again at every call.
-                on_call_start, self.on_call_start = self.on_call_start, None
-                if on_call_start is not None and not on_call_start():
-                    self.on_call_start = on_call_start
-            return False
-        # While measuring, a peak over the budget is measured like any other.
-        if component == ran:
-            return False
-        if ran is not None:
-            need = self._need_above_weights(peak)
-            self._measured[ran] = max(self._measured.get(ran, 0), need)
-        self._watch_first_call(component)
-        return self.on_first_call is not None
-
-    def _need_above_weights(self, peak_allocated: int) -> int:
-        # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
-        # count against the budget's cap as much as tensors do; a plan made from allocated peaks
-        # hit the cap (and the allocator's synchronising retries).
-        return (_device.peak_reserved(self.device) or peak_allocated) - self.loaded_bytes()
+        """Whether the next whole call is measured (see :class:`~.budget_watch.BudgetWatch`)."""
+        return self.budget_watch is not None and self.budget_watch.measures_next_call
 
     def first_pass_ran(self, component: str) -> None:
-        """A streamed component's first pass (a denoiser's first step) ran. In a measured call, what
-        it needed above the weights is told now (``on_first_step``), so that its other steps can
-        keep what that leaves room for, rather than stream every block to the call's end."""
-        if self.on_first_call is None or self.on_first_step is None or component != self._running:
-            return
-        peak = _device.peak_allocated(self.device)
-        if peak is not None:
-            self.on_first_step(component, self._need_above_weights(peak))
+        """A streamed component's first pass (a denoiser's first step) ran: told to the budget watch."""
+        if self.budget_watch is not None:
+            self.budget_watch.first_pass_ran(component)
 
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them
@@ -350,27 +181,8 @@ class ResidencyGroup:
         for unit in self.units:
             if unit.policy is Policy.RESIDENT and not unit.stager.loaded and not unit.sleep_level:
                 unit.load(ahead=True)
-        # Allocations that retried here are not a component's shortfall.
-        self._retries_seen = _device.allocator_retries(self.device)
-
-    def _measure_from_here(self) -> None:
-        # Only while measuring: each component's own peak, from what is left once the others are
-        # evicted, their cache given back so that it counts for no one. (After, peaks are reset
-        # only when an overshoot is told, and otherwise left to whoever reads them, a benchmark say.)
-        _device.empty_cache(self.device)
-        _device.reset_peak_allocated(self.device)
-
-    def _watch_first_call(self, component: str) -> None:
-        if component == self._call_start:
-            if not self._call_end_ran:
-                if not self._call_started:
-                    self._measured = {}  # what ran before the call (a component loaded at enable)
-                self._call_started = True
-                return
-            on_first_call, self.on_first_call = self.on_first_call, None
-            on_first_call(self._measured)
-        elif component == self._call_end and self._call_started:
-            self._call_end_ran = True
+        if self.budget_watch is not None:
+            self.budget_watch.forget_retries()  # allocations that retried here are no component's shortfall
 
     def check_can_add(self, module: nn.Module, name: str, exclude: tuple[nn.Module, ...] = ()) -> None:
         """Refuse a module that shares weights with a unit already in the group: two stagers would
@@ -390,7 +202,7 @@ class ResidencyGroup:
         *,
         component: str | None = None,
         exclude: tuple[nn.Module, ...] = (),
-    ) -> StagedUnit:
+    ) -> ResidencyUnit:
         """Stage ``module`` (less the submodules in ``exclude``) as one unit of ``component``."""
         policy = Policy.parse(policy, name)
         self.check_can_add(module, name, exclude)
@@ -412,7 +224,7 @@ class ResidencyGroup:
             exclude=exclude,
             one_buffer=lambda: whole and not casts_layerwise(module),
         )
-        unit = StagedUnit(
+        unit = ResidencyUnit(
             name=name,
             module=module,
             policy=policy,
@@ -423,15 +235,15 @@ class ResidencyGroup:
         self.units.append(unit)
         return unit
 
-    def remove(self, unit: StagedUnit) -> None:
+    def remove(self, unit: ResidencyUnit) -> None:
         """Offload the unit and stop managing it; its tensors stay bound to their host masters."""
         unit.stager.close()
         self.units.remove(unit)
 
-    def units_of(self, component: str) -> list[StagedUnit]:
+    def units_of(self, component: str) -> list[ResidencyUnit]:
         return [unit for unit in self.units if unit.component == component]
 
-    def activate(self, unit: StagedUnit) -> None:
+    def activate(self, unit: ResidencyUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once (timed: two
         clock reads, about a quarter of a microsecond)."""
@@ -441,14 +253,15 @@ class ResidencyGroup:
         finally:
             unit.host_seconds += time.perf_counter() - started
 
-    def _activate(self, unit: StagedUnit) -> None:
+    def _activate(self, unit: ResidencyUnit) -> None:
         # When another component starts (not at every step of the same one, nor at every block: reading
         # the allocator's statistics builds a dict of them all).
+        watch = self.budget_watch
         measuring = (
-            self.on_over_budget is not None
+            watch is not None
             and unit.stream is None
-            and unit.component != self._running
-            and self._watch_peak(unit.component)
+            and unit.component != watch.running
+            and watch.component_starts(unit.component)
         )
         switched = unit.policy is not Policy.RESIDENT and unit.component != self.active_component
         if switched:
@@ -456,7 +269,7 @@ class ResidencyGroup:
             # inside the denoising loop) and needs no room made for it.
             self.evict_others(unit.component)
         if measuring:
-            self._measure_from_here()
+            watch.measure_from_here()
         if unit.stream is not None:
             unit.stream.enter(unit)
         elif not unit.stager.loaded:
@@ -488,7 +301,7 @@ class ResidencyGroup:
             last.retains += 1
 
     def loaded_bytes(self) -> int:
-        return sum(unit.stager.staged_bytes for unit in self.units if unit.stager.loaded)
+        return sum(unit.stager.weight_bytes for unit in self.units if unit.stager.loaded)
 
     def _load_ahead(self, component: str) -> None:
         """Start loading the component after ``component`` in call order, whole, if the room for weights
@@ -501,7 +314,7 @@ class ResidencyGroup:
         order = self.call_order
         following = order[(order.index(component) + 1) % len(order)]
         ahead = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
-        needed = sum(u.stager.staged_bytes for u in ahead)
+        needed = sum(u.stager.weight_bytes for u in ahead)
         if ahead and self.loaded_bytes() + needed <= self.weight_room(component):
             logger.debug("Loading %r ahead (%d bytes)", following, needed)
             for unit in ahead:
@@ -519,7 +332,7 @@ class ResidencyGroup:
             self.active_component = None
 
     def sleep(
-        self, unit: StagedUnit, level: int, sources: Mapping[int, files.MappedBytes] | None = None
+        self, unit: ResidencyUnit, level: int, sources: Mapping[int, files.MappedBytes] | None = None
     ) -> None:
         """Put ``unit`` to sleep: level 1 keeps its host masters, level 2 also swaps every master that
         ``sources`` (a memory-mapped checkpoint) holds byte for byte for its view there.
@@ -552,7 +365,7 @@ class ResidencyGroup:
         if self.active_component == unit.component:
             self.active_component = None
 
-    def wake(self, unit: StagedUnit) -> None:
+    def wake(self, unit: ResidencyUnit) -> None:
         """Wake ``unit``: on the device again if it was there (or is resident). A no-op for a unit
         that is awake. Masters mapped from files stay so: the caller reads them back (see
         ModuleStager.read_ahead)."""

@@ -79,23 +79,23 @@ class RetentionBudget:
         # held while the components after it run (FLUX.1 at 30 GB: kept as the transformer
         # starts, among the T5's dropped blocks, it left the VAE short after it).
         self.kept_over_limit: str | None = None
-        self.staged_bytes = 0
+        self.weight_bytes = 0
         self.observed_cached_peak = 0
         self.releases = 0
         self.retains = 0
 
-    def grow(self, staged_bytes: int) -> None:
-        self.staged_bytes += staged_bytes
+    def grow(self, weight_bytes: int) -> None:
+        self.weight_bytes += weight_bytes
 
-    def shrink(self, staged_bytes: int) -> None:
-        self.staged_bytes = max(0, self.staged_bytes - staged_bytes)
+    def shrink(self, weight_bytes: int) -> None:
+        self.weight_bytes = max(0, self.weight_bytes - weight_bytes)
 
     def resize(self, old_bytes: int, new_bytes: int) -> None:
         self.shrink(old_bytes)
         self.grow(new_bytes)
 
     def budget_for(self, total: int) -> int:
-        seed = int(self.staged_bytes * STAGED_BYTES_MULTIPLIER)
+        seed = int(self.weight_bytes * STAGED_BYTES_MULTIPLIER)
         learned = int(self.observed_cached_peak * OBSERVED_PEAK_MARGIN)
         return min(max(seed, learned), int(total * MAX_CAPACITY_FRACTION))
 
@@ -145,7 +145,7 @@ class RetentionBudget:
             decision.reason,
             decision.cached,
             decision.budget,
-            self.staged_bytes,
+            self.weight_bytes,
             self.observed_cached_peak,
             decision.free,
             decision.total,

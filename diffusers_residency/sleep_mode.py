@@ -29,7 +29,7 @@ from .adaptive import PipelineResidency
 from .files import MappedBytes, OpenFile
 from .pipeline import enable_pinned_offload, pipeline_state
 from .policy import Policy
-from .residency import StagedUnit
+from .residency import ResidencyUnit
 from .weights import flat_bytes, stored_tensors
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def _names(value: str | Iterable[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or ())
 
 
-def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, list[StagedUnit]]:
+def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, list[ResidencyUnit]]:
     """The group's units of each named component: one, or a streamed component's trunk and blocks
     (a hook removed on its own is no longer one)."""
     units = {name: state.group.units_of(name) for name in names}
@@ -191,7 +191,7 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     resident = [all(unit.policy is Policy.RESIDENT for unit in units) for units in woken]
     by_size = sorted(
         (units for units, kept in zip(woken, resident) if kept),
-        key=lambda units: -sum(unit.stager.staged_bytes for unit in units),
+        key=lambda units: -sum(unit.stager.weight_bytes for unit in units),
     )
     order = [unit for units in by_size + [units for units, kept in zip(woken, resident) if not kept] for unit in units]
     # Masters mapped from files (level 2) are copied from the files to the device, unit after unit,

@@ -126,7 +126,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         if copied_host:  # their originals were freed by the rebinding just done
             _device.release_freed_host_heap()
         if retention is not None:
-            retention.grow(self.staged_bytes)
+            retention.grow(self.weight_bytes)
 
     @property
     def _groups(self) -> tuple[StorageGroup, ...]:
@@ -172,7 +172,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         stagers so): under a VRAM budget their storages come and go while activations come and go
         too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
         size, which a capped device may not have (docs/benchmarks.md). So do units under diffusers'
-        layerwise casting (see StagedUnit.load), and every device but the CPU and CUDA (see
+        layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
         groups = self._groups if groups is None else groups
         key = (self._layout(), tuple(group.master.data_ptr() for group in groups))
@@ -280,7 +280,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
             logger.debug("Modules changed since their last load: copying again")
             self._copy.join()  # the storage's next user waits for the copy into it
             self._device_storages = []
-            self.loaded_bytes += self.staged_bytes  # moved all the same: the load rate counts it
+            self.loaded_bytes += self.weight_bytes  # moved all the same: the load rate counts it
             del backings
         self.retake_masters()
         self.one_buffer = self._one_buffer_wanted()
@@ -319,7 +319,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         self.loaded = True
         self.loads += 1
         if timed:
-            self.loaded_bytes += self.staged_bytes
+            self.loaded_bytes += self.weight_bytes
         if from_files and self.reads_back_after_loading:
             try:
                 self.read_ahead()
@@ -373,7 +373,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         except torch.OutOfMemoryError:
             logger.info(
                 "Out of memory staging %d bytes on %s; releasing the retained cache and retrying once",
-                self.staged_bytes,
+                self.weight_bytes,
                 self.device,
             )
             self._fall_back_to_masters()
@@ -453,7 +453,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         if any(t.is_meta for t in tensors):
             refuse_unstageable_tensors(self.modules, "The module")
         old = self._groups
-        before = self.staged_bytes
+        before = self.weight_bytes
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups)
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         active = {id(group.master) for group in self._groups}
@@ -467,13 +467,13 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
                 # of the same sizes at every call, which the next call's conversions fill.)
                 _device.release_freed_host_heap()
             if self.retention is not None:
-                self.retention.resize(before, self.staged_bytes)
+                self.retention.resize(before, self.weight_bytes)
         except BaseException:
             # The old masters go with ``old`` when this raises, and the last load may still be
             # copying from them: the same wait as for masters let go on success.
             self._wait_before_letting_go(old)
             raise
-        logger.debug("Retook host masters: %d -> %d bytes", before, self.staged_bytes)
+        logger.debug("Retook host masters: %d -> %d bytes", before, self.weight_bytes)
         return tuple(group for group in old if id(group.master) not in active)
 
     def _require_offloaded(self, what: str) -> None:
@@ -494,7 +494,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         )
         self._master_views_by = {}
         if self.retention is not None:
-            self.retention.shrink(self.staged_bytes)
+            self.retention.shrink(self.weight_bytes)
             self.retention = None
         release(self, self._groups)
         self.closed = True

@@ -160,7 +160,7 @@ def test_layerwise_casting_keeps_fp8_storage_on_host_and_device(flux: PipelineCa
     for _ in range(2):
         assert torch.equal(flux.run(), expected)
         report = flux.pipe.residency_report()
-        assert report["transformer"].staged_bytes == storage_bytes(transformer), "masters hold the fp8 bytes"
+        assert report["transformer"].weight_bytes == storage_bytes(transformer), "masters hold the fp8 bytes"
         assert any(t.dtype == FP8 for t in transformer.parameters())
     assert_every_weight_staged(flux.pipe, "transformer")
 

@@ -158,7 +158,7 @@ def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatc
     for _ in range(2):
         case.pipe.sleep(level=2)
         report = case.pipe.residency_report()
-        assert all(c.mapped_bytes >= 0.95 * c.staged_bytes for c in report.components), str(report)
+        assert all(c.mapped_bytes >= 0.95 * c.weight_bytes for c in report.components), str(report)
         case.pipe.wake_up()
         assert torch.equal(case.run(), case.reference)
         case.pipe.sleep()  # waits for the masters read back
@@ -310,7 +310,7 @@ def test_masters_are_page_locked_without_rounding_and_unlocked_on_disable() -> N
     before = pinning.locked_bytes()
     case.pipe.enable_pinned_offload()
     report = case.pipe.residency_report()
-    staged = sum(c.staged_bytes for c in report.components)
+    staged = sum(c.weight_bytes for c in report.components)
     groups = sum(len(hook.unit.stager._groups) for hook in staging_hooks(case.pipe).values())
     assert all(c.pinned for c in report.components), str(report)
     assert all(t.is_pinned() for t in case.pipe.transformer.parameters())
@@ -328,7 +328,7 @@ def test_pin_budget_leaves_masters_pageable_and_loads_still_exact() -> None:
     case.pipe.to("cpu")
     case.pipe.enable_pinned_offload(pin_budget=0, vram_budget=None)
     report = case.pipe.residency_report()
-    assert all(c.pinned_bytes == 0 and c.pageable_bytes == c.staged_bytes for c in report.components), str(report)
+    assert all(c.pinned_bytes == 0 and c.pageable_bytes == c.weight_bytes for c in report.components), str(report)
     for _ in range(2):
         assert torch.equal(case.run(), case.reference)
     case.pipe.disable_pinned_offload()

@@ -67,7 +67,7 @@ def test_quantized_transformer_on_cuda_matches_resident_and_copies_nothing_back(
 
     case.pipe.enable_pinned_offload(vram_budget=None, components={"transformer": "staged"})
     assert _devices(transformer) == {torch.device("cpu")}, "every part of every weight on its host master"
-    assert case.pipe.residency_report()["transformer"].staged_bytes == quantized_bytes
+    assert case.pipe.residency_report()["transformer"].weight_bytes == quantized_bytes
     with torch.inference_mode():  # the first loads, and the wrappers rebuilt on the device, under it
         assert torch.equal(case.run(), case.reference)
     assert not any(t.is_inference() for t in module_tensors((transformer,))), "weights stay ordinary tensors"

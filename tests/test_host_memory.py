@@ -89,11 +89,11 @@ def test_large_weights_are_locked_in_place_small_ones_copied_once_into_a_block(d
     stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
     assert large.data_ptr() == address, "the large weight is locked where it is: no copy"
     assert all(weights(module)[name].data_ptr() != old for name, old in small_addresses.items())
-    assert stager.pinned and stager.host_bytes()["pinned"] == stager.staged_bytes
+    assert stager.pinned and stager.host_bytes()["pinned"] == stager.weight_bytes
     assert all(driver.covers(t) for t in weights(module).values())
     # Two registrations: the large weight's pages, and one exactly sized block for the small ones.
     assert len(driver.ranges) == 2 and driver.registered_bytes == pinning.locked_bytes()
-    assert driver.registered_bytes <= stager.staged_bytes + 4 * PAGE + 3 * 512
+    assert driver.registered_bytes <= stager.weight_bytes + 4 * PAGE + 3 * 512
 
     stager.load()
     assert torch.equal(module(x), expected)
@@ -172,7 +172,7 @@ def test_pin_budget_counts_every_component_and_leaves_the_rest_pageable(flux, dr
     second = ModuleStager(flux.pipe.text_encoder_2, CPU, pin_memory=True, pin_budget=budget)
 
     assert first.pinned and not second.pinned
-    assert second.host_bytes() == {"pinned": 0, "pageable": second.staged_bytes, "mapped": 0}
+    assert second.host_bytes() == {"pinned": 0, "pageable": second.weight_bytes, "mapped": 0}
     assert pinning.locked_bytes() <= budget
     first.load()
     second.load()
@@ -249,13 +249,13 @@ def test_taking_masters_again_keeps_every_unchanged_one_and_locks_only_what_is_n
     module = large_and_small()
     stager = ModuleStager(module, CPU, pin_memory=True, pin_budget=1 << 40)
     before = {name: t.data_ptr() for name, t in weights(module).items()}
-    groups, staged, ranges = len(stager._groups), stager.staged_bytes, dict(driver.ranges)
+    groups, staged, ranges = len(stager._groups), stager.weight_bytes, dict(driver.ranges)
 
     module.append(torch.nn.Linear(8, 8))  # a new layer, as an adapter would add
     stager.retake_masters()
     assert {name: weights(module)[name].data_ptr() for name in before} == before, "no master copied again"
     assert len(stager._groups) == groups + 2
-    assert stager.staged_bytes == staged + (8 * 8 + 8) * 4
+    assert stager.weight_bytes == staged + (8 * 8 + 8) * 4
     assert ranges.items() <= driver.ranges.items() and len(driver.ranges) == len(ranges) + 1
     assert stager.pinned
     stager.close()
@@ -549,7 +549,7 @@ def test_a_load_copies_each_piece_read_back_as_soon_as_it_is_locked(tmp_path, dr
     stager.offload()
     assert torch.equal(module(x), expected), "the masters read back are the masters from here on"
     stager.load()
-    assert stager.loaded_bytes == stager.staged_bytes and stager.load_seconds > 0
+    assert stager.loaded_bytes == stager.weight_bytes and stager.load_seconds > 0
     stager.offload()
     stager.close()
     assert driver.ranges == {}
@@ -576,7 +576,7 @@ def test_a_read_ahead_serves_the_load_unless_the_masters_changed_since(tmp_path,
     assert registered_in == [stager.device] * 4, "locked in the context of the device it copies to"
     stager.offload()
     (tmp_path / "again").mkdir()
-    assert stager.map_masters(_mapped_checkpoint(tmp_path / "again", module)) == stager.staged_bytes
+    assert stager.map_masters(_mapped_checkpoint(tmp_path / "again", module)) == stager.weight_bytes
     started.clear()
 
     stager.read_ahead()

@@ -103,7 +103,7 @@ def test_quantized_transformer_whole_is_exact_and_reports_quantized_bytes(quanti
     assert torch.equal(quantized.run(), quantized.reference)
     assert torch.equal(quantized.run(), quantized.reference)
     report = quantized.pipe.residency_report()["transformer"]
-    assert report.staged_bytes == quantized_bytes
+    assert report.weight_bytes == quantized_bytes
     unit = next(u for u in pipeline_state(quantized.pipe).group.units if u.name == "transformer")
     assert unit.stager.loads >= 1
 

@@ -55,7 +55,7 @@ def test_one_master_per_storage_and_layouts_survive() -> None:
     expected_layouts, expected_values = layouts(module), values(module)
     stager = ModuleStager(module, CPU, pin_memory=False)
     # base (192 bytes) + alone (24 bytes) + empty: aliases and views share one master.
-    assert stager.staged_bytes == 48 * 4 + 3 * 8
+    assert stager.weight_bytes == 48 * 4 + 3 * 8
     for transition in (stager.load, stager.offload, stager.load, stager.offload):
         transition()
         assert layouts(module) == expected_layouts
@@ -113,7 +113,7 @@ def test_retake_masters_after_a_cast() -> None:
     module.alone.data = module.alone.data.float()
     assert not stager.masters_current()
     stager.retake_masters()
-    assert stager.masters_current() and stager.staged_bytes == 48 * 4 + 3 * 4
+    assert stager.masters_current() and stager.weight_bytes == 48 * 4 + 3 * 4
     stager.load()
     with pytest.raises(RuntimeError, match="offloaded"):
         stager.retake_masters()
@@ -130,12 +130,12 @@ def test_a_load_takes_weights_changed_since_the_last_one() -> None:
     module.bias = nn.Parameter(torch.full((4,), 3.0), requires_grad=False)  # a new Parameter
     stager.load()
     assert torch.equal(module.weight, torch.full((4, 4), 2.0)) and torch.equal(module.bias, torch.full((4,), 3.0))
-    assert stager.loaded_bytes == 3 * stager.staged_bytes, "the first load, the copy thrown away, and its redo"
+    assert stager.loaded_bytes == 3 * stager.weight_bytes, "the first load, the copy thrown away, and its redo"
     stager.offload()
     assert stager.masters_current()
     assert torch.equal(module.weight, torch.full((4, 4), 2.0)) and torch.equal(module.bias, torch.full((4,), 3.0))
     stager.load()
-    assert stager.loaded_bytes == 4 * stager.staged_bytes, "nothing changed: one copy"
+    assert stager.loaded_bytes == 4 * stager.weight_bytes, "nothing changed: one copy"
 
 
 def test_a_load_out_of_memory_before_its_check_keeps_weights_changed_since_the_last_one(
@@ -205,9 +205,9 @@ def test_a_conversion_of_a_dtensor_takes_masters_for_its_new_shard(single_proces
     expected = module.weight.detach().double()
     module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]))
     stager = ModuleStager(module, CPU, pin_memory=False)
-    staged = stager.staged_bytes
+    staged = stager.weight_bytes
     stager.convert(lambda convert: nn.Module._apply(module, convert), lambda tensor: tensor.to(torch.float64))
-    assert stager.masters_current() and stager.staged_bytes == 2 * staged
+    assert stager.masters_current() and stager.weight_bytes == 2 * staged
     stager.load()
     stager.offload()
     assert torch.equal(module.weight.full_tensor(), expected)
@@ -316,7 +316,7 @@ def test_a_load_allocates_one_buffer_and_gives_each_storage_its_own_slice(
     stager = ModuleStager(module, CPU, pin_memory=False)
     allocated = count_device_allocations(monkeypatch)
     stager.load()
-    assert len(allocated) == 1 and allocated[0] >= stager.staged_bytes
+    assert len(allocated) == 1 and allocated[0] >= stager.weight_bytes
     assert layouts(module) == expected_layouts
     storages = {id(group.master): group for group in stager._groups}
     loaded = {storage_of(t): t.untyped_storage().nbytes() for t in module.state_dict().values()}

@@ -17,6 +17,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.budget_watch import BudgetWatch
 from diffusers_residency.pipeline import (
     _component_sizes,
     _module_components,
@@ -45,6 +46,9 @@ def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
             unit.module.register_forward_hook(lambda *_: seen.append(group.loaded_bytes()))
     return seen
 
+
+# A call of the pipelines these watches stand for starts with its text encoder and ends with its VAE.
+CALL_ENDS = {"call_start": "text_encoder", "call_end": "vae"}
 
 def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) -> None:
     before = flux.state()
@@ -132,7 +136,7 @@ def test_streamed_component_sleeps_and_wakes(flux: PipelineCase, level: int) -> 
     report = flux.pipe.residency_report()
     assert report.device_bytes == 0 and report["transformer"].sleep_level == level, str(report)
     if level == 2:
-        assert report["transformer"].mapped_bytes >= 0.95 * report["transformer"].staged_bytes, str(report)
+        assert report["transformer"].mapped_bytes >= 0.95 * report["transformer"].weight_bytes, str(report)
     assert torch.equal(flux.run(), flux.reference), "a call wakes what it needs"
     flux.pipe.sleep(level=level)
     flux.pipe.wake_up()
@@ -356,23 +360,27 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
 
-    def watch(component: str, overshoot: int, retried: bool) -> None:
+    def never_over(component: str, overshoot: int, retried: bool) -> None:
         pytest.fail("no overshoot")
 
     # A component loaded outside a call (the VAE at enable, say) starts nothing.
-    group.watch_budget(100, watch, on_first_call=told.append, call_start="text_encoder", call_end="vae")
-    group._watch_peak("vae")
+    watch = group.budget_watch = BudgetWatch(
+        group.device, group.retention, group.loaded_bytes, 100, never_over, on_first_call=told.append, **CALL_ENDS
+    )
+    watch.component_starts("vae")
     first_call = ["text_encoder", "text_encoder_2", "text_encoder", "text_encoder_2", *["unet"] * 3, "vae"]
     latents_call = ["text_encoder", "text_encoder_2", *["unet"] * 3]
     for component in first_call:
-        group._watch_peak(component)
+        watch.component_starts(component)
     assert told == []
     for component in latents_call + first_call:
-        group._watch_peak(component)
+        watch.component_starts(component)
     assert told == [{"text_encoder": 10, "text_encoder_2": 10, "unet": 10, "vae": 10}], "told once, as the call after the first began"
-    group.watch_budget(100, watch, on_first_call=told.append, call_start="text_encoder", call_end="vae")
+    watch = group.budget_watch = BudgetWatch(
+        group.device, group.retention, group.loaded_bytes, 100, never_over, on_first_call=told.append, **CALL_ENDS
+    )
     for component in latents_call + latents_call:
-        group._watch_peak(component)
+        watch.component_starts(component)
     assert len(told) == 1, "calls that never reach the VAE are not whole calls"
 
 
@@ -384,15 +392,21 @@ def test_an_overshoot_while_measuring_is_measured_and_later_ones_are_each_told(m
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     overshoots: list[tuple[str, int, bool]] = []
-    group.watch_budget(
-        100, lambda *over: overshoots.append(over), on_first_call=told.append, call_start="text_encoder", call_end="vae"
+    watch = group.budget_watch = BudgetWatch(
+        group.device,
+        group.retention,
+        group.loaded_bytes,
+        100,
+        lambda *over: overshoots.append(over),
+        on_first_call=told.append,
+        **CALL_ENDS,
     )
 
     def call(peaks_now: dict[str, int]) -> None:
         peaks.clear()
         peaks.update(peaks_now)
         for component in ("text_encoder", "unet", "vae"):
-            group._watch_peak(component)
+            watch.component_starts(component)
             running.append(component)
 
     call({"unet": 150})  # the measuring call: the UNet goes over
@@ -477,16 +491,18 @@ def test_retries_are_told_once_a_call_when_another_component_runs_between_steps(
     monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
     group = ResidencyGroup("cpu")
     shortfalls: list[tuple[str, int, bool]] = []
-    group.watch_budget(100, lambda *short: shortfalls.append(short), call_start="text_encoder", call_end="vae")
+    watch = group.budget_watch = BudgetWatch(
+        group.device, group.retention, group.loaded_bytes, 100, lambda *short: shortfalls.append(short), **CALL_ENDS
+    )
     for _ in range(2):
-        group._watch_peak("text_encoder")
+        watch.component_starts("text_encoder")
         for _step in range(5):
-            group._watch_peak("controlnet")
-            group._watch_peak("unet")
+            watch.component_starts("controlnet")
+            watch.component_starts("unet")
             retries[0] += 1
-        group._watch_peak("vae")
+        watch.component_starts("vae")
     assert shortfalls == [("unet", 0, True)], "the first call's, told as the second began"
-    group._watch_peak("text_encoder")
+    watch.component_starts("text_encoder")
     assert shortfalls == [("unet", 0, True)] * 2
 
 
@@ -497,14 +513,20 @@ def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.Monke
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     shortfalls: list[tuple[str, int, bool]] = []
-    group.watch_budget(
-        100, lambda *short: shortfalls.append(short), on_first_call=told.append, call_start="text_encoder", call_end="vae"
+    watch = group.budget_watch = BudgetWatch(
+        group.device,
+        group.retention,
+        group.loaded_bytes,
+        100,
+        lambda *short: shortfalls.append(short),
+        on_first_call=told.append,
+        **CALL_ENDS,
     )
     for component in ("text_encoder", "unet", "vae"):  # the measuring call: the UNet retries
-        group._watch_peak(component)
+        watch.component_starts(component)
         retries[0] += component == "unet"
     for component in ("text_encoder", "unet", "vae", "text_encoder"):  # the VAE retries
-        group._watch_peak(component)
+        watch.component_starts(component)
         retries[0] += component == "vae"
     assert len(told) == 1 and shortfalls == [("vae", 0, True)]
 
@@ -520,11 +542,13 @@ def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_pl
     monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
     group = ResidencyGroup("cpu")
     shortfalls: list[tuple[str, int, bool]] = []
-    group.watch_budget(100, lambda *short: shortfalls.append(short))
+    watch = group.budget_watch = BudgetWatch(
+        group.device, group.retention, group.loaded_bytes, 100, lambda *short: shortfalls.append(short)
+    )
 
     def call(keeps: bool) -> None:
         for component in ("text_encoder", "transformer", "vae"):
-            group._watch_peak(component)
+            watch.component_starts(component)
             # What the boundary into the component decided (a CPU has no cache to keep).
             if component == kept_for:
                 group.retention.kept_over_limit = kept_for if keeps else None
@@ -907,7 +931,7 @@ def test_a_step_timed_under_a_plan_that_retried_is_not_planned_for(flux: Pipelin
         assert torch.equal(_run(flux, 3), reference)
     plan = flux.pipe.residency_plan()
     assert plan.timings["transformer"].compute_per_byte < stretched.timings["transformer"].compute_per_byte / 2, str(plan)
-    assert group.on_call_start is None, "done"
+    assert group.budget_watch.on_call_start is None, "done"
 
 
 def test_host_time_in_the_hooks_is_reported_and_a_cast_through_blocks_counts_once() -> None:
