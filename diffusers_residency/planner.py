@@ -48,7 +48,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .policy import Policy
-from .text import format_bytes, text_table
+from .text import format_bytes, size_unit, text_table
 
 # One block computing and two in flight keep the copy stream busy behind the compute; a deeper
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
@@ -265,8 +265,9 @@ class ResidencyPlan:
 
     def __str__(self) -> str:
         by_name = self._sizes_by_name
+        unit, size = size_unit(max((s.nbytes for s in self.sizes), default=0))
         rows = [
-            ("component", "policy", "GB", "resident GB", "blocks resident/staged/streamed", "prefetch", "activations GB")
+            ("component", "policy", unit, f"resident {unit}", "blocks resident/staged/streamed", "prefetch", f"activations {unit}")
         ]
         for plan in self.components:
             sizes = by_name[plan.name]
@@ -274,13 +275,13 @@ class ResidencyPlan:
             if plan.policy is Policy.STREAMED:
                 resident, staged = len(plan.resident_blocks), len(plan.staged_blocks)
                 blocks = f"{resident}/{staged}/{len(sizes.block_bytes) - resident - staged}"
-            activations = f"{self.activations[plan.name] / 1e9:.3f}" if plan.name in self.activations else "-"
+            activations = f"{self.activations[plan.name] / size:.3f}" if plan.name in self.activations else "-"
             rows.append(
                 (
                     plan.name,
                     plan.policy.value,
-                    f"{sizes.nbytes / 1e9:.3f}",
-                    f"{plan.resident_bytes(sizes) / 1e9:.3f}",
+                    f"{sizes.nbytes / size:.3f}",
+                    f"{plan.resident_bytes(sizes) / size:.3f}",
                     blocks,
                     str(plan.prefetch_blocks) if plan.policy is Policy.STREAMED else "-",
                     activations if self.budget is not None else "-",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _device
-from .residency import ResidencyGroup, StagedUnit
-from .text import text_table
+from .residency import ResidencyGroup, ResidencyUnit
+from .text import format_bytes, size_unit, text_table
 
 _GB = 1e9
 
@@ -18,7 +18,7 @@ class ComponentReport:
 
     name: str
     policy: str
-    staged_bytes: int
+    weight_bytes: int
     device_bytes: int
     pinned: bool
     sleep_level: int
@@ -30,7 +30,7 @@ class ComponentReport:
     load_seconds: float
     releases: int
     retains: int
-    # Host time the package spent on the component (see StagedUnit.host_seconds), over all calls so far.
+    # Host time the package spent on the component (see ResidencyUnit.host_seconds), over all calls so far.
     host_seconds: float = 0.0
     # A streamed component's compute seconds per step: the first step timed and the latest (see
     # BlockStream). Beside its loads per step it says whether the bus or the compute sets the pace.
@@ -43,7 +43,7 @@ class ComponentReport:
     @property
     def loaded(self) -> bool:
         """Whether all of its weights are on the device."""
-        return self.device_bytes == self.staged_bytes
+        return self.device_bytes == self.weight_bytes
 
     @property
     def load_gbps(self) -> float | None:
@@ -71,8 +71,9 @@ class ResidencyReport:
         return sum(c.device_bytes for c in self.components)
 
     def __str__(self) -> str:
+        unit, size = size_unit(max((c.weight_bytes for c in self.components), default=0))
         header = (
-            "component", "policy", "state", "GB", "device GB", "pinned GB", "pageable GB", "mapped GB",
+            "component", "policy", "state", unit, f"device {unit}", f"pinned {unit}", f"pageable {unit}", f"mapped {unit}",
             "loads", "load s", "GB/s", "host s", "releases", "retains", "compute s/step (first, latest)",
         )  # fmt: skip
         rows = [
@@ -80,7 +81,7 @@ class ResidencyReport:
                 c.name,
                 c.policy,
                 c.state,
-                *(f"{n / _GB:.3f}" for n in (c.staged_bytes, c.device_bytes, c.pinned_bytes, c.pageable_bytes, c.mapped_bytes)),
+                *(f"{n / size:.3f}" for n in (c.weight_bytes, c.device_bytes, c.pinned_bytes, c.pageable_bytes, c.mapped_bytes)),
                 str(c.loads),
                 f"{c.load_seconds:.3f}",
                 "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
@@ -92,11 +93,11 @@ class ResidencyReport:
             for c in self.components
         ]
         lines = text_table((header, *rows))
-        budget = "n/a" if self.retention_budget_bytes is None else f"{self.retention_budget_bytes / _GB:.2f} GB"
+        budget = "n/a" if self.retention_budget_bytes is None else format_bytes(self.retention_budget_bytes)
         return "\n".join([f"device {self.device}, retention budget {budget}", *lines])
 
 
-def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
+def _component_report(name: str, units: list[ResidencyUnit]) -> ComponentReport:
     held = {"pinned": 0, "pageable": 0, "mapped": 0}
     for unit in units:
         for kind, nbytes in unit.stager.host_bytes().items():
@@ -105,8 +106,8 @@ def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
     return ComponentReport(
         name=name,
         policy=main.policy.value,
-        staged_bytes=sum(u.stager.staged_bytes for u in units),
-        device_bytes=sum(u.stager.staged_bytes for u in units if u.stager.loaded),
+        weight_bytes=sum(u.stager.weight_bytes for u in units),
+        device_bytes=sum(u.stager.weight_bytes for u in units if u.stager.loaded),
         pinned=all(u.stager.pinned for u in units),
         sleep_level=max(u.sleep_level for u in units),
         **{f"{kind}_bytes": nbytes for kind, nbytes in held.items()},
@@ -123,7 +124,7 @@ def _component_report(name: str, units: list[StagedUnit]) -> ComponentReport:
 def report_for(group: ResidencyGroup) -> ResidencyReport:
     memory = _device.read_memory_telemetry(group.device)
     budget = None if memory is None else group.retention.budget_for(memory.total)
-    components: dict[str, list[StagedUnit]] = {}
+    components: dict[str, list[ResidencyUnit]] = {}
     for unit in group.units:
         components.setdefault(unit.component, []).append(unit)
     return ResidencyReport(

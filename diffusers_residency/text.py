@@ -13,6 +13,15 @@ def format_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def size_unit(largest: int) -> tuple[str, float]:
+    """The unit a table of byte sizes up to ``largest`` reads best in, and its size: GB for a pipeline
+    of gigabytes, MB or kB for a small one (whose sizes would all read 0.000 GB)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if largest >= size:
+            return unit, size
+    return "kB", 1e3
+
+
 def text_table(rows: Sequence[Sequence[str]]) -> list[str]:
     """``rows`` (the header first) as lines of left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -85,6 +85,19 @@ def test_report_prints_a_table(flux: PipelineCase) -> None:
         assert word in text
 
 
+def test_plan_and_report_of_a_small_pipeline_give_sizes_in_a_unit_that_fits(flux: PipelineCase) -> None:
+    """The tiny pipeline's components weigh kilobytes: in gigabytes every size would read 0.000."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    transformer = flux.pipe.residency_report()["transformer"].weight_bytes
+    assert transformer < 10**6, "a pipeline of kilobytes"
+    for text in (str(flux.pipe.residency_plan()), str(flux.pipe.residency_report())):
+        header = next(line for line in text.splitlines() if line.startswith("component"))
+        row = next(line for line in text.splitlines() if line.startswith("transformer ")).split()
+        assert " kB " in f"{header} " and "GB " not in header.replace("GB/s", ""), header
+        assert f"{transformer / 1e3:.3f}" in row, (header, row)
+
+
 # --- guards -----------------------------------------------------------------------------------------
 
 
@@ -94,9 +107,9 @@ def test_pipe_to_device_is_refused_and_dtype_passes(flux: PipelineCase) -> None:
         flux.pipe.to("cpu")
     with pytest.raises(RuntimeError, match="disable_pinned_offload"):
         flux.pipe.to(device="meta")
-    staged = flux.pipe.residency_report()["transformer"].staged_bytes
+    staged = flux.pipe.residency_report()["transformer"].weight_bytes
     flux.pipe.to(torch.float64)
-    assert flux.pipe.residency_report()["transformer"].staged_bytes == 2 * staged, "masters follow the cast"
+    assert flux.pipe.residency_report()["transformer"].weight_bytes == 2 * staged, "masters follow the cast"
     flux.pipe.to(torch.float32)
     assert torch.equal(flux.run(), flux.reference)
 
@@ -116,12 +129,12 @@ def test_dtype_cast_inside_pipeline_moves_the_masters(flux: PipelineCase) -> Non
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.run()  # the VAE is now loaded: the cast must go through the masters, not the device copy
     vae = flux.pipe.vae
-    staged_fp32 = flux.pipe.residency_report()["vae"].staged_bytes
+    staged_fp32 = flux.pipe.residency_report()["vae"].weight_bytes
     vae.to(dtype=torch.float64)
     assert all(p.dtype == torch.float64 for p in vae.parameters())
-    assert flux.pipe.residency_report()["vae"].staged_bytes == 2 * staged_fp32
+    assert flux.pipe.residency_report()["vae"].weight_bytes == 2 * staged_fp32
     vae.to(dtype=torch.float32)
-    assert flux.pipe.residency_report()["vae"].staged_bytes == staged_fp32
+    assert flux.pipe.residency_report()["vae"].weight_bytes == staged_fp32
     assert torch.equal(flux.run(), flux.reference)
     flux.pipe.disable_pinned_offload()
     assert_weights_equal(before, flux.state())
@@ -241,10 +254,10 @@ def test_a_cast_for_good_lets_the_masters_it_had_go(flux: PipelineCase) -> None:
     assert torch.equal(flux.run(), flux.reference)  # offloaded after: views over both sets cached
     flux.pipe.vae.to(dtype=torch.float64)
     vae = flux.pipe.residency_report()["vae"]
-    assert vae.pageable_bytes == vae.staged_bytes * 3 // 2, "kept for a cast back: float32 and float64 masters"
+    assert vae.pageable_bytes == vae.weight_bytes * 3 // 2, "kept for a cast back: float32 and float64 masters"
     _decode_in_float64(flux, 4)  # more than twice the loads ever seen between two casts (one)
     vae = flux.pipe.residency_report()["vae"]
-    assert vae.pageable_bytes == vae.staged_bytes, "only the float64 masters are left"
+    assert vae.pageable_bytes == vae.weight_bytes, "only the float64 masters are left"
     stager = staging_hooks(flux.pipe)["vae"].unit.stager
     assert all(groups is stager._groups for groups, _ in stager._master_views_by.values()), (
         "no view over a master let go is kept: it would keep the master's memory"
