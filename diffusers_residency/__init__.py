@@ -9,6 +9,7 @@ or a submodule) through a :class:`ResidencyGroup`.
 
 from diffusers import DiffusionPipeline
 
+from .calls import wrap_calls_sharing_components
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, detach_staging_hook
 from .pipeline import (
     disable_pinned_offload,
@@ -18,7 +19,6 @@ from .pipeline import (
     residency_profile,
     residency_report,
     save_residency_profile,
-    wrap_calls_sharing_components,
 )
 from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan, plan_residency
 from .policy import Policy

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from .budget_watch import BudgetWatch
 from .hooks import StagingHook
-from .planner import BudgetTooSmallError, ResidencyPlan, StepTiming
+from .planner import BudgetTooSmallError, ResidencyPlan
 from .policy import Policy
 from .profile import CallFigures, ResidencyProfile, write_profile
 from .report import report_for
 from .residency import ResidencyGroup
+from .step_timing import StepTiming
 from .text import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ RESERVE_MARGIN = 0.02
 # How far a step timed under the plan may be from the one the plan was made for before it is planned
 # for again (see _Retime), as a fraction of the latter's compute or load time per byte.
 RETIME_TOLERANCE = 0.1
+
+
+# The attribute of a pipeline that holds its PipelineResidency.
+STATE_ATTR = "_pinned_residency"
 
 
 @dataclass
@@ -62,7 +67,7 @@ class PipelineResidency:
     # figures this process measured (the others came from the profile).
     shape: str | None = None
     measured_shapes: set[str] = field(default_factory=set)
-    # Set while a pipeline call is under way (see pipeline._wrap_call): calls within it are not
+    # Set while a pipeline call is under way (see calls._wrap_call): calls within it are not
     # planned for on their own. Pipelines are not thread-safe, and neither is this.
     in_call: bool = False
 

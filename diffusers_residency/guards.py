@@ -43,7 +43,7 @@ def guard_pipeline(
     hooked_modules: Callable[[], Iterable[nn.Module]],
     state_attribute: str,
 ) -> None:
-    """Put the guards on ``pipe``. ``lock`` is held by pipeline calls (see pipeline._wrap_call):
+    """Put the guards on ``pipe``. ``lock`` is held by pipeline calls (see calls._wrap_call):
     what writes the weights or copies them takes it too. ``enabled`` tells whether pinned offload is
     still on (its hooks may have been removed by other means); ``offload_all`` offloads every
     component for writing, ``after_writing`` reloads what must stay on the device; ``hooked_modules``

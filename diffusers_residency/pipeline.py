@@ -9,15 +9,12 @@ masters) as soon as it meets a component without ``_hf_hook``. The hooks are nev
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from accelerate.hooks import remove_hook_from_module
@@ -25,38 +22,30 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
-from .adaptive import PipelineResidency, abort_call, apply_plan, begin_call, end_call
+from .adaptive import STATE_ATTR, PipelineResidency, apply_plan
+from .calls import wrap_every_pipeline_call
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .masters import refuse_staged_elsewhere
-from .planner import (
-    BudgetTooSmallError,
-    ComponentSizes,
-    ResidencyPlan,
-    StepTiming,
-    default_reserve,
-    format_bytes,
-    parse_bytes,
-    plan_as_given,
-    plan_residency,
-)
+from .planner import BudgetTooSmallError, ComponentSizes, ResidencyPlan, default_reserve, plan_as_given, plan_residency
 from .policy import Policy
-from .profile import ResidencyProfile, cache_folder, call_shape, profile_key, profile_path, read_profile, write_profile
+from .profile import ResidencyProfile, cache_folder, profile_key, profile_path, read_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
+from .step_timing import StepTiming
 from .streaming import repeated_blocks
+from .text import format_bytes, parse_bytes
 from .weights import module_tensors, refuse_shared_quantization_state, refuse_unstageable_tensors, storage_bytes
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_pinned_residency"
 # The components diffusers' pipelines call at every denoising step, by the names they all use.
 _PER_STEP_COMPONENTS = ("transformer", "transformer_2", "unet")
 
 
 def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
     """What ``enable_pinned_offload`` set up on ``pipe``, or None (also once every hook was removed)."""
-    state = pipe.__dict__.get(_STATE_ATTR)
+    state = pipe.__dict__.get(STATE_ATTR)
     if state is not None and not state.active:
         _forget(pipe)
         return None
@@ -64,7 +53,7 @@ def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
 
 
 def _forget(pipe: DiffusionPipeline) -> None:
-    pipe.__dict__.pop(_STATE_ATTR, None)
+    pipe.__dict__.pop(STATE_ATTR, None)
     unguard_pipeline(pipe)
 
 
@@ -318,7 +307,7 @@ def enable_pinned_offload(
     profile, profile_file = _profile(pipe, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
     if measuring:
         plan = replan({}, {}, least=True)
-    _wrap_every_pipeline_call()
+    wrap_every_pipeline_call()
 
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
@@ -374,7 +363,7 @@ def enable_pinned_offload(
             remove_hook_from_module(modules[name])
         raise
 
-    pipe.__dict__[_STATE_ATTR] = state
+    pipe.__dict__[STATE_ATTR] = state
 
     def offload_all() -> None:
         for name in state.hooks:
@@ -387,7 +376,7 @@ def enable_pinned_offload(
         offload_all=offload_all,
         after_writing=lambda: _load_excluded(pipe, state),
         hooked_modules=lambda: [unit.module for unit in state.group.units],
-        state_attribute=_STATE_ATTR,
+        state_attribute=STATE_ATTR,
     )
     logger.info("Pinned offload on %s:\n%s", group.device, plan)
 
@@ -409,100 +398,6 @@ def _profile(
     if saved is not None:
         logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
     return saved or ResidencyProfile(key), file
-
-
-def _wrap_call(cls: type[DiffusionPipeline]) -> None:
-    """Wrap calls of ``cls``'s pipelines, once per class (``pipe(...)`` looks ``__call__`` up on the
-    class): a pipeline whose components pinned offload stages holds its groups' call locks for the
-    call, so that pipelines sharing components (``from_pipe``) called from several threads run one
-    call at a time; a pipeline with its calls measured also tells the plan its shape before the
-    call and that it ended after. A pipeline with no staged component only pays the look for one.
-    A ``__call__`` that is no plain function (a generator's would return before its work) is left
-    as it is."""
-    cls = next((owner for owner in cls.__mro__ if "__call__" in owner.__dict__), None)  # where it is defined
-    original = None if cls is None else cls.__dict__["__call__"]
-    plain = inspect.unwrap(original) if inspect.isfunction(original) else original
-    if (
-        cls is None
-        or getattr(original, "_residency_wrapper", False)
-        or not inspect.isfunction(original)
-        or inspect.isgeneratorfunction(plain)
-        or inspect.iscoroutinefunction(plain)
-        or inspect.isasyncgenfunction(plain)
-    ):
-        return
-    signature = functools.cache(lambda: inspect.signature(original))
-
-    @functools.wraps(original)
-    def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
-        state = self.__dict__.get(_STATE_ATTR)
-        groups = [state.group] if state is not None else _staging_groups(self)
-        if not groups:
-            return original(self, *args, **kwargs)
-        with contextlib.ExitStack() as locks:
-            for group in groups:
-                locks.enter_context(group.call_lock)
-            if state is None or state.profile is None or state.in_call:
-                # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
-                # the outermost call is the one planned for.
-                return original(self, *args, **kwargs)
-            state.in_call = True
-            try:
-                begin_call(state, call_shape(signature(), args, kwargs))
-                result = original(self, *args, **kwargs)
-            except BaseException:
-                abort_call(state)
-                raise
-            finally:
-                state.in_call = False
-            end_call(state)
-            return result
-
-    call._residency_wrapper = True
-    cls.__call__ = call
-
-
-def _wrap_every_pipeline_call() -> None:
-    """Wrap the calls of every pipeline class defined so far: a pipeline built earlier from the
-    components being enabled now (``FluxImg2ImgPipeline.from_pipe(pipe)`` before
-    ``pipe.enable_pinned_offload()``) is of any class, and its calls must take the lock too. Classes
-    defined later are wrapped when a pipeline of theirs is built from staged components through
-    ``register_modules`` (see :func:`wrap_calls_sharing_components`)."""
-    classes = [DiffusionPipeline]
-    while classes:
-        cls = classes.pop()
-        classes.extend(cls.__subclasses__())
-        if "__call__" in cls.__dict__:
-            _wrap_call(cls)
-
-
-def _staging_groups(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
-    """The groups staging ``pipe``'s components (it shares them with enabled pipelines), in one
-    order for every caller, so that two calls taking several locks never wait on each other. Read
-    from the instance's attributes: ``pipe.components`` raises for pipelines that register modules
-    their ``__init__`` does not take."""
-    groups = {
-        id(hook.group): hook.group
-        for hook in (getattr(value, "_hf_hook", None) for value in list(pipe.__dict__.values()))
-        if isinstance(hook, StagingHook)
-    }
-    return [groups[key] for key in sorted(groups)]
-
-
-def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Callable[..., None]:
-    """``DiffusionPipeline.register_modules``, which diffusers' pipelines' ``__init__`` call with
-    their components, made to wrap the calls of a pipeline built from components pinned offload
-    stages (``from_pipe``, or by hand) whose class was defined after enabling: its calls then share
-    the enabled pipeline's call lock. A component assigned afterwards (``p.vae = pipe.vae``) is not
-    seen here."""
-
-    @functools.wraps(register_modules)
-    def registering(self: DiffusionPipeline, **modules: Any) -> None:
-        register_modules(self, **modules)
-        if any(isinstance(getattr(module, "_hf_hook", None), StagingHook) for module in modules.values()):
-            _wrap_call(type(self))
-
-    return registering
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:

@@ -43,11 +43,11 @@ reserve stands in for them.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .policy import Policy
+from .step_timing import StepTiming, simulated_step_seconds
 from .text import format_bytes, size_unit, text_table
 
 # One block computing and two in flight keep the copy stream busy behind the compute; a deeper
@@ -67,26 +67,6 @@ PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
 # call fits (see adaptive.learn_activations).
 DEFAULT_RESERVE_FRACTION = 0.1
 MIN_RESERVE_BYTES = 3 << 30
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | str, what: str = "vram_budget") -> int:
-    """Bytes from an int or a string such as ``"24GB"``, ``"24 GiB"`` or ``"512MB"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{what} must be bytes (an int), a string such as '24GB', or 'auto'; got {value!r}")
-    if isinstance(value, int):
-        number, unit = value, ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{what}={value!r} is not a size; write e.g. '24GB', '16GiB', '8000MB' or bytes as an int")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    nbytes = int(number * _UNITS[unit])
-    if nbytes <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
-    return nbytes
-
 
 def default_reserve(budget: int) -> int:
     return max(MIN_RESERVE_BYTES, int(budget * DEFAULT_RESERVE_FRACTION))
@@ -150,51 +130,6 @@ def _window_bytes(block_bytes: Sequence[int], kept: frozenset[int], prefetch_blo
     # One block computing and ``prefetch_blocks`` loading, each slot as large as the largest streamed block.
     streamed = (nbytes for index, nbytes in enumerate(block_bytes) if index not in kept)
     return (1 + prefetch_blocks) * max(streamed, default=0)
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Seconds per byte a streamed per-step component's blocks take to compute (the device time of a
-    step over its block bytes) and to load (host-to-device), as a call measured them."""
-
-    compute_per_byte: float
-    load_per_byte: float
-
-
-def simulated_step_seconds(
-    block_bytes: Sequence[int], kept: frozenset[int], prefetch_blocks: int, timing: StepTiming
-) -> float:
-    """One denoising step of a streamed component, simulated on its two streams: blocks compute in
-    order, each for its bytes times ``compute_per_byte``; a streamed block computes once its load is
-    done. Loads run one at a time, issued as the block stream issues them (at a block's entry, the
-    window's next streamed blocks), and each starts only once the compute queued before it is done
-    (the copy stream waits for it, see ``_device.TimedCopy``). Blocks in ``kept`` never load.
-    Three passes are run and the middle one timed: the window wraps into the next step."""
-    count = len(block_bytes)
-    streamed = [t for t in range(3 * count) if t % count not in kept]
-    if len(streamed) <= 3 * (prefetch_blocks + 1):
-        # A window as large as every streamed block keeps them all: after the first pass, none loads.
-        return sum(block_bytes) * timing.compute_per_byte
-    load_done: dict[int, float] = {}
-    compute_done = copy_done = 0.0
-    pass_ends = []
-    issued = 0  # occurrences streamed[:issued] have their loads issued
-    after = 0  # streamed[after] is the first streamed occurrence past the current one
-    for t in range(3 * count):
-        i = t % count
-        while after < len(streamed) and streamed[after] <= t:
-            after += 1
-        # At the entry of occurrence t: its own load if not issued yet, then the window's.
-        window_end = min(len(streamed), after + prefetch_blocks + (i in kept))
-        while issued < window_end:
-            u = streamed[issued]
-            copy_done = max(copy_done, compute_done) + block_bytes[u % count] * timing.load_per_byte
-            load_done[u] = copy_done
-            issued += 1
-        compute_done = max(compute_done, load_done.get(t, 0.0)) + block_bytes[i] * timing.compute_per_byte
-        if i == count - 1:
-            pass_ends.append(compute_done)
-    return pass_ends[1] - pass_ends[0]
 
 
 @dataclass(frozen=True)

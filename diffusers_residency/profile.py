@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .planner import StepTiming
+from .step_timing import StepTiming
 
 logger = logging.getLogger(__name__)
 

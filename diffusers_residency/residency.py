@@ -126,7 +126,7 @@ class ResidencyGroup:
         self.pin_memory = pin_memory
         self.pin_budget = pinning.resolve_pin_budget(pin_budget)
         self.retention = RetentionBudget(self.device)
-        # Held for each pipeline call that runs these units (see pipeline._wrap_call): one call at a
+        # Held for each pipeline call that runs these units (see calls._wrap_call): one call at a
         # time, so that a unit in use by one call is never offloaded under another's.
         self.call_lock = threading.RLock()
         self.copy_stream = _device.new_copy_stream(self.device)

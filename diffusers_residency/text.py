@@ -1,8 +1,28 @@
-"""Plain-text formatting shared by the plan, the report and the benchmark: byte sizes and tables."""
+"""Byte sizes read from and written as text (``"16GB"``, ``"23.80 GB"``), and plain-text tables."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, what: str = "vram_budget") -> int:
+    """Bytes from an int or a string such as ``"24GB"``, ``"24 GiB"`` or ``"512MB"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{what} must be bytes (an int), a string such as '24GB', or 'auto'; got {value!r}")
+    if isinstance(value, int):
+        number, unit = value, ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; write e.g. '24GB', '16GiB', '8000MB' or bytes as an int")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return nbytes
 
 
 def format_bytes(nbytes: int) -> str:

@@ -16,16 +16,7 @@ import torch
 
 from diffusers_residency.bench import __main__ as bench_main
 from diffusers_residency.bench import modes, processes
-from diffusers_residency.bench.__main__ import (
-    _runs,
-    environment_line,
-    format_calls,
-    format_compile_table,
-    format_round_ratios,
-    format_table,
-    judged_by_compile_spread,
-    main,
-)
+from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.modes import (
     MMGP_INSTALL,
     MODES,
@@ -35,10 +26,19 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
+from diffusers_residency.bench.tables import (
+    format_calls,
+    format_compile_table,
+    format_round_ratios,
+    format_table,
+    judged_by_compile_spread,
+)
 from diffusers_residency.bench.timing import calls_to_steady
 from diffusers_residency.bench.trace import summarise, traced_call
 
 from .helpers import PipelineCase
+
+pytestmark = pytest.mark.slow
 
 
 def test_runs_per_budget_report_failures_and_write_json_and_png(tmp_path, capsys, monkeypatch) -> None:

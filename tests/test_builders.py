@@ -21,6 +21,8 @@ from diffusers_residency.bench.builders import (
     pipeline_output,
 )
 
+pytestmark = pytest.mark.slow
+
 TINY_OUTPUT_SHAPES = {
     "flux": (1, 3, 32, 32),
     "sdxl": (1, 3, 32, 32),

@@ -18,6 +18,8 @@ from diffusers_residency.hooks import replays_cuda_graphs
 
 from .helpers import PipelineCase
 
+pytestmark = pytest.mark.slow
+
 
 def compile_transformer(case: PipelineCase, how: str, backend: str) -> None:
     if how == "regional":

@@ -687,6 +687,7 @@ print(rss() - before)
 """
 
 
+@pytest.mark.slow
 def test_weights_copied_out_of_the_heap_do_not_stay_resident_twice() -> None:
     """Weights in malloc's heap are copied into masters; the holes they leave are given back, so host
     memory holds them once, not twice."""

@@ -199,6 +199,7 @@ def _write_many(path: str, writer: int) -> None:
         write_profile(Path(path), ResidencyProfile(key, {shape: CallFigures({"vae": index})}))
 
 
+@pytest.mark.slow
 def test_concurrent_writers_leave_one_whole_profile(tmp_path: Path) -> None:
     path = tmp_path / "profiles" / "P.json"
     context = multiprocessing.get_context("spawn")

@@ -523,6 +523,7 @@ def test_a_call_whose_read_back_cannot_start_keeps_what_it_loaded(flux: Pipeline
     assert torch.equal(flux.run(), flux.reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 2])
 def test_interpreter_exit_while_asleep(level: int) -> None:
     script = textwrap.dedent(

@@ -23,8 +23,9 @@ from diffusers_residency.pipeline import (
     _module_components,
     pipeline_state,
 )
-from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, StepTiming, plan_residency
+from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, plan_residency
 from diffusers_residency.policy import Policy
+from diffusers_residency.step_timing import StepTiming
 from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import (

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -41,15 +40,23 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import _device
-from ..planner import parse_bytes
 from ..policy import Policy
-from ..text import format_bytes
+from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .modes import DENOISERS, MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
-from .timing import STEADY_WITHIN
+from .tables import (
+    call_seconds,
+    format_calls,
+    format_compile_table,
+    format_round_ratios,
+    format_table,
+    gb,
+    judged_by_compile_spread,
+    run_label,
+)
 
 # What a plain run compares; sequential offload and block-level group offload are slow enough
 # (seconds per denoising step at full scale) to be asked for by name.
@@ -143,11 +150,6 @@ def _budget(text: str) -> int | None:
     return None if text.strip().lower() in ("unlimited", "none", "") else parse_bytes(text, "budget")
 
 
-def _label(mode: str, budget: int | None, round_: int | None = None) -> str:
-    """``pinned @ 16.00 GB``, with `` (round 2)`` when a round is given (there are several)."""
-    return f"{mode} @ {'unlimited' if budget is None else _gb(budget) + ' GB'}" + (f" (round {round_})" if round_ else "")
-
-
 def _components(spec: str | None) -> dict[str, str] | None:
     """``--components unet=staged,vae=resident`` as ``enable_pinned_offload(components=...)`` takes it."""
     if spec is None:
@@ -182,7 +184,7 @@ def _runs(
     final = [run for run in runs if not run[0].undoable]
     if len(final) > 1:
         raise SystemExit(
-            f"{', '.join(_label(mode.name, cap) for mode, cap in final)}: a mode that cannot be undone runs once per "
+            f"{', '.join(run_label(mode.name, cap) for mode, cap in final)}: a mode that cannot be undone runs once per "
             f"process, after the others; name one budget for it, e.g. --modes ...,{final[0][0].name}@16GB"
         )
     if final and runs[-1][0].undoable:
@@ -190,144 +192,6 @@ def _runs(
     undoable = [run for run in runs if run[0].undoable]
     # One that cannot be undone runs after the last round: its ratio is taken against that round's resident.
     return [(mode, cap, r) for r in range(1, rounds + 1) for mode, cap in undoable] + [(*run, rounds) for run in final]
-
-
-def _gb(value: int | None) -> str:
-    return "-" if value is None else f"{value / 1e9:.2f}"
-
-
-def _agreement(result: ModeResult) -> str:
-    if result.exact is None:
-        return "reference" if result.mode == "resident" else "-"
-    if result.exact:
-        return "yes"
-    verdict = "within tolerance" if result.matches_resident else "NO"
-    detail = "another shape" if result.max_abs_diff is None else f"max diff {result.max_abs_diff:.1e}"
-    return f"{verdict}, {detail}"
-
-
-def _resident_by_round(results: list[ModeResult]) -> dict[int, float]:
-    """The first resident time of each round: what that round's ratios are taken against."""
-    resident: dict[int, float] = {}
-    for r in results:
-        if r.mode == "resident" and not r.error:
-            resident.setdefault(r.round, r.seconds_per_call)
-    return resident
-
-
-def _call_seconds(r: ModeResult, index: int) -> str:
-    return f"{r.call_seconds[index]:.3f}" if index < len(r.call_seconds) else "-"
-
-
-def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios: bool = True) -> str:
-    """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with.
-    Without ``ratios`` (a CPU run, whose times and memory say nothing of a GPU's), no ratio is shown."""
-    resident_by_round = _resident_by_round(results)
-    several = any(r.round > 1 for r in results)
-    header = (
-        "mode", "budget GB", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident", "peak alloc GB",
-        "peak reserved GB", "within budget", "alloc retries", "setup s", "host RSS GB", "RSS x weights", "loaded GB/call",
-        "load GB/s", "hooks' host s/call", "equal to resident",
-    )  # fmt: skip
-    rows = []
-    for r in results:
-        mode = f"{r.mode} (round {r.round})" if several else r.mode
-        budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
-        within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
-        if r.error:
-            reserved = _gb(r.peak_reserved_bytes)
-            allocated = _gb(r.peak_allocated_bytes)
-            rows.append((mode, budget, r.error, *("-",) * 4, allocated, reserved, *("-",) * (len(header) - 9)))
-            continue
-        resident = resident_by_round.get(r.round)
-        rows.append(
-            (
-                mode,
-                budget,
-                _call_seconds(r, 0),
-                _call_seconds(r, 1),
-                f"{r.seconds_per_call:.3f}",
-                "-" if r.calls_to_steady is None else str(r.calls_to_steady),
-                "-" if not resident or not ratios else f"{r.seconds_per_call / resident:.2f}",
-                _gb(r.peak_allocated_bytes),
-                _gb(r.peak_reserved_bytes),
-                within,
-                "-" if r.alloc_retries is None else str(r.alloc_retries),
-                f"{r.setup_seconds:.2f}",
-                _gb(r.host_rss_bytes),
-                "-" if r.host_rss_bytes is None or not weight_bytes or not ratios else f"{r.host_rss_bytes / weight_bytes:.2f}",
-                _gb(r.loaded_bytes_per_call),
-                "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
-                "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
-                _agreement(r),
-            )
-        )
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def format_calls(results: list[ModeResult]) -> str:
-    """Every call's seconds, one line per run: the first calls are what a user meets first."""
-    several = any(r.round > 1 for r in results)
-    lines = []
-    for r in results:
-        label = _label(r.mode, r.budget_bytes, r.round if several else None)
-        if r.error:
-            lines.append(f"- {label}: {r.error}")
-            continue
-        if r.calls_to_steady is not None:
-            steady = f" (steady from call {r.calls_to_steady})"
-        else:
-            steady = f" (never within {STEADY_WITHIN}x of steady)" if len(r.call_seconds) > 1 else ""
-        lines.append(f"- {label}: {', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}")
-    return "\n".join(lines)
-
-
-def format_round_ratios(results: list[ModeResult]) -> str:
-    """Each mode's ratio to resident in every round, and their median: empty for a single round."""
-    if not any(r.round > 1 for r in results):
-        return ""
-    resident_by_round = _resident_by_round(results)
-    ratios: dict[str, list[float]] = {}
-    for r in results:
-        if r.mode != "resident" and not r.error and r.round in resident_by_round:
-            ratios.setdefault(_label(r.mode, r.budget_bytes), []).append(r.seconds_per_call / resident_by_round[r.round])
-    return "\n".join(
-        f"- {label}: {', '.join(f'{x:.2f}' for x in values)} (median {statistics.median(values):.2f})"
-        for label, values in ratios.items()
-    )
-
-
-def judged_by_compile_spread(results: list[ModeResult]) -> tuple[list[ModeResult], float | None]:
-    """With the resident mode compiled more than once, how far its later compiles are from the
-    first (the reference) is what compiling alone changes in the output: the tolerance compile
-    itself needs. A compiled mode no further from the reference than that is within tolerance,
-    whatever COMPILED_TOLERANCE says. Returns the results so judged, and that spread (None when
-    the resident mode ran once)."""
-    later = [r.max_abs_diff for r in results if r.mode == "resident" and r.max_abs_diff is not None]
-    if not later:
-        return results, None
-    spread = max(later)
-    judged = [
-        replace(r, within_tolerance=True) if r.exact is False and r.max_abs_diff is not None and r.max_abs_diff <= spread else r
-        for r in results
-    ]
-    return judged, spread
-
-
-def format_compile_table(results: list[ModeResult]) -> str:
-    shown = [r for r in results if not r.error and r.first_call_seconds is not None]
-    cuda_graphs = any(r.cuda_graphs_recorded_while_timed is not None for r in shown)
-    header = ["mode", "budget GB", "first call s (compiling)", "warm s/call", "graphs compiled while timed"]
-    header += ["CUDA graphs recorded while timed"] if cuda_graphs else []
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for r in shown:
-        budget = "-" if r.budget_bytes is None else _gb(r.budget_bytes)
-        cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}"]
-        cells += [str(r.graphs_compiled_while_timed)] + ([str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else [])
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 # Where torch reads the caching allocator's settings from (PYTORCH_ALLOC_CONF is newer torch's
@@ -418,14 +282,14 @@ def _measure(
     reference = None
     progress = tqdm(runs, desc="bench", unit="mode", file=sys.stderr)
     for index, (mode, budget, round_) in enumerate(progress):
-        label = _label(mode.name, budget, round_ if several else None)
-        progress.set_postfix_str(label)
+        labelled = run_label(mode.name, budget, round_ if several else None)
+        progress.set_postfix_str(labelled)
         result, output = measure(index, reference)
         if mode.name == "resident" and reference is None and output is not None:
             reference = output
         results.append(replace(result, round=round_))
-        first = _call_seconds(result, 0)
-        progress.write(f"{label}: {result.error or f'call 1 {first} s, steady {result.seconds_per_call:.3f} s/call'}")
+        first = call_seconds(result, 0)
+        progress.write(f"{labelled}: {result.error or f'call 1 {first} s, steady {result.seconds_per_call:.3f} s/call'}")
     return results
 
 
@@ -495,14 +359,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_compile_table(results))
     latest = {(r.mode, r.budget_bytes): r for r in results}  # of each mode and budget, its last round
     for result in latest.values():
-        budget = "unlimited" if result.budget_bytes is None else f"{_gb(result.budget_bytes)} GB"
+        budget = "unlimited" if result.budget_bytes is None else f"{gb(result.budget_bytes)} GB"
         if result.plan:
             print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")
         if result.report:
             print(f"\nresidency_report() after its calls:\n\n```\n{result.report}\n```")
     for result in results:  # every round's: each is a call of its own
         if result.trace:
-            where = _label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
+            where = run_label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
             print(f"\none more call traced, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))

@@ -1,0 +1,152 @@
+"""The benchmark's tables: one row per run, every call's time, ratios per round, compiled runs."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from .modes import ModeResult
+from .timing import STEADY_WITHIN
+
+
+def run_label(mode: str, budget: int | None, round_: int | None = None) -> str:
+    """``pinned @ 16.00 GB``, with `` (round 2)`` when a round is given (there are several)."""
+    return f"{mode} @ {'unlimited' if budget is None else gb(budget) + ' GB'}" + (f" (round {round_})" if round_ else "")
+
+
+def gb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _agreement(result: ModeResult) -> str:
+    if result.exact is None:
+        return "reference" if result.mode == "resident" else "-"
+    if result.exact:
+        return "yes"
+    verdict = "within tolerance" if result.matches_resident else "NO"
+    detail = "another shape" if result.max_abs_diff is None else f"max diff {result.max_abs_diff:.1e}"
+    return f"{verdict}, {detail}"
+
+
+def _resident_by_round(results: list[ModeResult]) -> dict[int, float]:
+    """The first resident time of each round: what that round's ratios are taken against."""
+    resident: dict[int, float] = {}
+    for r in results:
+        if r.mode == "resident" and not r.error:
+            resident.setdefault(r.round, r.seconds_per_call)
+    return resident
+
+
+def call_seconds(r: ModeResult, index: int) -> str:
+    return f"{r.call_seconds[index]:.3f}" if index < len(r.call_seconds) else "-"
+
+
+def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios: bool = True) -> str:
+    """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with.
+    Without ``ratios`` (a CPU run, whose times and memory say nothing of a GPU's), no ratio is shown."""
+    resident_by_round = _resident_by_round(results)
+    several = any(r.round > 1 for r in results)
+    header = (
+        "mode", "budget GB", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident", "peak alloc GB",
+        "peak reserved GB", "within budget", "alloc retries", "setup s", "host RSS GB", "RSS x weights", "loaded GB/call",
+        "load GB/s", "hooks' host s/call", "equal to resident",
+    )  # fmt: skip
+    rows = []
+    for r in results:
+        mode = f"{r.mode} (round {r.round})" if several else r.mode
+        budget = "-" if r.budget_bytes is None else gb(r.budget_bytes)
+        within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
+        if r.error:
+            reserved = gb(r.peak_reserved_bytes)
+            allocated = gb(r.peak_allocated_bytes)
+            rows.append((mode, budget, r.error, *("-",) * 4, allocated, reserved, *("-",) * (len(header) - 9)))
+            continue
+        resident = resident_by_round.get(r.round)
+        rows.append(
+            (
+                mode,
+                budget,
+                call_seconds(r, 0),
+                call_seconds(r, 1),
+                f"{r.seconds_per_call:.3f}",
+                "-" if r.calls_to_steady is None else str(r.calls_to_steady),
+                "-" if not resident or not ratios else f"{r.seconds_per_call / resident:.2f}",
+                gb(r.peak_allocated_bytes),
+                gb(r.peak_reserved_bytes),
+                within,
+                "-" if r.alloc_retries is None else str(r.alloc_retries),
+                f"{r.setup_seconds:.2f}",
+                gb(r.host_rss_bytes),
+                "-" if r.host_rss_bytes is None or not weight_bytes or not ratios else f"{r.host_rss_bytes / weight_bytes:.2f}",
+                gb(r.loaded_bytes_per_call),
+                "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
+                "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
+                _agreement(r),
+            )
+        )
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_calls(results: list[ModeResult]) -> str:
+    """Every call's seconds, one line per run: the first calls are what a user meets first."""
+    several = any(r.round > 1 for r in results)
+    lines = []
+    for r in results:
+        label = run_label(r.mode, r.budget_bytes, r.round if several else None)
+        if r.error:
+            lines.append(f"- {label}: {r.error}")
+            continue
+        if r.calls_to_steady is not None:
+            steady = f" (steady from call {r.calls_to_steady})"
+        else:
+            steady = f" (never within {STEADY_WITHIN}x of steady)" if len(r.call_seconds) > 1 else ""
+        lines.append(f"- {label}: {', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}")
+    return "\n".join(lines)
+
+
+def format_round_ratios(results: list[ModeResult]) -> str:
+    """Each mode's ratio to resident in every round, and their median: empty for a single round."""
+    if not any(r.round > 1 for r in results):
+        return ""
+    resident_by_round = _resident_by_round(results)
+    ratios: dict[str, list[float]] = {}
+    for r in results:
+        if r.mode != "resident" and not r.error and r.round in resident_by_round:
+            ratios.setdefault(run_label(r.mode, r.budget_bytes), []).append(r.seconds_per_call / resident_by_round[r.round])
+    return "\n".join(
+        f"- {label}: {', '.join(f'{x:.2f}' for x in values)} (median {statistics.median(values):.2f})"
+        for label, values in ratios.items()
+    )
+
+
+def judged_by_compile_spread(results: list[ModeResult]) -> tuple[list[ModeResult], float | None]:
+    """With the resident mode compiled more than once, how far its later compiles are from the
+    first (the reference) is what compiling alone changes in the output: the tolerance compile
+    itself needs. A compiled mode no further from the reference than that is within tolerance,
+    whatever COMPILED_TOLERANCE says. Returns the results so judged, and that spread (None when
+    the resident mode ran once)."""
+    later = [r.max_abs_diff for r in results if r.mode == "resident" and r.max_abs_diff is not None]
+    if not later:
+        return results, None
+    spread = max(later)
+    judged = [
+        replace(r, within_tolerance=True) if r.exact is False and r.max_abs_diff is not None and r.max_abs_diff <= spread else r
+        for r in results
+    ]
+    return judged, spread
+
+
+def format_compile_table(results: list[ModeResult]) -> str:
+    shown = [r for r in results if not r.error and r.first_call_seconds is not None]
+    cuda_graphs = any(r.cuda_graphs_recorded_while_timed is not None for r in shown)
+    header = ["mode", "budget GB", "first call s (compiling)", "warm s/call", "graphs compiled while timed"]
+    header += ["CUDA graphs recorded while timed"] if cuda_graphs else []
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in shown:
+        budget = "-" if r.budget_bytes is None else gb(r.budget_bytes)
+        cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}"]
+        cells += [str(r.graphs_compiled_while_timed)] + ([str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else [])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
