@@ -73,7 +73,7 @@ class DeviceSlots:
     that computes allocates its activations, which split those cached blocks to serve their own,
     smaller requests; the next block's weights then find no free block of their size, and the
     allocator reserves new segments. Under a VRAM budget that memory is room the activation reserve
-    has to cover instead of resident blocks (docs/benchmarks.md has the reserved and allocated
+    has to cover instead of resident blocks (docs/benchmarks-history.md has the reserved and allocated
     peaks). Storages kept here never return to that cache while the component streams.
 
     Slots are keyed by layout (the storages' sizes, and on the CPU their alignment), which the blocks

@@ -171,7 +171,7 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         Blocks of a component load one allocation per storage instead (the group makes their
         stagers so): under a VRAM budget their storages come and go while activations come and go
         too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
-        size, which a capped device may not have (docs/benchmarks.md). So do units under diffusers'
+        size, which a capped device may not have (docs/benchmarks-history.md). So do units under diffusers'
         layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
         groups = self._groups if groups is None else groups
