@@ -6,11 +6,13 @@ from one streamed block to the next (``DeviceSlots``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from . import _device
+from . import _device, file_reads, pinning
 from .masters import StorageGroup
+from .weights import flat_bytes
 
 # Where each storage's copy starts in a load's device buffer: the caching allocator's own rounding.
 _DEVICE_ALIGNMENT = 512
@@ -102,3 +104,179 @@ class DeviceSlots:
     def clear(self) -> None:
         """Give every slot not taken back to the allocator."""
         self._free.clear()
+
+
+class DeviceCopies:
+    """Queueing a load's copies: device storage (one buffer, or one storage per group, or a block's
+    from :class:`DeviceSlots`), the copies from the masters, those from checkpoint files, and the
+    storage each group's tensors are bound to. Part of :class:`~.staging.ModuleStager`, whose
+    masters, copy stream and pin budget it uses."""
+
+    device: torch.device
+    pin_memory: bool
+    pin_budget: int | None
+    one_buffer: bool
+    _groups: tuple[StorageGroup, ...]
+    _maps_files: bool
+    _copy: _device.TimedCopy
+    _device_storages: list[torch.Tensor]
+    _placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]]
+
+    def _layout(self) -> tuple:
+        """What device storage this stager's loads need: equal layouts can share :class:`DeviceSlots`."""
+        if _device.is_accelerator(self.device):
+            return tuple(group.nbytes for group in self._groups)
+        # On the CPU the copy's alignment is part of its place (see _device.allocate_device_storage).
+        return tuple((group.nbytes, group.alignment) for group in self._groups)
+
+    def _placed(
+        self, groups: tuple[StorageGroup, ...] | None = None, locked_in: list[object | None] | None = None
+    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+        """Where each group's copy goes in a load's one device buffer (see placement.place_copies),
+        for ``groups`` and their ``locked_in`` (the current masters and their registrations unless
+        given), made once per layout and masters' addresses.
+
+        Blocks of a component load one allocation per storage instead (the group makes their
+        stagers so): under a VRAM budget their storages come and go while activations come and go
+        too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
+        size, which a capped device may not have (docs/benchmarks-history.md). So do units under diffusers'
+        layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
+        _device.slices_storages)."""
+        groups = self._groups if groups is None else groups
+        key = (self._layout(), tuple(group.master.data_ptr() for group in groups))
+        # Keyed by addresses alone: a read-back's pieces (see _copy_to_device) become the
+        # registrations of the same ranges, or stay pageable, where a copy may span groups too.
+        # Keyed by sizes and addresses, not the groups: holding those would keep masters let go alive.
+        if self._placement[0] != key:
+            locked_in = [group.pin for group in groups] if locked_in is None else locked_in
+            placed = place_copies(groups, locked_in, accelerated=_device.is_accelerator(self.device))
+            self._placement = (key, *placed)
+        return self._placement[1:]
+
+    def _copy_to_device(self, slots: DeviceSlots | None, reading: file_reads.ReadBack | None) -> list[torch.Tensor]:
+        """Allocate the device storage, queue the copies into it and return a storage per group to
+        bind; with ``reading``, each copy from a master being read back waits for its piece, and the
+        groups take the masters read back once all are queued; without, masters mapped from files
+        are copied from the files (see file_reads.copy_from_files) and stay mapped."""
+        groups, locked_in, arriving = self._groups, None, None
+        reads_files = reading is None and self._maps_files
+        from_files = [i for i, group in enumerate(groups) if group.mapped] if reads_files else []
+        if reading is not None:
+            groups, locked_in, arriving = self._arriving_from(reading)
+        one_buffer = self.one_buffer and _device.slices_storages(self.device)
+        offsets, total, runs = self._placed(groups, locked_in) if one_buffer else ((), 0, ())
+        with torch.inference_mode(False):
+            storages = self._device_storage(groups, slots, total if one_buffer else None)
+            # A load from the files is not timed: its time is the files' read, not the bus's, and
+            # the load rate feeds the plan of streamed components (see StepTiming).
+            in_buffer = offsets if one_buffer else None
+            with self._copy.running(timed=reading is None and not from_files):
+                self._copy_from_masters(groups, storages, in_buffer, runs, bool(from_files), arriving, reading)
+                if from_files:
+                    self._copy_from_files([groups[i] for i in from_files], storages, in_buffer, from_files)
+            if reading is not None:
+                masters = reading.finish()
+                self._groups = tuple(
+                    group if read is None else replace(group, pinned=masters[read].pinned, pin=masters[read].pin)
+                    for group, read in zip(groups, arriving)
+                )
+            return storages if not one_buffer else _storage_per_group(storages[0], offsets, groups)
+
+    def _arriving_from(
+        self, reading: file_reads.ReadBack
+    ) -> tuple[tuple[StorageGroup, ...], list[object | None], list[int | None]]:
+        """The groups over the pieces of ``reading`` where their masters are being read back, each
+        one's registration (or piece), and its place in the read-back (None: not read back)."""
+        groups = self._groups
+        arriving: list[int | None] = [None] * len(groups)
+        locked_in = [group.pin for group in groups]
+        for read, index in enumerate(i for i, group in enumerate(groups) if group.mapped):
+            locked_in[index], arriving[index] = reading.piece_of[read], read
+        groups = tuple(
+            group if read is None else replace(group, master=reading.slots[read], mapped_from=None)
+            for group, read in zip(groups, arriving)
+        )
+        return groups, locked_in, arriving
+
+    def _device_storage(
+        self, groups: tuple[StorageGroup, ...], slots: DeviceSlots | None, buffer_bytes: int | None
+    ) -> list[torch.Tensor]:
+        """Storage to load into: a dropped block's from ``slots``, else one buffer of ``buffer_bytes``,
+        else one storage per group; held by the stager from here on (see ``_device_storages``)."""
+        storages = slots.take(self._layout()) if slots is not None else None
+        if storages is None and buffer_bytes is not None:
+            storages = [_device.allocate_device_storage(buffer_bytes, self.device, alignment=0)]
+        elif storages is None:
+            storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in groups]
+        self._device_storages = storages
+        return storages
+
+    def _copy_from_masters(
+        self,
+        groups: tuple[StorageGroup, ...],
+        storages: list[torch.Tensor],
+        offsets: tuple[int, ...] | None,
+        runs: tuple[tuple[int, int], ...],
+        skip_mapped: bool,
+        arriving: list[int | None] | None,
+        reading: file_reads.ReadBack | None,
+    ) -> None:
+        """Queue the copies from the masters (with ``skip_mapped``, all but those mapped from files):
+        by ``runs`` to ``offsets`` in one buffer (``storages`` holds it alone; see :meth:`_placed`),
+        or with ``offsets`` None into a storage per group; each copy of a master being read back
+        waits for its piece (``arriving``, in ``reading``)."""
+        if offsets is not None:
+            (buffer,) = storages
+            for first, last in runs:
+                if skip_mapped and groups[first].mapped:
+                    continue  # a run of its own (see _placed), copied from the files
+                if arriving is not None and arriving[first] is not None:
+                    reading.wait_for(arriving[first])
+                begin, end = offsets[first], offsets[last] + groups[last].nbytes
+                master = groups[first].master
+                source = master if first == last else pinning.host_span(master.data_ptr(), end - begin)
+                buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
+            return
+        for index, (storage, group) in enumerate(zip(storages, groups)):
+            if skip_mapped and group.mapped:
+                continue  # copied from the files
+            if arriving is not None and arriving[index] is not None:
+                reading.wait_for(arriving[index])
+            storage.copy_(group.master, non_blocking=self.pin_memory)
+
+    def _copy_from_files(
+        self,
+        mapped: list[StorageGroup],
+        storages: list[torch.Tensor],
+        offsets: tuple[int, ...] | None,
+        indices: list[int],
+    ) -> None:
+        """Queue the copies of the ``mapped`` groups (at ``indices`` among the load's groups) from
+        their checkpoint files, through the ring of page-locked slots (see
+        file_reads.copy_from_files): to ``offsets`` in the one buffer, or into their own storages.
+        Their masters stay mapped, to be read back after (see FileBackedMasters.read_ahead)."""
+        if offsets is not None:
+            (buffer,) = storages
+            targets = [buffer[offsets[i] : offsets[i] + group.nbytes] for i, group in zip(indices, mapped)]
+        else:
+            targets = [storages[i] for i in indices]
+        file_reads.copy_from_files(
+            [group.mapped_from for group in mapped],
+            targets,
+            self.pin_budget or 0,
+            pin=self.pin_budget is not None,
+            device=self.device,
+        )
+
+
+def _storage_per_group(
+    buffer: torch.Tensor, offsets: tuple[int, ...], groups: tuple[StorageGroup, ...]
+) -> list[torch.Tensor]:
+    """A storage of its own for each group's bytes in a load's one buffer.
+
+    A slice of an untyped storage is a storage of its own over those bytes that holds a reference
+    to the whole: each weight keeps a storage of its own, as it had on the host (safetensors
+    refuses to save tensors that share one, and a later snapshot groups by storage), and the buffer
+    lives until the last of them is let go. Made once the copies are queued: host time they hide."""
+    whole, start = buffer.untyped_storage(), buffer.storage_offset()
+    return [flat_bytes(whole[start + at : start + at + group.nbytes]) for at, group in zip(offsets, groups)]

@@ -33,11 +33,10 @@ from .masters import (
     release,
     snapshot,
 )
-from .placement import DeviceSlots, place_copies
+from .placement import DeviceCopies, DeviceSlots
 from .retention import RetentionBudget
 from .weights import (
     Wrappers,
-    flat_bytes,
     module_tensors,
     refuse_shared_quantization_state,
     refuse_unstageable_tensors,
@@ -46,7 +45,7 @@ from .weights import (
 logger = logging.getLogger(__name__)
 
 
-class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
+class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionReuse):
     """Load a module (or a group of modules) onto a device on demand, from immutable host masters.
 
     ``load()`` allocates device storage on the compute stream (or takes it from :class:`DeviceSlots`),
@@ -153,108 +152,6 @@ class ModuleStager(MasterBindings, FileBackedMasters, ConversionReuse):
         self._device_storages = []
         self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
-
-    def _layout(self) -> tuple:
-        """What device storage this stager's loads need: equal layouts can share :class:`DeviceSlots`."""
-        if _device.is_accelerator(self.device):
-            return tuple(group.nbytes for group in self._groups)
-        # On the CPU the copy's alignment is part of its place (see _device.allocate_device_storage).
-        return tuple((group.nbytes, group.alignment) for group in self._groups)
-
-    def _placed(
-        self, groups: tuple[StorageGroup, ...] | None = None, locked_in: list[object | None] | None = None
-    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
-        """Where each group's copy goes in a load's one device buffer (see placement.place_copies),
-        for ``groups`` and their ``locked_in`` (the current masters and their registrations unless
-        given), made once per layout and masters' addresses.
-
-        Blocks of a component load one allocation per storage instead (the group makes their
-        stagers so): under a VRAM budget their storages come and go while activations come and go
-        too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
-        size, which a capped device may not have (docs/benchmarks-history.md). So do units under diffusers'
-        layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
-        _device.slices_storages)."""
-        groups = self._groups if groups is None else groups
-        key = (self._layout(), tuple(group.master.data_ptr() for group in groups))
-        # Keyed by addresses alone: a read-back's pieces (see _copy_to_device) become the
-        # registrations of the same ranges, or stay pageable, where a copy may span groups too.
-        # Keyed by sizes and addresses, not the groups: holding those would keep masters let go alive.
-        if self._placement[0] != key:
-            locked_in = [group.pin for group in groups] if locked_in is None else locked_in
-            placed = place_copies(groups, locked_in, accelerated=_device.is_accelerator(self.device))
-            self._placement = (key, *placed)
-        return self._placement[1:]
-
-    def _copy_to_device(self, slots: DeviceSlots | None, reading: file_reads.ReadBack | None) -> list[torch.Tensor]:
-        """Allocate the device storage, queue the copies into it and return a storage per group to
-        bind; with ``reading``, each copy from a master being read back waits for its piece, and the
-        groups take the masters read back once all are queued; without, masters mapped from files
-        are copied from the files (see file_reads.copy_from_files) and stay mapped."""
-        groups, locked_in, arriving = self._groups, None, None
-        from_files = [i for i, group in enumerate(groups) if group.mapped] if reading is None and self._maps_files else []
-        if reading is not None:
-            # Each group's place in the read-back, if it has one: its copy waits for that piece.
-            arriving = [None] * len(groups)
-            locked_in = [group.pin for group in groups]
-            for read, index in enumerate(i for i, group in enumerate(groups) if group.mapped):
-                locked_in[index], arriving[index] = reading.piece_of[read], read
-            groups = tuple(
-                group if read is None else replace(group, master=reading.slots[read], mapped_from=None)
-                for group, read in zip(groups, arriving)
-            )
-        one_buffer = self.one_buffer and _device.slices_storages(self.device)
-        offsets, total, runs = self._placed(groups, locked_in) if one_buffer else ((), 0, ())
-        with torch.inference_mode(False):
-            storages = slots.take(self._layout()) if slots is not None else None
-            if storages is None and one_buffer:
-                storages = [_device.allocate_device_storage(total, self.device, alignment=0)]
-            elif storages is None:
-                storages = [_device.allocate_device_storage(g.nbytes, self.device, alignment=g.alignment) for g in groups]
-            self._device_storages = storages
-            # A load from the files is not timed: its time is the files' read, not the bus's, and
-            # the load rate feeds the plan of streamed components (see StepTiming).
-            with self._copy.running(timed=reading is None and not from_files):
-                if one_buffer:
-                    (buffer,) = storages
-                    for first, last in runs:
-                        if from_files and groups[first].mapped:
-                            continue  # a run of its own (see _placed), copied from the files below
-                        if arriving is not None and arriving[first] is not None:
-                            reading.wait_for(arriving[first])
-                        begin, end = offsets[first], offsets[last] + groups[last].nbytes
-                        master = groups[first].master
-                        source = master if first == last else pinning.host_span(master.data_ptr(), end - begin)
-                        buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
-                else:
-                    for index, (storage, group) in enumerate(zip(storages, groups)):
-                        if from_files and group.mapped:
-                            continue  # copied from the files below
-                        if arriving is not None and arriving[index] is not None:
-                            reading.wait_for(arriving[index])
-                        storage.copy_(group.master, non_blocking=self.pin_memory)
-                if from_files:
-                    file_reads.copy_from_files(
-                        [groups[i].mapped_from for i in from_files],
-                        [buffer[offsets[i] : offsets[i] + groups[i].nbytes] if one_buffer else storages[i] for i in from_files],
-                        self.pin_budget or 0,
-                        pin=self.pin_budget is not None,
-                        device=self.device,
-                    )
-            if reading is not None:
-                masters = reading.finish()
-                self._groups = tuple(
-                    group if read is None else replace(group, pinned=masters[read].pinned, pin=masters[read].pin)
-                    for group, read in zip(groups, arriving)
-                )
-            if not one_buffer:
-                return storages
-            # A slice of an untyped storage is a storage of its own over those bytes that holds a
-            # reference to the whole: each weight keeps a storage of its own, as it had on the host
-            # (safetensors refuses to save tensors that share one, and a later snapshot groups by
-            # storage), and the buffer lives until the last of them is let go. Made once the copies
-            # are queued: host time they hide.
-            whole, start = buffer.untyped_storage(), buffer.storage_offset()
-            return [flat_bytes(whole[start + at : start + at + group.nbytes]) for at, group in zip(offsets, groups)]
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         if self.loads and not self._maps_files and self._reading_ahead is None:

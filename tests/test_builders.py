@@ -14,6 +14,7 @@ from diffusers import DiffusionPipeline
 from transformers import CLIPTokenizer, T5Tokenizer
 
 from diffusers_residency.bench import builders
+from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import (
     PIPELINE_KINDS,
     build_pipeline,
@@ -128,7 +129,7 @@ def test_building_on_device_gives_what_loading_gives(kind: str, dtype: torch.dty
     memory-mapped files and the same weights in freshly allocated memory (alignment).
     """
     spec = builders._KINDS[kind]
-    parts = spec.parts(builders._ARCHITECTURES["tiny"])
+    parts = spec.parts(ARCHITECTURES["tiny"])
     direct = modules_of(builders._build_on_device(spec.pipeline_cls, parts, seed=0, dtype=dtype, device="cpu"))
     loaded = modules_of(build_pipeline(kind, dtype=dtype))
 
