@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -50,6 +52,12 @@ def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
 
 # A call of the pipelines these watches stand for starts with its text encoder and ends with its VAE.
 CALL_ENDS = {"call_start": "text_encoder", "call_end": "vae"}
+
+
+def watch_budget(group: ResidencyGroup, on_over_budget: Callable[[str, int, bool], None], **kwargs: Any) -> BudgetWatch:
+    """A watch of a 100-byte budget on ``group``, made as adaptive makes one."""
+    group.budget_watch = BudgetWatch(group.device, group.retention, group.loaded_bytes, 100, on_over_budget, **kwargs)
+    return group.budget_watch
 
 def test_budget_streams_the_transformer_within_the_budget(flux: PipelineCase) -> None:
     before = flux.state()
@@ -365,9 +373,7 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
         pytest.fail("no overshoot")
 
     # A component loaded outside a call (the VAE at enable, say) starts nothing.
-    watch = group.budget_watch = BudgetWatch(
-        group.device, group.retention, group.loaded_bytes, 100, never_over, on_first_call=told.append, **CALL_ENDS
-    )
+    watch = watch_budget(group, never_over, on_first_call=told.append, **CALL_ENDS)
     watch.component_starts("vae")
     first_call = ["text_encoder", "text_encoder_2", "text_encoder", "text_encoder_2", *["unet"] * 3, "vae"]
     latents_call = ["text_encoder", "text_encoder_2", *["unet"] * 3]
@@ -377,9 +383,7 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     for component in latents_call + first_call:
         watch.component_starts(component)
     assert told == [{"text_encoder": 10, "text_encoder_2": 10, "unet": 10, "vae": 10}], "told once, as the call after the first began"
-    watch = group.budget_watch = BudgetWatch(
-        group.device, group.retention, group.loaded_bytes, 100, never_over, on_first_call=told.append, **CALL_ENDS
-    )
+    watch = watch_budget(group, never_over, on_first_call=told.append, **CALL_ENDS)
     for component in latents_call + latents_call:
         watch.component_starts(component)
     assert len(told) == 1, "calls that never reach the VAE are not whole calls"
@@ -393,15 +397,7 @@ def test_an_overshoot_while_measuring_is_measured_and_later_ones_are_each_told(m
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     overshoots: list[tuple[str, int, bool]] = []
-    watch = group.budget_watch = BudgetWatch(
-        group.device,
-        group.retention,
-        group.loaded_bytes,
-        100,
-        lambda *over: overshoots.append(over),
-        on_first_call=told.append,
-        **CALL_ENDS,
-    )
+    watch = watch_budget(group, lambda *over: overshoots.append(over), on_first_call=told.append, **CALL_ENDS)
 
     def call(peaks_now: dict[str, int]) -> None:
         peaks.clear()
@@ -492,9 +488,7 @@ def test_retries_are_told_once_a_call_when_another_component_runs_between_steps(
     monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
     group = ResidencyGroup("cpu")
     shortfalls: list[tuple[str, int, bool]] = []
-    watch = group.budget_watch = BudgetWatch(
-        group.device, group.retention, group.loaded_bytes, 100, lambda *short: shortfalls.append(short), **CALL_ENDS
-    )
+    watch = watch_budget(group, lambda *short: shortfalls.append(short), **CALL_ENDS)
     for _ in range(2):
         watch.component_starts("text_encoder")
         for _step in range(5):
@@ -514,15 +508,7 @@ def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.Monke
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     shortfalls: list[tuple[str, int, bool]] = []
-    watch = group.budget_watch = BudgetWatch(
-        group.device,
-        group.retention,
-        group.loaded_bytes,
-        100,
-        lambda *short: shortfalls.append(short),
-        on_first_call=told.append,
-        **CALL_ENDS,
-    )
+    watch = watch_budget(group, lambda *short: shortfalls.append(short), on_first_call=told.append, **CALL_ENDS)
     for component in ("text_encoder", "unet", "vae"):  # the measuring call: the UNet retries
         watch.component_starts(component)
         retries[0] += component == "unet"
@@ -543,9 +529,7 @@ def test_retries_after_a_boundary_that_kept_the_cache_release_it_there_before_pl
     monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
     group = ResidencyGroup("cpu")
     shortfalls: list[tuple[str, int, bool]] = []
-    watch = group.budget_watch = BudgetWatch(
-        group.device, group.retention, group.loaded_bytes, 100, lambda *short: shortfalls.append(short)
-    )
+    watch = watch_budget(group, lambda *short: shortfalls.append(short))
 
     def call(keeps: bool) -> None:
         for component in ("text_encoder", "transformer", "vae"):
