@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -583,8 +584,13 @@ def test_a_read_ahead_serves_the_load_unless_the_masters_changed_since(tmp_path,
     module[1].weight.data = module[1].weight.data * 2  # replaced while its read was under way
     expected = module(x)
     stager.retake_masters()
-    stager.load()  # from the files, then reads back the masters it loaded
+    # From the files, then reads back the masters it loaded. Loaded ahead, it is not made ready,
+    # which would take the masters read back if that read were done already: they stay mapped
+    # until the offload, however fast the read.
+    stager.load(ahead=True)
     assert len(started) == 2, "the read started ahead read the old masters: a new one reads the new"
+    while not started[-1].done():  # the worst case for the check below: the read already done
+        time.sleep(0.001)
     assert torch.equal(module(x), expected) and stager.host_bytes()["mapped"] == 3 * module[0].weight.nbytes
     stager.offload()
     stager.unmap_masters()  # waits for that read, rather than reading again
