@@ -93,7 +93,8 @@ def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_ca
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     out = capsys.readouterr().out
     header, _, *rows = out[out.index("| mode |") :].split("\n\n")[0].splitlines()
-    assert header.startswith("| mode | budget GB | call 1 s | call 2 s | steady s/call | steady from call | x resident |")
+    assert header.startswith("| mode | budget MB | call 1 s | call 2 s | steady s/call | steady from call | x resident |")
+    assert "| host RSS MB |" in header and "| loaded MB/call |" in header, "the tiny pipeline's sizes, in MB on the CPU"
     assert header.count("s/call |") == 2, "one steady s/call column, and the hooks' host s/call"
     for r, row in zip(results, rows, strict=True):
         seconds = r["call_seconds"]

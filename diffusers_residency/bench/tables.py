@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
+from ..text import size_unit
 from .modes import ModeResult
 from .timing import STEADY_WITHIN
 
@@ -43,22 +44,28 @@ def call_seconds(r: ModeResult, index: int) -> str:
 
 def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios: bool = True) -> str:
     """The results, one row per run; ``weight_bytes`` (None: unknown) is what host RSS is compared with.
-    Without ``ratios`` (a CPU run, whose times and memory say nothing of a GPU's), no ratio is shown."""
+    Without ``ratios`` (a CPU run, whose times and memory say nothing of a GPU's), no ratio is shown,
+    and sizes are in the unit that fits the pipeline's weights (MB for the tiny ones)."""
     resident_by_round = _resident_by_round(results)
     several = any(r.round > 1 for r in results)
+    unit, size = ("GB", 1e9) if ratios or not weight_bytes else size_unit(weight_bytes)
+
+    def sized(value: int | None) -> str:
+        return "-" if value is None else f"{value / size:.2f}"
+
     header = (
-        "mode", "budget GB", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident", "peak alloc GB",
-        "peak reserved GB", "within budget", "alloc retries", "setup s", "host RSS GB", "RSS x weights", "loaded GB/call",
-        "load GB/s", "hooks' host s/call", "equal to resident",
+        "mode", f"budget {unit}", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident",
+        f"peak alloc {unit}", f"peak reserved {unit}", "within budget", "alloc retries", "setup s", f"host RSS {unit}",
+        "RSS x weights", f"loaded {unit}/call", "load GB/s", "hooks' host s/call", "equal to resident",
     )  # fmt: skip
     rows = []
     for r in results:
         mode = f"{r.mode} (round {r.round})" if several else r.mode
-        budget = "-" if r.budget_bytes is None else gb(r.budget_bytes)
+        budget = "-" if r.budget_bytes is None else sized(r.budget_bytes)
         within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
-            reserved = gb(r.peak_reserved_bytes)
-            allocated = gb(r.peak_allocated_bytes)
+            reserved = sized(r.peak_reserved_bytes)
+            allocated = sized(r.peak_allocated_bytes)
             rows.append((mode, budget, r.error, *("-",) * 4, allocated, reserved, *("-",) * (len(header) - 9)))
             continue
         resident = resident_by_round.get(r.round)
@@ -71,14 +78,14 @@ def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios:
                 f"{r.seconds_per_call:.3f}",
                 "-" if r.calls_to_steady is None else str(r.calls_to_steady),
                 "-" if not resident or not ratios else f"{r.seconds_per_call / resident:.2f}",
-                gb(r.peak_allocated_bytes),
-                gb(r.peak_reserved_bytes),
+                sized(r.peak_allocated_bytes),
+                sized(r.peak_reserved_bytes),
                 within,
                 "-" if r.alloc_retries is None else str(r.alloc_retries),
                 f"{r.setup_seconds:.2f}",
-                gb(r.host_rss_bytes),
+                sized(r.host_rss_bytes),
                 "-" if r.host_rss_bytes is None or not weight_bytes or not ratios else f"{r.host_rss_bytes / weight_bytes:.2f}",
-                gb(r.loaded_bytes_per_call),
+                sized(r.loaded_bytes_per_call),
                 "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
                 "-" if r.host_seconds_per_call is None else f"{r.host_seconds_per_call:.3f}",
                 _agreement(r),
