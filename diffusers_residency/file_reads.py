@@ -305,52 +305,43 @@ def _ring_chunks(sources: Sequence[MappedBytes], slot_bytes: int) -> list[_RingC
     return chunks
 
 
-def copy_from_files(
-    sources: Sequence[MappedBytes],
-    targets: Sequence[torch.Tensor],
-    budget: int,
-    *,
-    pin: bool,
-    device: torch.device | None = None,
-) -> None:
-    """Copy each source's bytes into its target (a flat byte tensor on ``device``, the same size)
-    through a ring of slots: threads read the files into the slots, this thread queues the copies
-    out of them on the current stream, and a slot is read into again once its copy has run.
-    Returns when every copy has run.
+class Ring:
+    """Page-locked slots that copies from checkpoint files go through (see :func:`copy_from_files`):
+    threads read the files into the slots, the calling thread queues the copies out of them, and a
+    slot is read into again once its last copy has run.
 
-    A level-2 wake that read the masters into new memory of their own and copied them from there
-    moved each byte through host memory four times: the kernel zeroes each new page, the read
-    copies into it (reading the page cache and writing), and the device reads it back, and the
-    host's memory bandwidth set the pace (2.3x a level-1 wake; docs/measurements.md). Through at most 1 GiB of slots, mapped and page-locked once per call,
-    the zeroing and the locking of every page go: the masters are read back into memory of their
-    own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
+    A level-2 wake makes one for its call and closes it after. Masters kept in the files for good
+    (a host budget, see :mod:`.host_budget`) load at every call, a streamed block at every step: they
+    share one ring held while they are staged, so that mapping and page-locking a gigabyte is not
+    paid at each load. ``budget`` and ``pin`` say whether the slots may be page-locked (each by the
+    thread that first fills it, in ``device``'s context); a copy out of a slot that is not waits
+    for itself.
+    """
 
-    Slots are page-locked while ``pin`` and ``budget`` allow (each by the thread that first fills
-    it, in ``device``'s context); a copy out of a slot that is not waits for itself. Raises if a
-    file changed since its masters were mapped, before or while it is read (see
-    :meth:`OpenFile.refuse_if_changed`); nothing is left locked or reading when it raises."""
-    files = files_of(sources)
-    for file in files:
-        file.refuse_if_changed()
-    chunks = _ring_chunks(sources, _RING_SLOT_BYTES)
-    if not chunks:
-        return
-    slot_bytes = align_up(max(chunk.nbytes for chunk in chunks), _HUGE_PAGE)
-    slot_count = min(_RING_SLOTS, len(chunks))
-    mapping, block, start = new_block(slot_count * slot_bytes)
-    slots = [slot(block, k * slot_bytes, slot_bytes) for k in range(slot_count)]
-    spans = [(start + k * slot_bytes, start + (k + 1) * slot_bytes) for k in range(slot_count)]
-    claimed = [False] * slot_count
-    pins: list[HostPin | None] = [None] * slot_count
-    # The event of the last copy out of each slot, where that copy did not wait for itself.
-    copied: list[torch.Event | None] = [None] * slot_count
-    asynchronous = device is not None and _device.is_accelerator(device)
+    def __init__(
+        self, slot_bytes: int, slot_count: int, budget: int, *, pin: bool, device: torch.device | None = None
+    ) -> None:
+        self.slot_bytes = _slot_size(slot_bytes)
+        self.device = device
+        self._mapping, block, start = new_block(slot_count * self.slot_bytes)
+        self._slots = [slot(block, k * self.slot_bytes, self.slot_bytes) for k in range(slot_count)]
+        self._spans = [(start + k * self.slot_bytes, start + (k + 1) * self.slot_bytes) for k in range(slot_count)]
+        # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
+        self._claimed = [pin and claim_range(*span, budget) for span in self._spans]
+        self._pins: list[HostPin | None] = [None] * slot_count
+        # The event of the last copy out of each slot, where that copy did not wait for itself.
+        self._copied: list[torch.Event | None] = [None] * slot_count
+        self._asynchronous = device is not None and _device.is_accelerator(device)
 
-    def fill(index: int) -> None:
-        chunk, k = chunks[index], index % slot_count
-        if copied[k] is not None:
-            copied[k].synchronize()
-        slot = slots[k]
+    @property
+    def nbytes(self) -> int:
+        return len(self._slots) * self.slot_bytes
+
+    def _fill(self, chunk: _RingChunk, k: int, sources: Sequence[MappedBytes]) -> None:
+        copied = self._copied[k]
+        if copied is not None:
+            copied.synchronize()
+        slot = self._slots[k]
         # Read from the file where this process never wrote to the chunk's mapped pages, else
         # copied from the views (see fill_from_file).
         if chunk.file is not None and not written_pages(chunk.address, chunk.address + chunk.nbytes):
@@ -359,42 +350,112 @@ def copy_from_files(
         else:
             for source, begin, size, at in chunk.parts:
                 slot[at : at + size].copy_(sources[source].view[begin : begin + size])
-        if claimed[k]:
-            claimed[k] = False
-            pins[k] = register_claimed(*spans[k], (mapping,), device)
+        if self._claimed[k]:
+            self._claimed[k] = False
+            self._pins[k] = register_claimed(*self._spans[k], (self._mapping,), self.device)
 
-    readers = _ring_pool()
-    fills: dict[int, Future[None]] = {}
-    try:
-        # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
-        for k, span in enumerate(spans):
-            claimed[k] = pin and claim_range(*span, budget)
-        for index in range(slot_count):
-            fills[index] = readers.submit(fill, index)
-        for index, chunk in enumerate(chunks):
-            fills[index].result()
-            del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
-            k = index % slot_count
-            locked = pins[k] is not None
-            for source, begin, size, at in chunk.parts:
-                targets[source][begin : begin + size].copy_(slots[k][at : at + size], non_blocking=locked)
-            copied[k] = None
-            if locked and asynchronous:
-                copied[k] = torch.Event(device=device)
-                copied[k].record()
-            if index + slot_count < len(chunks):
-                fills[index + slot_count] = readers.submit(fill, index + slot_count)
+    def copy(self, sources: Sequence[MappedBytes], targets: Sequence[torch.Tensor]) -> None:
+        """Copy each source's bytes into its target (a flat byte tensor on the ring's device, the
+        same size), queued on the current stream. Returns once every copy is queued; the slots are
+        read into again only after their copies ran. Raises if a file changed since its masters
+        were mapped, before or while it is read (see :meth:`OpenFile.refuse_if_changed`)."""
+        files = files_of(sources)
         for file in files:
-            file.refuse_if_changed()  # written while it was read: the bytes copied may be a mix
+            file.refuse_if_changed()
+        chunks = _ring_chunks(sources, self.slot_bytes)
+        count = len(self._slots)
+        readers = _ring_pool()
+        fills: dict[int, Future[None]] = {}
+        try:
+            for index in range(min(count, len(chunks))):
+                fills[index] = readers.submit(self._fill, chunks[index], index % count, sources)
+            for index, chunk in enumerate(chunks):
+                fills[index].result()
+                del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
+                k = index % count
+                locked = self._pins[k] is not None
+                for source, begin, size, at in chunk.parts:
+                    targets[source][begin : begin + size].copy_(self._slots[k][at : at + size], non_blocking=locked)
+                self._copied[k] = None
+                if locked and self._asynchronous:
+                    self._copied[k] = torch.Event(device=self.device)
+                    self._copied[k].record()
+                if index + count < len(chunks):
+                    fills[index + count] = readers.submit(self._fill, chunks[index + count], k, sources)
+            for file in files:
+                file.refuse_if_changed()  # written while it was read: the bytes copied may be a mix
+        finally:
+            for pending in fills.values():
+                pending.cancel()
+            wait(fills.values())
+
+    def close(self) -> None:
+        """Wait for every copy out of the slots, then unlock them (the mapping goes with the ring)."""
+        for copied in self._copied:
+            if copied is not None:
+                copied.synchronize()
+        self._copied = [None] * len(self._slots)
+        for k, span in enumerate(self._spans):
+            if self._claimed[k]:
+                self._claimed[k] = False
+                LOCKED.remove(*span)
+        self._pins = [None] * len(self._slots)  # unlocks them (HostPin's finalizer)
+
+
+def _slot_size(nbytes: int) -> int:
+    """A ring slot's bytes for chunks of ``nbytes``: whole huge pages (see _HUGE_PAGE), or whole
+    pages for a slot smaller than one (a small unit's ring)."""
+    return align_up(nbytes, _HUGE_PAGE if nbytes >= _HUGE_PAGE else PAGE)
+
+
+def _ring_shape(largest: int) -> tuple[int, int]:
+    """Slot bytes and count of a ring for loads of at most ``largest`` bytes: 1 GiB at most."""
+    return max(1, min(largest, _RING_SLOT_BYTES)), min(_RING_SLOTS, max(1, -(-largest // _RING_SLOT_BYTES)))
+
+
+def ring_bytes(largest: int) -> int:
+    """The host memory of a ring for loads of at most ``largest`` bytes (see :func:`new_ring`)."""
+    slot_bytes, slot_count = _ring_shape(largest)
+    return _slot_size(slot_bytes) * slot_count
+
+
+def new_ring(largest: int, budget: int, *, pin: bool, device: torch.device | None = None) -> Ring:
+    """A ring for loads of at most ``largest`` bytes, to be shared by them (see :class:`Ring`)."""
+    return Ring(*_ring_shape(largest), budget, pin=pin, device=device)
+
+
+def copy_from_files(
+    sources: Sequence[MappedBytes],
+    targets: Sequence[torch.Tensor],
+    budget: int,
+    *,
+    pin: bool,
+    device: torch.device | None = None,
+    ring: Ring | None = None,
+) -> None:
+    """Copy each source's bytes into its target (a flat byte tensor on ``device``, the same size)
+    through ``ring``, or through a ring made for this call (page-locked while ``pin`` and
+    ``budget`` allow) and closed when every copy has run.
+
+    A level-2 wake that read the masters into new memory of their own and copied them from there
+    moved each byte through host memory four times: the kernel zeroes each new page, the read
+    copies into it (reading the page cache and writing), and the device reads it back, and the
+    host's memory bandwidth set the pace (2.3x a level-1 wake; docs/measurements.md). Through at
+    most 1 GiB of slots the zeroing and the locking of every page go: the masters are read back
+    into memory of their own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
+    Nothing is left locked or reading when it raises."""
+    if ring is not None:
+        ring.copy(sources, targets)
+        return
+    chunks = _ring_chunks(sources, _RING_SLOT_BYTES)
+    if not chunks:
+        return
+    ring = Ring(max(chunk.nbytes for chunk in chunks), min(_RING_SLOTS, len(chunks)), budget, pin=pin, device=device)
+    try:
+        ring.copy(sources, targets)
     finally:
-        for pending in fills.values():
-            pending.cancel()
-        wait(fills.values())
-        if asynchronous:
+        if ring._asynchronous:
             # Every copy out of the slots has run before they are unlocked and unmapped, one
             # interrupted before its event was recorded included.
             torch.accelerator.current_stream(device).synchronize()
-        for k, span in enumerate(spans):
-            if claimed[k]:
-                LOCKED.remove(*span)
-        pins.clear()  # unlocks them (HostPin's finalizer)
+        ring.close()
