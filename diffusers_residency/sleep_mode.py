@@ -14,73 +14,20 @@ A call to a pipeline that sleeps wakes the components it needs, one by one, as i
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
 from .adaptive import PipelineResidency
-from .files import MappedBytes, OpenFile
+from .checkpoints import checkpoint_views, component_folder
 from .pipeline import enable_pinned_offload, pipeline_state
 from .policy import Policy
 from .residency import ResidencyUnit
-from .weights import flat_bytes, stored_tensors
 
 logger = logging.getLogger(__name__)
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedBytes]:
-    """The module's tensors' bytes in the ``*.safetensors`` files of a component folder, each a flat
-    memory-mapped view and its place in the open file, keyed by ``id`` of the tensor they hold.
-    Tensors whose name, dtype or shape differ from the file's, or whose bytes sit at an offset their
-    dtype cannot be viewed at, are left out (they keep their own masters)."""
-    by_name: dict[str, torch.Tensor] = {}
-    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        stored = stored_tensors(tensor)
-        if len(stored) == 1:  # a quantized weight's parts are not one tensor of the file
-            by_name[name] = stored[0]
-    views: dict[int, MappedBytes] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        file = OpenFile(path)
-        (header_size,) = struct.unpack("<Q", os.pread(file.fd, 8, 0))
-        header = json.loads(os.pread(file.fd, header_size, 8))
-        size = os.fstat(file.fd).st_size
-        # A private mapping: pages are read from the page cache when touched, never written back.
-        mapped = flat_bytes(torch.UntypedStorage.from_file(file.mapping_path, shared=False, nbytes=size))
-        for name, entry in header.items():
-            tensor = by_name.get(name)
-            if tensor is None or name == "__metadata__":
-                continue
-            start, end = (8 + header_size + offset for offset in entry["data_offsets"])
-            if (
-                _SAFETENSORS_DTYPES.get(entry["dtype"]) == tensor.dtype
-                and tuple(entry["shape"]) == tuple(tensor.shape)
-                and start % tensor.dtype.itemsize == 0
-            ):
-                views[id(tensor)] = MappedBytes(mapped[start:end], file, start)
-    return views
-
 
 def _names(value: str | Iterable[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or ())
@@ -117,15 +64,15 @@ def _checkpoint_folders(pipe: DiffusionPipeline, names: Iterable[str]) -> dict[s
     names = list(names)
     if not names:
         return {}
-    root = Path(pipe.name_or_path or "")
-    missing = [name for name in names if not any((root / name).glob("*.safetensors"))] if root.is_dir() else names
+    folders = {name: component_folder(pipe, name) for name in names}
+    missing = [name for name, folder in folders.items() if folder is None]
     if missing:
         raise ValueError(
             f"Level-2 sleep reloads weights from the pipeline's safetensors files, and none were found for "
-            f"{missing} under {str(root)!r} (pipe.name_or_path). Load the pipeline with from_pretrained() "
+            f"{missing} under {pipe.name_or_path!r} (pipe.name_or_path). Load the pipeline with from_pretrained() "
             "from a local directory, or save_pretrained() it and load it from there, or use level 1."
         )
-    return {name: root / name for name in names}
+    return folders
 
 
 def sleep(

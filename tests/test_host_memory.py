@@ -290,7 +290,7 @@ def test_level_2_masters_give_their_pages_back_and_are_locked_again_on_waking(dr
 def _mapped_checkpoint(tmp_path, module: torch.nn.Module) -> dict[int, MappedBytes]:
     from safetensors.torch import save_file
 
-    from diffusers_residency.sleep_mode import checkpoint_views
+    from diffusers_residency.checkpoints import checkpoint_views
 
     save_file({name: t.detach() for name, t in weights(module).items()}, str(tmp_path / "model.safetensors"))
     return checkpoint_views(tmp_path, module)
