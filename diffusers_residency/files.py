@@ -62,10 +62,10 @@ class OpenFile:
         """Raise if the file :meth:`changed`."""
         if self.changed():
             raise RuntimeError(
-                f"{self.path} changed since the pipeline was put to sleep at level 2, which keeps its "
-                "weights only in that file; they cannot be brought back from it. Restore the file, "
-                "or load the pipeline again (and leave the files of a pipeline asleep at level 2 as "
-                "they are)."
+                f"{self.path} changed since the pipeline's weights were mapped from it (a level-2 sleep, "
+                "or a host_budget, keeps them only in that file); they cannot be loaded from it. Restore "
+                "the file, or load the pipeline again (and leave the files a pipeline serves weights "
+                "from as they are)."
             )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,16 @@ from .masters import StorageGroup, bound_as_taken, fills_storage
 from .weights import flat_bytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileBacking:
+    """Masters kept in checkpoint files for good (under a host budget, see :mod:`.host_budget`):
+    the bytes of each tensor in the files, by ``id`` of the tensor, checked equal to it; and the ring
+    of page-locked slots that the loads of every such unit of a pipeline share."""
+
+    sources: Mapping[int, files.MappedBytes]
+    ring: file_reads.Ring
 
 
 class FileBackedMasters:
@@ -30,6 +40,12 @@ class FileBackedMasters:
     _maps_files: bool
     _reading_ahead: tuple[tuple[StorageGroup, ...], file_reads.ReadBack] | None
     _copy: _device.TimedCopy
+    file_backing: FileBacking | None
+
+    @property
+    def file_ring(self) -> file_reads.Ring | None:
+        """The ring this unit's loads from files go through, where its masters stay in the files."""
+        return None if self.file_backing is None else self.file_backing.ring
 
     @property
     def maps_files(self) -> bool:
@@ -49,8 +65,9 @@ class FileBackedMasters:
         file_reads.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
         device first and reads the masters back after, rather than reading them all before the
         first copy. Until then a level-1 sleep or an eviction would have nothing but the page cache
-        to rebind to, hence the read here."""
-        if self._reading_ahead is None and self._maps_files:
+        to rebind to, hence the read here. Masters kept in the files for good (``file_backing``)
+        are never read back."""
+        if self._reading_ahead is None and self._maps_files and self.file_backing is None:
             self._reading_ahead = (self._groups, self._new_read_back(pin=True))
 
     def drop_read_ahead(self) -> None:
@@ -134,14 +151,14 @@ class FileBackedMasters:
             groups.append(group)
         return tuple(groups)
 
-    def map_masters(self, sources: Mapping[int, files.MappedBytes]) -> int:
+    def map_masters(self, sources: Mapping[int, files.MappedBytes], *, compare: bool = True) -> int:
         """Swap masters for byte-identical views of a memory-mapped checkpoint, freeing their memory.
 
         ``sources`` maps ``id(tensor)`` to that tensor's bytes in the file. A storage qualifies when
         it holds one tensor that fills it exactly and the file holds the same bytes: equality is
         checked here, so a weight changed since loading (a fused LoRA, a cast) keeps its own master
-        rather than coming back stale. Expects the stager offloaded; returns the bytes whose master
-        memory was released.
+        rather than coming back stale (``compare=False``: the caller compared them). Expects the
+        stager offloaded; returns the bytes whose master memory was released.
         """
         self._require_offloaded("map_masters()")
         self.drop_read_ahead()  # of masters still mapped, which stay so
@@ -156,7 +173,8 @@ class FileBackedMasters:
             and fills_storage(group)
             and bound_as_taken(group.bindings[0], group.master)  # else its master is no longer its value
         }
-        same = files.hold_the_same_bytes([self._groups[i].master for i in candidates], list(candidates.values()))
+        masters = [self._groups[i].master for i in candidates]
+        same = files.hold_the_same_bytes(masters, list(candidates.values())) if compare else [True] * len(masters)
         groups = list(self._groups)
         released = 0
         for (index, source), equal in zip(candidates.items(), same):
@@ -170,8 +188,12 @@ class FileBackedMasters:
         """Give masters mapped from a file memory of their own again (see file_reads.ReadBack), so
         the file is not read at every load: the read :meth:`read_ahead` started, waited for, else a
         new one; page-locked when this stager pins and ``pin`` (``close()`` passes False: the memory
-        is about to be handed back to the module as it was)."""
+        is about to be handed back to the module as it was). A no-op for masters kept in the files
+        for good (``file_backing``): the files are their home, at a level-1 sleep as after
+        ``close()``, where they stay the module's weights, as ``from_pretrained`` left them."""
         self._require_offloaded("unmap_masters()")
+        if self.file_backing is not None:
+            return
         self._copy.wait()
         reading = self._read_back(pin=pin)
         if reading is None and self._maps_files:

@@ -26,6 +26,7 @@ from .adaptive import STATE_ATTR, PipelineResidency, apply_plan
 from .calls import wrap_every_pipeline_call
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
+from .host_budget import HostPlacement, file_backing, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
 from .planner import BudgetTooSmallError, ComponentSizes, ResidencyPlan, default_reserve, plan_as_given, plan_residency
 from .policy import Policy
@@ -195,6 +196,11 @@ def _planner(
     return plan
 
 
+def _placing_on_host(replan: Callable[..., ResidencyPlan], placement: HostPlacement) -> Callable[..., ResidencyPlan]:
+    """``replan``, each plan carrying the host placement made at enable (which stays for good)."""
+    return lambda *args, **kwargs: replace(replan(*args, **kwargs), host=placement)
+
+
 def _refuse_shared_weights(modules: Mapping[str, nn.Module]) -> None:
     """Two components that share weights (but are not one module) cannot each own their storages."""
     owner: dict[int, str] = {}
@@ -223,6 +229,7 @@ def _same_setup(
         # every hook still attached (one may have been detached on its own) and still in the group
         and all(getattr(h.unit.module, "_hf_hook", None) is h and h.unit in previous.group.units for h in previous.hooks.values())
         and streamed == {p.name for p in previous.plan.components if p.policy is Policy.STREAMED}
+        and previous.plan.host.served == plan.host.served
     )
 
 
@@ -242,6 +249,8 @@ def enable_pinned_offload(
     activation_reserve: int | str | None = None,
     pin_memory: bool | None = None,
     pin_budget: int | float | None = None,
+    host_budget: int | float | str | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> None:
     """Stage the pipeline's components on ``device`` from pinned host masters.
 
@@ -275,6 +284,15 @@ def enable_pinned_offload(
             pipeline's masters counted, in bytes or as a fraction of physical RAM (default 0.75).
             Masters beyond it stay pageable: loads still work, at the pageable copy rate, and the
             report's ``pageable GB`` column shows them.
+        host_budget: the most host memory the masters may take, in bytes, a string such as
+            ``"16GB"``, a fraction of physical RAM, or ``"auto"`` (what the machine and its cgroup
+            allow, less a margin); None (the default): every master in RAM. Beyond it, the masters
+            loaded least often (components kept on the device, then those loaded once per call,
+            then a denoiser's streamed blocks) are served from the pipeline's safetensors files,
+            mapped, and load through a ring of page-locked slots (see :mod:`.host_budget`).
+        offload_folder: where weights served from files are written once when the pipeline was
+            not loaded from files, or they changed since (without it, such a pipeline is refused
+            a ``host_budget`` it cannot meet from RAM).
 
     Calling it again reconfigures the pipeline: with the same device and pinning only the policies
     change and the masters are kept; otherwise pinned offload is disabled and set up anew. All
@@ -291,8 +309,15 @@ def enable_pinned_offload(
     refuse_shared_quantization_state(modules.values())
     _refuse_shared_weights(modules)
     budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
+    host = resolve_host_budget(host_budget)
+    if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
+        raise TypeError(f"offload_folder is a folder's path, not {offload_folder!r}")
     replan = _planner(pipe, modules, components, budget)
     plan = replan({}, {})
+    # Served from files at enable, for good: placed from the plan before any call is measured.
+    placement = place_on_host(plan, host)
+    replan = _placing_on_host(replan, placement)
+    plan = replace(plan, host=placement)
     sequence = [name for name in _offload_sequence(pipe) if name in modules]
     # A call is told apart from the next only by its first component starting after its last ran:
     # with one component in the sequence, no call would ever end, so nothing is measured.
@@ -323,8 +348,12 @@ def enable_pinned_offload(
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)
         return
+    backing = file_backing(
+        pipe, modules, placement, offload_folder, budget=group.pin_budget, pin=group.pin_memory, device=group.device
+    )
     if previous is not None:
         disable_pinned_offload(pipe)
+    group.file_backing = backing
     hooks: dict[str, StagingHook] = {}
     attached: dict[int, str] = {}
     try:
@@ -361,6 +390,8 @@ def enable_pinned_offload(
     except BaseException:
         for name in hooks:
             remove_hook_from_module(modules[name])
+        for served in backing.values():
+            served.ring.close()
         raise
 
     pipe.__dict__[STATE_ATTR] = state

@@ -5,6 +5,7 @@ from one streamed block to the next (``DeviceSlots``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -121,6 +122,9 @@ class DeviceCopies:
     _copy: _device.TimedCopy
     _device_storages: list[torch.Tensor]
     _placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]]
+    file_ring: file_reads.Ring | None
+    read_bytes: int
+    read_seconds: float
 
     def _layout(self) -> tuple:
         """What device storage this stager's loads need: equal layouts can share :class:`DeviceSlots`."""
@@ -260,13 +264,17 @@ class DeviceCopies:
             targets = [buffer[offsets[i] : offsets[i] + group.nbytes] for i, group in zip(indices, mapped)]
         else:
             targets = [storages[i] for i in indices]
+        started = time.perf_counter()
         file_reads.copy_from_files(
             [group.mapped_from for group in mapped],
             targets,
             self.pin_budget or 0,
             pin=self.pin_budget is not None,
             device=self.device,
+            ring=self.file_ring,
         )
+        self.read_seconds += time.perf_counter() - started
+        self.read_bytes += sum(group.nbytes for group in mapped)
 
 
 def _storage_per_group(

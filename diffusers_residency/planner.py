@@ -45,10 +45,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .policy import Policy
 from .step_timing import StepTiming, simulated_step_seconds
 from .text import format_bytes, size_unit, text_table
+
+if TYPE_CHECKING:  # host_budget places masters from a plan: it imports this module
+    from .host_budget import HostPlacement
 
 # One block computing and two in flight keep the copy stream busy behind the compute; a deeper
 # window buys no bandwidth once the bus is saturated, and the room it would take serves better as
@@ -149,6 +153,8 @@ class ResidencyPlan:
     # plan); and the call shape they are for.
     source: str = ""
     shape: str | None = None
+    # Which masters a host budget serves from checkpoint files, and why (see host_budget).
+    host: HostPlacement | None = None
 
     def __getitem__(self, name: str) -> ComponentPlan:
         for plan in self.components:
@@ -234,7 +240,7 @@ class ResidencyPlan:
             head += f", resident blocks of {', '.join(self.timings)} chosen from a timed step"
         if self.source:
             head += f"; figures {self.source}" + (f" for calls of {self.shape}" if self.shape else "")
-        return "\n".join([head, *table])
+        return "\n".join([head, *table, *(self.host.lines() if self.host is not None else ())])
 
 
 class BudgetTooSmallError(ValueError):

@@ -30,6 +30,9 @@ class ComponentReport:
     load_seconds: float
     releases: int
     retains: int
+    # Bytes loaded from masters served from checkpoint files, and the host seconds those loads took.
+    read_bytes: int = 0
+    read_seconds: float = 0.0
     # Host time the package spent on the component (see ResidencyUnit.host_seconds), over all calls so far.
     host_seconds: float = 0.0
     # A streamed component's compute seconds per step: the first step timed and the latest (see
@@ -51,6 +54,14 @@ class ComponentReport:
         if not self.loads or self.load_seconds <= 0:
             return None
         return self.loaded_bytes / self.load_seconds / _GB
+
+    @property
+    def read_gbps(self) -> float | None:
+        """Rate of the loads from masters served from checkpoint files (read into the ring and
+        copied to the device), in GB/s (None where none was)."""
+        if not self.read_bytes or self.read_seconds <= 0:
+            return None
+        return self.read_bytes / self.read_seconds / _GB
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ class ResidencyReport:
         unit, size = size_unit(max((c.weight_bytes for c in self.components), default=0))
         header = (
             "component", "policy", "state", unit, f"device {unit}", f"pinned {unit}", f"pageable {unit}", f"mapped {unit}",
-            "loads", "load s", "GB/s", "host s", "releases", "retains", "compute s/step (first, latest)",
+            "loads", "load s", "GB/s", "file GB/s", "host s", "releases", "retains", "compute s/step (first, latest)",
         )  # fmt: skip
         rows = [
             (
@@ -85,6 +96,7 @@ class ResidencyReport:
                 str(c.loads),
                 f"{c.load_seconds:.3f}",
                 "-" if c.load_gbps is None else f"{c.load_gbps:.1f}",
+                "-" if c.read_gbps is None else f"{c.read_gbps:.1f}",
                 f"{c.host_seconds:.3f}",
                 str(c.releases),
                 str(c.retains),
@@ -114,6 +126,8 @@ def _component_report(name: str, units: list[ResidencyUnit]) -> ComponentReport:
         loads=sum(u.stager.loads for u in units),
         loaded_bytes=sum(u.stager.loaded_bytes for u in units),
         load_seconds=sum(u.stager.load_seconds for u in units),
+        read_bytes=sum(u.stager.read_bytes for u in units),
+        read_seconds=sum(u.stager.read_seconds for u in units),
         releases=sum(u.releases for u in units),
         retains=sum(u.retains for u in units),
         host_seconds=sum(u.host_seconds for u in units),

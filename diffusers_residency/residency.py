@@ -23,6 +23,7 @@ from torch import nn
 
 from . import _device, files, pinning
 from .budget_watch import BudgetWatch
+from .mapped_masters import FileBacking
 from .masters import staged_by
 from .placement import DeviceSlots
 from .policy import Policy
@@ -147,6 +148,10 @@ class ResidencyGroup:
         self.weight_room: Callable[[str], int] | None = None
         # The budget watched at each switch, under a budget (see adaptive, which sets it).
         self.budget_watch: BudgetWatch | None = None
+        # Modules (by id) whose masters are served from checkpoint files for good, under a host
+        # budget: set before they are added (see host_budget), so that their weights are never
+        # copied or page-locked on the way.
+        self.file_backing: dict[int, FileBacking] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
         # Reached by copying a module this group stages from anywhere but the pipeline that enabled
@@ -223,6 +228,7 @@ class ResidencyGroup:
             retention=self.retention,
             exclude=exclude,
             one_buffer=lambda: whole and not casts_layerwise(module),
+            file_backing=self.file_backing.get(id(module)),
         )
         unit = ResidencyUnit(
             name=name,
@@ -239,6 +245,9 @@ class ResidencyGroup:
         """Offload the unit and stop managing it; its tensors stay bound to their host masters."""
         unit.stager.close()
         self.units.remove(unit)
+        ring = unit.stager.file_ring
+        if ring is not None and all(other.stager.file_ring is not ring for other in self.units):
+            ring.close()  # the last unit that loaded through it is gone
 
     def units_of(self, component: str) -> list[ResidencyUnit]:
         return [unit for unit in self.units if unit.component == component]

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _device, file_reads, pinning
 from .conversions import ConversionReuse
-from .mapped_masters import FileBackedMasters
+from .mapped_masters import FileBackedMasters, FileBacking
 from .masters import (
     MasterBindings,
     StorageGroup,
@@ -67,7 +67,12 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         retention: RetentionBudget | None = None,
         exclude: Iterable[nn.Module] = (),
         one_buffer: bool | Callable[[], bool] = True,
+        file_backing: FileBacking | None = None,
     ) -> None:
+        """``file_backing``: masters to keep in checkpoint files (see :class:`~.mapped_masters.FileBacking`).
+        Their weights are taken as masters where they are, neither copied nor page-locked (locking a
+        mapping of a file would copy each page of it into anonymous memory), and then swapped for
+        the views of the files."""
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError("ModuleStager needs at least one nn.Module")
@@ -116,7 +121,11 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # The views over the current and the kept masters, each with the groups it was made for, by
         # id of those (see _master_views).
         self._master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]] = {}
-        self._groups, copied_host = snapshot(self.tensors(), self.pin_budget)
+        self.file_backing = file_backing
+        # Bytes loaded from masters kept in checkpoint files, and the host seconds those loads took.
+        self.read_bytes = 0
+        self.read_seconds = 0.0
+        self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         self._init_conversions()
@@ -124,6 +133,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.rebind_masters()
         if copied_host:  # their originals were freed by the rebinding just done
             _device.release_freed_host_heap()
+        if file_backing is not None:
+            self.map_masters(file_backing.sources, compare=False)
         if retention is not None:
             retention.grow(self.weight_bytes)
 

@@ -517,3 +517,27 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     plan = second.pipe.residency_plan()
     assert plan.source == "from the residency profile" and plan.components == learned.components, str(plan)
     assert torch.cuda.max_memory_allocated() <= budget
+
+
+def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on_disable(tmp_path) -> None:
+    from diffusers_residency import pinning
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")  # new host tensors, in no file: written once to the offload folder
+    gc.collect()
+    before = pinning.locked_bytes()
+    total = sum(sum(t.nbytes for t in m.state_dict().values()) for m in case.pipe.components.values() if isinstance(m, torch.nn.Module))
+    case.pipe.enable_pinned_offload(
+        vram_budget=None, components={"transformer": "streamed"}, host_budget=int(0.75 * total), offload_folder=tmp_path
+    )
+    plan = case.pipe.residency_plan()
+    assert plan.host.blocks.get("transformer") and plan.host.components, str(plan)
+    for _ in range(3):
+        assert torch.equal(case.run(), case.reference)
+    report = case.pipe.residency_report()
+    assert all(report[name].mapped_bytes and report[name].read_gbps for name in plan.host.components), str(report)
+    assert pinning.locked_bytes() - before >= plan.host.ring_bytes, "the ring is page-locked once, and kept"
+    case.pipe.disable_pinned_offload()
+    assert pinning.locked_bytes() == before
+    case.pipe.to("cuda")
+    assert torch.equal(case.run(), case.reference)

@@ -143,7 +143,7 @@ def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: P
     (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
     stamp = os.stat(written)
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # as a save into the folder would
-    with pytest.raises(RuntimeError, match="changed since the pipeline was put to sleep at level 2"):
+    with pytest.raises(RuntimeError, match="changed since the pipeline.s weights were mapped from it"):
         flux.pipe.wake_up()
     assert states(flux.pipe)["transformer"] == "asleep (2)"
     assert_no_meta_or_foreign_device(flux.pipe)

@@ -1,0 +1,216 @@
+"""A host budget: masters beyond it served from the pipeline's checkpoint files (see host_budget)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_residency import file_reads, host_budget
+from diffusers_residency.checkpoints import checkpoint_views
+from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.planner import ComponentPlan, ComponentSizes, ResidencyPlan
+from diffusers_residency.policy import Policy
+
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
+
+GiB = 2**30
+
+# The tiny FLUX pipeline: text_encoder 207 kB, text_encoder_2 914 kB, transformer 671 kB, vae 195 kB.
+# Each setup: the enable arguments, a host budget, and which components (or blocks) it serves from files.
+SETUPS = {
+    # Resident text encoders and VAE: read from their files once; the resident denoiser never.
+    "resident": (dict(vram_budget=None, components=dict.fromkeys(["text_encoder", "text_encoder_2", "transformer", "vae"], "resident")), "1.7MB", {"text_encoder", "text_encoder_2", "vae"}),
+    # Every component staged: the largest ones until the rest fits, the denoiser included.
+    "staged": (dict(vram_budget=None), "1.5MB", {"text_encoder_2", "transformer"}),
+    # Streamed: the once-per-call components first, then the denoiser's streamed blocks.
+    "streamed": (dict(vram_budget="2GB", components={"transformer": "streamed"}), "0.6MB", {"text_encoder", "text_encoder_2", "vae", "transformer"}),
+}  # fmt: skip
+
+
+def served(pipe) -> dict[str, int]:
+    """Bytes of each component's masters that are views of its files."""
+    return {c.name: c.mapped_bytes for c in pipe.residency_report().components if c.mapped_bytes}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) -> None:
+    kwargs, budget, expected = SETUPS[setup]
+    before = flux.state()
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
+    plan = flux.pipe.residency_plan()
+    assert set(served(flux.pipe)) == expected, str(plan)
+    assert plan.host.ram_bytes <= plan.host.budget
+    report = flux.pipe.residency_report()
+    ram = sum(c.pinned_bytes + c.pageable_bytes for c in report.components)
+    assert ram <= plan.host.budget - plan.host.ring_bytes, str(report)
+    if setup == "resident":
+        assert "transformer" not in served(flux.pipe), "a resident denoiser stays in RAM"
+    if setup == "streamed":
+        transformer = plan.host.blocks["transformer"]
+        assert transformer and not transformer & plan["transformer"].resident_blocks
+    assert "host budget" in str(plan) and "served from checkpoint files" in str(plan)
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+    report = flux.pipe.residency_report()
+    assert all(report[name].read_gbps is not None for name in expected if report[name].loads), str(report)
+    flux.pipe.disable_pinned_offload()
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert_weights_equal(before, flux.state())
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_auto_with_room_changes_nothing(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="auto")
+    plan = flux.pipe.residency_plan()
+    assert not plan.host.serves_files and "served from checkpoint files" in str(plan)
+    assert served(flux.pipe) == {}
+    assert pipeline_state(flux.pipe).group.file_backing == {}
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(-1, ValueError), ("lots", ValueError), (1.5, ValueError), (True, TypeError), ("1kB", HostBudgetTooSmallError)],
+)
+def test_bad_host_budget_is_refused_before_anything_changes(flux: PipelineCase, value, error) -> None:
+    with pytest.raises(error):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget=value)
+    assert pipeline_state(flux.pipe) is None
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_auto_reads_the_cgroup_limit_then_physical_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_budget, "physical_memory_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(host_budget, "_cgroup_memory_limit", lambda: 8 * GiB)
+    assert resolve_host_budget("auto") == 6 * GiB  # less 2 GiB, more than a tenth
+    monkeypatch.setattr(host_budget, "_cgroup_memory_limit", lambda: None)
+    assert resolve_host_budget("auto") == 64 * GiB - int(6.4 * GiB)  # less a tenth
+    assert resolve_host_budget(0.25) == 16 * GiB
+    assert resolve_host_budget("16GB") == 16 * 10**9 and resolve_host_budget(None) is None
+
+
+def _plan(*components: tuple[ComponentSizes, ComponentPlan]) -> ResidencyPlan:
+    return ResidencyPlan(None, 0, tuple(p for _, p in components), tuple(s for s, _ in components))
+
+
+def test_placement_serves_the_least_loaded_first_and_never_the_denoisers_resident_blocks() -> None:
+    GB = 10**9
+    denoiser = ComponentSizes("transformer", 10 * GB + GB // 2, (GB,) * 10, per_step=True)
+    encoder = ComponentSizes("text_encoder", 3 * GB, ())
+    kept = ComponentSizes("image_encoder", 2 * GB, ())
+    plan = _plan(
+        (kept, ComponentPlan("image_encoder", Policy.RESIDENT)),
+        (encoder, ComponentPlan("text_encoder", Policy.STAGED)),
+        (denoiser, ComponentPlan("transformer", Policy.STREAMED, resident_blocks=frozenset({0, 5}), staged_blocks=frozenset({3}))),
+    )  # fmt: skip
+    total = 15 * GB + GB // 2
+    assert not place_on_host(plan, total).serves_files
+    ring = file_reads.ring_bytes(2 * GB)
+    assert ring == file_reads.ring_bytes(3 * GB) == 1 << 30, "the ring is 1 GiB at most"
+    # Kept on the device first, then loaded once per call, then the staged block, then streamed
+    # blocks, the later first.
+    steps = [
+        (2, {"image_encoder"}, set()),
+        (5, {"image_encoder", "text_encoder"}, set()),
+        (6, {"image_encoder", "text_encoder"}, {3}),
+        (7, {"image_encoder", "text_encoder"}, {3, 9}),
+    ]
+    for served_gb, components, positions in steps:
+        placement = place_on_host(plan, total - served_gb * GB + ring)
+        assert placement.components == components and placement.blocks.get("transformer", frozenset()) == positions
+        assert placement.file_bytes == served_gb * GB and placement.ram_bytes == total - served_gb * GB + ring
+    placement = place_on_host(plan, 4 * GB)
+    assert not placement.blocks["transformer"] & {0, 5}, "resident blocks stay in RAM"
+    with pytest.raises(HostBudgetTooSmallError, match="lower vram_budget"):
+        place_on_host(plan, 3 * GB)  # the trunk and two resident blocks are 2.5 GB, and the ring
+
+
+def _not_from_files(flux: PipelineCase, tmp_path: Path) -> None:
+    flux.pipe.register_to_config(_name_or_path=str(tmp_path / "nowhere"))
+
+
+def test_a_pipeline_not_loaded_from_files_is_refused_or_written_once(flux: PipelineCase, tmp_path: Path) -> None:
+    _not_from_files(flux, tmp_path)
+    before = flux.state()
+    with pytest.raises(ValueError, match="offload_folder"):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None)
+    assert pipeline_state(flux.pipe) is None
+    assert_weights_equal(before, flux.state())
+    folder = tmp_path / "cache"
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None, offload_folder=folder)
+    written = {path: path.stat().st_mtime_ns for path in folder.glob("*/*.safetensors")}
+    assert {path.parent.name for path in written} == {"text_encoder_2", "transformer"}
+    assert set(served(flux.pipe)) == {"text_encoder_2", "transformer"}
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None, offload_folder=folder)
+    assert {path: path.stat().st_mtime_ns for path in folder.glob("*/*.safetensors")} == written, "written once"
+    assert torch.equal(flux.run(), flux.reference)
+    assert not list(folder.glob("*/*.partial"))
+
+
+def test_a_weight_changed_since_loading_is_never_served_from_its_old_file(flux: PipelineCase, tmp_path: Path) -> None:
+    weight = max(flux.pipe.transformer.parameters(), key=torch.Tensor.numel)
+    with torch.no_grad():
+        weight.mul_(-1.0)
+    expected = flux.run()
+    with pytest.raises(ValueError, match="changed since loading"):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None)
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None, offload_folder=tmp_path)
+    assert torch.equal(flux.run(), expected)
+
+
+def test_a_file_changed_under_a_served_master_is_refused(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None)
+    assert torch.equal(flux.run(), flux.reference)
+    (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
+    stamp = os.stat(written)
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # as a save into the folder would
+    with pytest.raises(RuntimeError, match="changed since the pipeline's weights were mapped from it"):
+        flux.run()
+    assert_no_meta_or_foreign_device(flux.pipe)
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_lora_fused_after_enable_is_served_from_ram(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .test_changing_weights import lora_state_dict
+
+    lora = lora_state_dict(flux)
+    resident = PipelineCase("flux")
+    resident.pipe.load_lora_weights(lora, adapter_name="style")
+    resident.pipe.fuse_lora()
+    expected = resident.run()
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="0.6MB", **SETUPS["streamed"][0])
+    assert flux.pipe.residency_plan().host.blocks["transformer"]
+    reads: list[tuple[int, int]] = []
+    real = file_reads.read_into
+
+    def recorded(file, offset, targets):
+        if Path(file.path).parent.name == "transformer":
+            reads.append((offset, offset + sum(len(t) for t in targets)))
+        return real(file, offset, targets)
+
+    monkeypatch.setattr(file_reads, "read_into", recorded)
+    flux.run()
+    assert reads, "the blocks served from files load from them"
+    # The file's bytes of every weight the LoRA is fused into: no load may read them from the file.
+    views = checkpoint_views(Path(flux.pipe.name_or_path) / "transformer", flux.pipe.transformer)
+    fused = [
+        views[id(weight)]
+        for name, weight in flux.pipe.transformer.named_parameters()
+        if name.rsplit(".", 2)[-2] in ("to_q", "to_k", "to_v") and name.endswith("weight")
+    ]
+    assert any(low < view.offset + view.view.numel() and view.offset < high for view in fused for low, high in reads)
+    flux.pipe.load_lora_weights(lora, adapter_name="style")
+    flux.pipe.fuse_lora()
+    reads.clear()
+    assert torch.equal(flux.run(), expected)
+    assert served(flux.pipe)["transformer"], "the rest of the blocks is still served from the file"
+    for view in fused:
+        start, end = view.offset, view.offset + view.view.numel()
+        assert not any(low < end and start < high for low, high in reads), "a fused weight was read from its file"
