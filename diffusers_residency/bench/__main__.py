@@ -44,13 +44,14 @@ from ..policy import Policy
 from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
-from .modes import DENOISERS, MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
+from .modes import DENOISERS, MODES, PINNED_MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
 from .tables import (
     call_seconds,
     format_calls,
     format_compile_table,
+    format_host_memory,
     format_round_ratios,
     format_table,
     gb,
@@ -91,6 +92,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--budgets", default="unlimited", help="comma-separated VRAM caps, e.g. unlimited,30GB,16GB")
     parser.add_argument("--activation-reserve", default=None, help="for the pinned mode, e.g. 3GB (default: its own)")
+    parser.add_argument(
+        "--host-budget",
+        default=None,
+        help="for the pinned_files modes: host memory for masters, e.g. 16GB; beyond it they are served from the "
+        "checkpoint files (with --checkpoint); pinned_files_cold drops their page cache before the first call",
+    )
     parser.add_argument(
         "--components",
         default=None,
@@ -164,7 +171,12 @@ def _components(spec: str | None) -> dict[str, str] | None:
 
 
 def _runs(
-    modes: str, budgets: str, activation_reserve: str | None, rounds: int = 1, components: dict[str, str] | None = None
+    modes: str,
+    budgets: str,
+    activation_reserve: str | None,
+    rounds: int = 1,
+    components: dict[str, str] | None = None,
+    host_budget: str | None = None,
 ) -> list[tuple[Mode, int | None, int]]:
     """(mode, budget, round) in the order they run: budget by budget, modes in the order given,
     all of it ``rounds`` times over; a mode named ``mode@budget`` runs at that budget only. A mode
@@ -177,7 +189,12 @@ def _runs(
         name, at, only = spec.partition("@")
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-        mode = pinned_mode(activation_reserve, components) if name == "pinned" else MODES[name]
+        if name in PINNED_MODES:
+            if name != "pinned" and host_budget is None:
+                raise SystemExit(f"{name} serves masters from files beyond a host budget: give --host-budget too")
+            mode = pinned_mode(activation_reserve, components, None if name == "pinned" else host_budget, name)
+        else:
+            mode = MODES[name]
         specs.append((mode, [_budget(only)] if at else every))
     caps = dict.fromkeys(cap for _, mode_caps in specs for cap in mode_caps)
     runs = [(mode, cap) for cap in caps for mode, mode_caps in specs if cap in mode_caps]
@@ -307,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             library.disable_progress_bar()
     device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
-    runs = _runs(args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components))
+    runs = _runs(
+        args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components), args.host_budget
+    )
     if args.only_run is not None:
         return _child(args, runs[args.only_run], device, dtype)
     if runs[0][0].name != "resident":
@@ -350,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
     print(format_table(results, weight_bytes, ratios=speed))
     print(f"\nevery call in order, the first ones included:\n\n{format_calls(results)}")
+    print(f"\nhost memory (anonymous: RssAnon plus mlocked pages):\n\n{format_host_memory(results, weight_bytes)}")
     ratios = format_round_ratios(results)
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
@@ -378,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     # The exit status answers for this package's mode; diffusers' modes are measured, not vouched for.
     failed = any(
-        r.mode == "pinned" and (r.error or r.matches_resident is False or r.within_budget is False) for r in results
+        r.mode in PINNED_MODES and (r.error or r.matches_resident is False or r.within_budget is False) for r in results
     )
     return 1 if failed else 0
 

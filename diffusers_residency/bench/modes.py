@@ -25,6 +25,7 @@ from .. import _device
 from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
+from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache
 from .timing import calls_to_steady, timed_calls
 from .trace import traced_call
 
@@ -63,17 +64,44 @@ def _to_host(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
 
 
-def pinned_mode(activation_reserve: int | str | None = None, components: Mapping[str, str] | None = None) -> Mode:
+# The pinned modes: all masters in RAM; masters beyond --host-budget served from the checkpoint
+# files with their page cache warm (as enabling left it); the same, the page cache dropped after
+# enabling, before the first call.
+PINNED_MODES = ("pinned", "pinned_files", "pinned_files_cold")
+
+
+def pinned_mode(
+    activation_reserve: int | str | None = None,
+    components: Mapping[str, str] | None = None,
+    host_budget: int | str | None = None,
+    name: str = "pinned",
+) -> Mode:
     """``enable_pinned_offload`` planned for the run's budget (``"auto"`` when there is none), with
-    the policies ``components`` names kept as given."""
+    the policies ``components`` names kept as given; for the ``pinned_files`` modes (see
+    PINNED_MODES), with ``host_budget``."""
+    if name not in PINNED_MODES:
+        raise ValueError(f"{name!r} is not one of {PINNED_MODES}")
+    if (name == "pinned") != (host_budget is None):
+        raise ValueError(f"{name} runs {'without' if name == 'pinned' else 'with'} a host budget (--host-budget)")
 
     def setup(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
         vram_budget = "auto" if budget is None else budget
         enable_pinned_offload(
-            pipe, device, components=components, vram_budget=vram_budget, activation_reserve=activation_reserve
+            pipe,
+            device,
+            components=components,
+            vram_budget=vram_budget,
+            activation_reserve=activation_reserve,
+            host_budget=host_budget,
         )
+        if name == "pinned_files_cold":
+            drop_page_cache(pipe.name_or_path)
 
-    return Mode("pinned", setup, disable_pinned_offload)
+    return Mode(name, setup, disable_pinned_offload)
+
+
+def _needs_host_budget(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
+    raise ModeUnavailable("needs --host-budget")
 
 
 def _model_cpu_offload(pipe: DiffusionPipeline, device: torch.device, budget: int | None) -> None:
@@ -173,6 +201,9 @@ def _release_mmgp(pipe: DiffusionPipeline) -> None:
 MODES: dict[str, Mode] = {
     "resident": Mode("resident", _resident, _to_host),
     "pinned": pinned_mode(),
+    # Made from --host-budget (see PINNED_MODES).
+    "pinned_files": Mode("pinned_files", _needs_host_budget, disable_pinned_offload),
+    "pinned_files_cold": Mode("pinned_files_cold", _needs_host_budget, disable_pinned_offload),
     "model_cpu_offload": Mode("model_cpu_offload", _model_cpu_offload, _remove_model_cpu_offload),
     "sequential_cpu_offload": Mode(
         "sequential_cpu_offload", _sequential_cpu_offload, _remove_model_cpu_offload, needs_accelerator=True
@@ -274,8 +305,15 @@ class ModeResult:
     cuda_graphs_recorded_while_timed: int | None = None
     # Resident set size of the process right after setup: what the mode costs in host memory.
     host_rss_bytes: int | None = None
+    # Its anonymous part (RssAnon plus mlocked pages, see .host_memory) right after setup, and the
+    # most of it sampled from setup to the last call: what a host budget bounds.
+    host_anonymous_bytes: int | None = None
+    peak_host_anonymous_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
+    # Over the steady calls, the rate of loads from masters served from checkpoint files (read into
+    # the ring and copied to the device), for the pinned modes that have any.
+    read_gbps: float | None = None
     # Host time in the package's hooks per steady call (residency_report()'s `host s`), waits for
     # the device inside them included: on a call whose host is slower than its device, it adds to
     # the call's time nearly in full.
@@ -356,13 +394,14 @@ def run_mode(
     _settle(device)
     dtypes = _floating_dtypes(pipe)
     _device.cap_device_memory(device, budget)
-    pinned = mode.name == "pinned"
+    pinned = mode.name in PINNED_MODES
+    sampler = PeakAnonymous().start()
     started = time.perf_counter()
     try:
         mode.setup(pipe, device, budget)
         _device.synchronize(device)
         setup_seconds = time.perf_counter() - started
-        rss = host_rss_bytes()
+        rss, anonymous = host_rss_bytes(), anonymous_bytes()
         if compile is not None:
             compile_denoiser(pipe, compile)
         seconds: list[float] = []
@@ -381,7 +420,8 @@ def run_mode(
         retries = None if retries is None else _device.allocator_retries(device) - retries
         graphs = None if graphs is None else _graphs() - graphs
         recorded = None if recorded is None else cuda_graphs_recorded(device) - recorded
-        loaded, gbps, host = _traffic(pipe, before, calls) if pinned else (None, None, None)
+        loaded, gbps, host, read_gbps = _traffic(pipe, before, calls) if pinned else (None, None, None, None)
+        peak_anonymous = sampler.stop()
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
         traced = _trace(pipe, call, device) if trace else None
@@ -393,6 +433,7 @@ def run_mode(
         else:
             error = f"failed: {_first_line(exc)}"
         logger.warning("%s %s", mode.name, error, exc_info=not (oom or unavailable))
+        sampler.stop()
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         _tear_down(pipe, mode, device, compile, dtypes)
         result = ModeResult(
@@ -421,8 +462,11 @@ def run_mode(
         graphs_compiled_while_timed=graphs,
         cuda_graphs_recorded_while_timed=recorded,
         host_rss_bytes=rss,
+        host_anonymous_bytes=anonymous,
+        peak_host_anonymous_bytes=peak_anonymous,
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
+        read_gbps=read_gbps,
         host_seconds_per_call=host,
         report=report,
         plan=plan,
@@ -479,19 +523,25 @@ def _trace(pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: to
         return f"no trace: {_first_line(exc)}"
 
 
-def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float]:
-    """Bytes loaded, seconds of loading and host seconds in the package's hooks, so far."""
+def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float, int, float]:
+    """Bytes loaded, seconds of loading, host seconds in the package's hooks, and bytes and seconds
+    of loads from checkpoint files, so far."""
     components = residency_report(pipe).components
     return (
         sum(c.loaded_bytes for c in components),
         sum(c.load_seconds for c in components),
         sum(c.host_seconds for c in components),
+        sum(c.read_bytes for c in components),
+        sum(c.read_seconds for c in components),
     )
 
 
-def _traffic(pipe: DiffusionPipeline, before: tuple[int, float, float], calls: int) -> tuple[int, float | None, float]:
-    """Per steady call, the bytes loaded and the host seconds in the package's hooks; and the
-    effective host-to-device rate over those loads."""
-    moved, seconds, host = (now - then for now, then in zip(_counters(pipe), before))
+def _traffic(
+    pipe: DiffusionPipeline, before: tuple[int, float, float, int, float], calls: int
+) -> tuple[int, float | None, float, float | None]:
+    """Per steady call, the bytes loaded (from files too) and the host seconds in the package's
+    hooks; and the effective rates of the loads from masters in RAM and from files."""
+    moved, seconds, host, read, reading = (now - then for now, then in zip(_counters(pipe), before))
     calls = max(calls, 1)
-    return moved // calls, (moved / seconds / 1e9 if seconds > 0 else None), host / calls
+    rate = moved / seconds / 1e9 if seconds > 0 else None
+    return (moved + read) // calls, rate, host / calls, (read / reading / 1e9 if reading > 0 else None)

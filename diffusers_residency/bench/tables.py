@@ -96,6 +96,32 @@ def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios:
     return "\n".join(lines)
 
 
+def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> str:
+    """Each run's host memory in GB: anonymous (see .host_memory) after setup and at its peak from
+    setup to the last call, and how fast loads from masters in RAM and from files went."""
+    header = (
+        "mode", "budget GB", "steady s/call", "host RSS GB", "anonymous GB after setup", "anonymous GB peak",
+        "peak x weights", "load GB/s", "file GB/s",
+    )  # fmt: skip
+    rows = [
+        (
+            run_label(r.mode, r.budget_bytes),
+            gb(r.budget_bytes),
+            f"{r.seconds_per_call:.3f}",
+            gb(r.host_rss_bytes),
+            gb(r.host_anonymous_bytes),
+            gb(r.peak_host_anonymous_bytes),
+            "-" if not weight_bytes or r.peak_host_anonymous_bytes is None else f"{r.peak_host_anonymous_bytes / weight_bytes:.2f}",
+            "-" if r.load_gbps is None else f"{r.load_gbps:.1f}",
+            "-" if r.read_gbps is None else f"{r.read_gbps:.1f}",
+        )
+        for r in results
+        if not r.error
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def format_calls(results: list[ModeResult]) -> str:
     """Every call's seconds, one line per run: the first calls are what a user meets first."""
     several = any(r.round > 1 for r in results)
