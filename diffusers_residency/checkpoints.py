@@ -7,6 +7,7 @@ A level-2 sleep and a host budget (see :mod:`.host_budget`) both serve masters f
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -83,8 +84,20 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
                 and tuple(entry["shape"]) == tuple(tensor.shape)
                 and start % tensor.dtype.itemsize == 0
             ):
-                views[id(tensor)] = MappedBytes(mapped[start:end], file, start)
+                views[id(tensor)] = MappedBytes(_storage_of_its_own(mapped, start, end), file, start)
     return views
+
+
+def _storage_of_its_own(mapped: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Bytes ``start:end`` of a mapped file as a flat tensor over a storage of its own, which keeps
+    the file's mapping alive. Weights bound to it are one per storage, as ``from_pretrained`` left
+    them, not views into one storage of the whole file: a snapshot takes one master per storage,
+    and a later enable (after ``disable_pinned_offload``) can serve each from its file again."""
+    if end == start:
+        return mapped[start:end]
+    buffer = (ctypes.c_uint8 * (end - start)).from_address(mapped.data_ptr() + start)
+    buffer.mapping = mapped  # torch.frombuffer keeps the buffer alive, and the buffer the mapping
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _fills_its_storage(tensor: torch.Tensor) -> bool:
@@ -92,39 +105,47 @@ def _fills_its_storage(tensor: torch.Tensor) -> bool:
 
 
 def _saved_by_name(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weights that a checkpoint holds and a file can serve, by name: parameters and
-    persistent buffers that are one plain tensor filling its storage. (Views into a shared storage,
-    quantized weights' parts and buffers computed at construction keep masters of their own.)"""
+    """The module's weights that a checkpoint holds, by name: parameters and persistent buffers that
+    are one plain tensor (a quantized weight's parts are not one tensor of a file, and buffers
+    computed at construction are in none)."""
     return {
         name: stored[0]
         for name, tensor in module.state_dict(keep_vars=True).items()
-        if len(stored := stored_tensors(tensor)) == 1 and stored[0].numel() and _fills_its_storage(stored[0])
+        if len(stored := stored_tensors(tensor)) == 1 and stored[0].numel()
     }
 
 
 def saved_weights(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
-    """The weights of ``modules`` that a file can serve (see :func:`_saved_by_name`), each once."""
+    """The weights of ``modules`` that a checkpoint holds (see :func:`_saved_by_name`), each once."""
     found = {id(tensor): tensor for module in modules for tensor in _saved_by_name(module).values()}
     return list(found.values())
+
+
+def servable(tensor: torch.Tensor) -> bool:
+    """Whether a file can serve the tensor's master: one tensor that fills its storage. (Weights that
+    are views into one shared storage, as some loaders leave them after a dtype change, have one
+    master for the storage, which no file holds.)"""
+    return _fills_its_storage(tensor)
 
 
 def equal_views(tensors: list[torch.Tensor], views: Mapping[int, MappedBytes]) -> dict[int, MappedBytes]:
     """The views of ``views`` that hold the same bytes as their tensor (compared by threads, from the
     files: see :func:`~.files.hold_the_same_bytes`), by ``id`` of the tensor. A weight changed since
     it was loaded (a fused LoRA, a cast) has none."""
-    viewed = [tensor for tensor in tensors if id(tensor) in views]
+    viewed = [tensor for tensor in tensors if id(tensor) in views and servable(tensor)]
     host = [flat_bytes(tensor.untyped_storage()).cpu() for tensor in viewed]
     same = hold_the_same_bytes(host, [views[id(tensor)] for tensor in viewed])
     return {id(tensor): views[id(tensor)] for tensor, equal in zip(viewed, same) if equal}
 
 
 def write_checkpoint(folder: Path, module: nn.Module) -> Path:
-    """Write ``module``'s weights that a file can serve (see :func:`saved_weights`) into
+    """Write ``module``'s weights that a file can serve (see :func:`servable`) into
     ``folder/weights.safetensors``, replacing the file at once when complete (a reader never sees
     half a file), and return its folder. Each weight's bytes go from its own memory to the file:
     no second copy of the component is made in memory, as ``safetensors.torch.save_file`` would."""
     folder.mkdir(parents=True, exist_ok=True)
-    named = {id(tensor): (name, tensor) for name, tensor in reversed(list(_saved_by_name(module).items()))}
+    saved = [(name, tensor) for name, tensor in _saved_by_name(module).items() if servable(tensor)]
+    named = {id(tensor): (name, tensor) for name, tensor in reversed(saved)}
     tensors = [tensor for _, tensor in named.values()]
     header: dict[str, dict] = {}
     offset = 0

@@ -27,7 +27,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .checkpoints import checkpoint_views, component_folder, equal_views, saved_weights, write_checkpoint
+from .checkpoints import checkpoint_views, component_folder, equal_views, saved_weights, servable, write_checkpoint
 from .file_reads import new_ring, ring_bytes
 from .files import MappedBytes
 from .mapped_masters import FileBacking
@@ -256,8 +256,12 @@ def file_backing(
     served = _served_modules(modules, placement)
     sources: dict[str, dict[int, MappedBytes]] = {}
     unserved: dict[str, int] = {}
+    shared: dict[str, int] = {}
     for name, units in served.items():
-        weights = saved_weights(units)
+        weights = [w for w in saved_weights(units) if servable(w)]
+        shared_bytes = sum(w.nbytes for w in saved_weights(units) if not servable(w))
+        if shared_bytes:
+            shared[name] = shared_bytes
         views = _views_in(component_folder(pipe, name), modules[name], weights)
         if len(views) < len(weights) and offload_folder is not None:
             cached = Path(offload_folder) / name
@@ -268,6 +272,13 @@ def file_backing(
         if len(views) < len(weights):
             unserved[name] = sum(w.nbytes for w in weights if id(w) not in views)
         sources[name] = views
+    if shared:
+        raise ValueError(
+            f"host_budget would serve {sorted(shared)} from checkpoint files, but {format_bytes(sum(shared.values()))} "
+            "of their weights are views into storages they share (as some loaders leave a checkpoint loaded with a "
+            "dtype change), which no file holds. Load the checkpoint in the dtype it was saved in, or save the "
+            "pipeline in the dtype you use and load it from there."
+        )
     if unserved:
         where = f"the files it was loaded from ({pipe.name_or_path!r})" if pipe.name_or_path else "no files (built in code)"
         raise ValueError(

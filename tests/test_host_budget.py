@@ -61,6 +61,10 @@ def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) 
     assert_no_meta_or_foreign_device(flux.pipe)
     assert_weights_equal(before, flux.state())
     assert torch.equal(flux.run(), flux.reference)
+    # Left as views of their files, one storage each: served from them again by a new enable.
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
+    assert set(served(flux.pipe)) == expected
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_auto_with_room_changes_nothing(flux: PipelineCase) -> None:
