@@ -11,6 +11,7 @@ from diffusers import DiffusionPipeline
 
 from .calls import wrap_calls_sharing_components
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, detach_staging_hook
+from .host_budget import HostBudgetTooSmallError, HostPlacement
 from .pipeline import (
     disable_pinned_offload,
     enable_pinned_offload,
@@ -49,6 +50,8 @@ __all__ = [
     "ComponentPlan",
     "ComponentReport",
     "ComponentSizes",
+    "HostBudgetTooSmallError",
+    "HostPlacement",
     "ModuleStager",
     "Policy",
     "ResidencyGroup",

@@ -30,7 +30,7 @@ from .host_budget import HostPlacement, file_backing, place_on_host, resolve_hos
 from .masters import refuse_staged_elsewhere
 from .planner import BudgetTooSmallError, ComponentSizes, ResidencyPlan, default_reserve, plan_as_given, plan_residency
 from .policy import Policy
-from .profile import ResidencyProfile, cache_folder, profile_key, profile_path, read_profile, write_profile
+from .profile import ResidencyProfile, read_profile, starting_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
@@ -329,7 +329,7 @@ def enable_pinned_offload(
         and (not plan.keeps_everything or capped)
         and len(set(sequence)) > 1
     )
-    profile, profile_file = _profile(pipe, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
+    profile, profile_file = starting_profile(type(pipe).__name__, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
     if measuring:
         plan = replan({}, {}, least=True)
     wrap_every_pipeline_call()
@@ -410,25 +410,6 @@ def enable_pinned_offload(
         state_attribute=STATE_ATTR,
     )
     logger.info("Pinned offload on %s:\n%s", group.device, plan)
-
-
-def _profile(
-    pipe: DiffusionPipeline, modules: Mapping[str, nn.Module], budget: int, device: torch.device, pin_memory: bool
-) -> tuple[ResidencyProfile, Path | None]:
-    """The residency profile this setup starts from (the one saved in the cache folder, if any, or
-    an empty one), and the file it is kept in (None when profiles are turned off)."""
-    memory = _device.read_memory_telemetry(device)
-    key = profile_key(
-        type(pipe).__name__, modules, budget, device, _device.device_model(device), memory and memory.total, pin_memory
-    )
-    folder = cache_folder()
-    if folder is None:
-        return ResidencyProfile(key), None
-    file = profile_path(folder, key)
-    saved = read_profile(file, key)
-    if saved is not None:
-        logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
-    return saved or ResidencyProfile(key), file
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _device
 from .step_timing import StepTiming
 
 logger = logging.getLogger(__name__)
@@ -271,3 +272,22 @@ def write_profile(path: Path, profile: ResidencyProfile) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def starting_profile(
+    pipeline_class: str, modules: Mapping[str, nn.Module], budget: int, device: torch.device, pin_memory: bool
+) -> tuple[ResidencyProfile, Path | None]:
+    """The residency profile a setup starts from (the one saved in the cache folder, if any, or an
+    empty one), and the file it is kept in (None when profiles are turned off)."""
+    memory = _device.read_memory_telemetry(device)
+    key = profile_key(
+        pipeline_class, modules, budget, device, _device.device_model(device), memory and memory.total, pin_memory
+    )
+    folder = cache_folder()
+    if folder is None:
+        return ResidencyProfile(key), None
+    file = profile_path(folder, key)
+    saved = read_profile(file, key)
+    if saved is not None:
+        logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
+    return saved or ResidencyProfile(key), file
