@@ -25,7 +25,7 @@ from .. import _device
 from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
-from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache
+from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
 from .timing import calls_to_steady, timed_calls
 from .trace import traced_call
 
@@ -309,6 +309,9 @@ class ModeResult:
     # most of it sampled from setup to the last call: what a host budget bounds.
     host_anonymous_bytes: int | None = None
     peak_host_anonymous_bytes: int | None = None
+    # The process's peak resident set size (VmHWM) at the end of the run, the pipeline's loading
+    # included: anonymous pages and the files' pages it mapped alike.
+    peak_host_rss_bytes: int | None = None
     loaded_bytes_per_call: int | None = None
     load_gbps: float | None = None
     # Over the steady calls, the rate of loads from masters served from checkpoint files (read into
@@ -464,6 +467,7 @@ def run_mode(
         host_rss_bytes=rss,
         host_anonymous_bytes=anonymous,
         peak_host_anonymous_bytes=peak_anonymous,
+        peak_host_rss_bytes=process_memory().get("VmHWM"),
         loaded_bytes_per_call=loaded,
         load_gbps=gbps,
         read_gbps=read_gbps,

@@ -97,11 +97,12 @@ def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios:
 
 
 def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> str:
-    """Each run's host memory in GB: anonymous (see .host_memory) after setup and at its peak from
-    setup to the last call, and how fast loads from masters in RAM and from files went."""
+    """Each run's host memory in GB: its resident set after setup and at the process's peak, its
+    anonymous part (see .host_memory) after setup and at its peak from setup to the last call; and
+    how fast loads from masters in RAM and from files went."""
     header = (
-        "mode", "budget GB", "steady s/call", "host RSS GB", "anonymous GB after setup", "anonymous GB peak",
-        "peak x weights", "load GB/s", "file GB/s",
+        "mode", "budget GB", "steady s/call", "host RSS GB", "peak RSS GB (VmHWM)", "anonymous GB after setup",
+        "anonymous GB peak", "anonymous peak x weights", "load GB/s", "file GB/s",
     )  # fmt: skip
     rows = [
         (
@@ -109,6 +110,7 @@ def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> s
             gb(r.budget_bytes),
             f"{r.seconds_per_call:.3f}",
             gb(r.host_rss_bytes),
+            gb(r.peak_host_rss_bytes),
             gb(r.host_anonymous_bytes),
             gb(r.peak_host_anonymous_bytes),
             "-" if not weight_bytes or r.peak_host_anonymous_bytes is None else f"{r.peak_host_anonymous_bytes / weight_bytes:.2f}",
