@@ -23,8 +23,8 @@ from .files import (
     fill_from_file,
     read_into,
     refuse_short_read,
-    written_pages,
 )
+from .pages import written_pages
 from .pinning import (
     LOCKED,
     PAGE,

@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pinning import (
-    PAGE,
-    align_up,
-)
+from .pages import written_pages
 
 logger = logging.getLogger(__name__)
 
@@ -82,38 +79,6 @@ class MappedBytes:
 def files_of(sources: Iterable[MappedBytes]) -> list[OpenFile]:
     """The open files the sources lie in, each once."""
     return list({id(source.file): source.file for source in sources if source.file is not None}.values())
-
-
-# For each value of a pagemap entry's top byte, 1 where the page is the process's own copy.
-_WRITTEN_BY_TOP_BYTE = bytes(1 if (top & 0x40) or (top & 0xA0) == 0x80 else 0 for top in range(256))
-
-
-def written_pages(start: int, end: int) -> bool:
-    """Whether this process wrote to any page of a private file mapping between addresses ``start``
-    and ``end`` (or cannot tell): a written page is the process's own copy, no longer the file's
-    (``/proc/self/pagemap``: present without the file-page bit, or swapped out; a page never written
-    is either not present or a page of the file)."""
-    start, end = start - start % PAGE, align_up(end, PAGE)
-    if end <= start:
-        return False  # no bytes, no pages
-    expected = 8 * ((end - start) // PAGE)
-    # Asked for every chunk a load from the files reads (see copy_from_files), by sixteen threads
-    # at once: plain descriptor calls and a byte translation stay off the GIL that the thread
-    # queueing the copies needs, where a Python file object and tensor arithmetic took it for a
-    # few hundred microseconds a chunk.
-    try:
-        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            entries = os.pread(pagemap, expected, 8 * (start // PAGE))
-        finally:
-            os.close(pagemap)
-    except OSError:
-        return True
-    if len(entries) != expected:
-        return True
-    # The flags are in each little-endian entry's last byte: present (bit 63), swapped (62), a
-    # page of the file (61).
-    return 1 in entries[7::8].translate(_WRITTEN_BY_TOP_BYTE)
 
 
 def _view_written(view: torch.Tensor) -> bool:

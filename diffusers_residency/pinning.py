@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _device
+from .pages import PAGE, align_up, give_back_read_pages, private_file_mappings
 
 logger = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
 # The default pin budget, as a fraction of physical RAM: what is locked cannot be paged out, so the
 # rest of the system keeps a quarter to work in.
 DEFAULT_PIN_FRACTION = 0.75
@@ -48,10 +48,6 @@ _SLOT_ALIGNMENT = 512
 # big enough, beside other allocations, so that heap is excluded (see owns_its_pages); outside it,
 # an allocation larger than a thread arena's 64 MiB heap is a mapping of its own.
 IN_PLACE_MIN_BYTES = 64 << 20
-
-
-def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
 
 
 def physical_memory_bytes() -> int:
@@ -282,9 +278,13 @@ def copy_to_host(
     mapping, block, start = new_block(span)
     host_pin = _pin_range(start, start + span, (mapping,), budget) if pin else None
     masters = []
+    mappings = private_file_mappings() if any(source.device.type == "cpu" for source in sources) else []
     for source, offset in zip(sources, offsets):
         data = slot(block, offset, source.numel())
         data.copy_(source)
+        if mappings and source.device.type == "cpu":
+            # A weight of a file mapping: the copy read its pages in, and nothing needs them now.
+            give_back_read_pages(source.data_ptr(), source.data_ptr() + source.numel(), mappings)
         masters.append(HostMaster(data, host_pin, pinned=host_pin is not None or (pin and not source.numel())))
     return masters
 

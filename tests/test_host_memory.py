@@ -701,3 +701,32 @@ def test_weights_copied_out_of_the_heap_do_not_stay_resident_twice() -> None:
     assert done.returncode == 0, done.stderr
     growth = int(done.stdout.split()[-1])
     assert growth < 32 << 20, f"RSS grew by {growth / 2**20:.0f} MiB for 128 MiB of weights copied out of the heap"
+
+
+def _present_pages(tensor: torch.Tensor) -> list[bool]:
+    """Whether each page wholly inside the tensor's bytes is mapped in this process now."""
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel()) // PAGE * PAGE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(8 * (start // PAGE))
+        entries = pagemap.read(8 * ((end - start) // PAGE))
+    return [bool(entries[i + 7] & 0x80) for i in range(0, len(entries), 8)]
+
+
+def test_a_weight_copied_out_of_a_file_mapping_gives_back_the_pages_it_only_read(tmp_path) -> None:
+    path = tmp_path / "weights.bin"
+    original = torch.arange(64 * PAGE, dtype=torch.uint8)
+    path.write_bytes(original.numpy().tobytes())
+    mapped = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=64 * PAGE)
+    weight = torch.empty(0, dtype=torch.uint8).set_(mapped, 100, (60 * PAGE,), (1,))  # not page-aligned
+    assert int(weight.sum()) > 0 and all(_present_pages(weight)), "read: its pages are mapped"
+    weight[20 * PAGE : 20 * PAGE + 10] = 7  # one page written: the process's own copy now
+    expected = weight.clone()
+    heap = torch.arange(PAGE * 8, dtype=torch.uint8)  # anonymous memory: never given back
+    (master, heap_master) = pinning.copy_to_host([weight, heap], [0, 0], 0, pin=False)
+    assert torch.equal(master.data, expected) and torch.equal(heap_master.data, heap)
+    present = _present_pages(weight)
+    written = (20 * PAGE + 100) // PAGE - 1  # the written page among the whole pages inside the weight
+    assert present[written] and sum(present) == 1, "every page it only read was given back"
+    assert all(_present_pages(heap))
+    assert torch.equal(weight, expected), "read again, the file's pages hold the same bytes"
