@@ -332,19 +332,29 @@ class Ring:
         # The event of the last copy out of each slot, where that copy did not wait for itself.
         self._copied: list[torch.Event | None] = [None] * slot_count
         self._asynchronous = device is not None and _device.is_accelerator(device)
+        # The slot the next copy starts at; the copy queued last (by id of its first source and
+        # its length) and, for each copy, the sources of the one that followed it (see copy).
+        self._cursor = 0
+        self._last: tuple[int, int] | None = None
+        self._following: dict[tuple[int, int] | None, list[MappedBytes]] = {}
+        # The copy being read ahead: its sources, chunks, first slot and the fills under way.
+        self._ahead: tuple[list[MappedBytes], list[_RingChunk], int, list[Future[bool]]] | None = None
 
     @property
     def nbytes(self) -> int:
         return len(self._slots) * self.slot_bytes
 
-    def _fill(self, chunk: _RingChunk, k: int, sources: Sequence[MappedBytes]) -> None:
+    def _fill(self, chunk: _RingChunk, k: int, sources: Sequence[MappedBytes]) -> bool:
+        """Fill slot ``k`` with ``chunk`` once its last copy has run, on a reader thread; whether it
+        was read from the file (rather than copied from views that this process wrote)."""
         copied = self._copied[k]
         if copied is not None:
             copied.synchronize()
         slot = self._slots[k]
         # Read from the file where this process never wrote to the chunk's mapped pages, else
         # copied from the views (see fill_from_file).
-        if chunk.file is not None and not written_pages(chunk.address, chunk.address + chunk.nbytes):
+        from_file = chunk.file is not None and not written_pages(chunk.address, chunk.address + chunk.nbytes)
+        if from_file:
             if not read_into(chunk.file, chunk.offset, [bytes_of(slot[: chunk.nbytes])]):
                 refuse_short_read(chunk.file, chunk.offset, chunk.nbytes)
         else:
@@ -353,26 +363,61 @@ class Ring:
         if self._claimed[k]:
             self._claimed[k] = False
             self._pins[k] = register_claimed(*self._spans[k], (self._mapping,), self.device)
+        return from_file
+
+    def _read_ahead(self, sources: Sequence[MappedBytes], start: int) -> None:
+        """Start filling the slots from ``start`` on with the first chunks of ``sources``, the copy
+        that followed the one just queued last time (see :meth:`copy`)."""
+        chunks = _ring_chunks(sources, self.slot_bytes)
+        count = len(self._slots)
+        fills = [
+            _ring_pool().submit(self._fill, chunk, (start + index) % count, sources)
+            for index, chunk in enumerate(chunks[:count])
+        ]
+        self._ahead = (list(sources), chunks, start, fills)
+
+    def _take_read_ahead(self, sources: Sequence[MappedBytes]) -> tuple[list[_RingChunk], int, list[Future[bool]]]:
+        """The fills :meth:`_read_ahead` started for ``sources``, with their chunks and first slot; or
+        none (and the slots they fill freed) where it read ahead another copy."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and len(ahead[0]) == len(sources) and all(a is b for a, b in zip(ahead[0], sources)):
+            return ahead[1], ahead[2], ahead[3]
+        if ahead is not None:
+            for fill in ahead[3]:
+                fill.cancel()
+            wait(ahead[3])
+        return _ring_chunks(sources, self.slot_bytes), self._cursor, []
 
     def copy(self, sources: Sequence[MappedBytes], targets: Sequence[torch.Tensor]) -> None:
         """Copy each source's bytes into its target (a flat byte tensor on the ring's device, the
         same size), queued on the current stream. Returns once every copy is queued; the slots are
         read into again only after their copies ran. Raises if a file changed since its masters
-        were mapped, before or while it is read (see :meth:`OpenFile.refuse_if_changed`)."""
+        were mapped, before or while it is read (see :meth:`OpenFile.refuse_if_changed`).
+
+        The ring learns which copy follows which (a streamed block's loads come in the same order
+        at every step) and, once a copy's chunks are all read, starts reading the next one's into
+        the slots its copies free: the next load finds its first chunks read while this one's
+        copies ran, where it would otherwise wait for a chunk's read before its first copy. A chunk
+        read ahead from the file whose pages this process has written since is read again."""
         files = files_of(sources)
         for file in files:
             file.refuse_if_changed()
-        chunks = _ring_chunks(sources, self.slot_bytes)
+        key = (id(sources[0]), len(sources)) if sources else None
+        if self._last is not None:
+            self._following[self._last] = list(sources)
+        chunks, start, ahead = self._take_read_ahead(sources)
         count = len(self._slots)
         readers = _ring_pool()
-        fills: dict[int, Future[None]] = {}
+        fills: dict[int, Future[bool]] = dict(enumerate(ahead))
         try:
-            for index in range(min(count, len(chunks))):
-                fills[index] = readers.submit(self._fill, chunks[index], index % count, sources)
+            for index in range(len(fills), min(count, len(chunks))):
+                fills[index] = readers.submit(self._fill, chunks[index], (start + index) % count, sources)
             for index, chunk in enumerate(chunks):
-                fills[index].result()
+                k = (start + index) % count
+                from_file = fills[index].result()
                 del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
-                k = index % count
+                if index < len(ahead) and from_file and written_pages(chunk.address, chunk.address + chunk.nbytes):
+                    self._fill(chunk, k, sources)  # written since it was read ahead: the views hold the bytes
                 locked = self._pins[k] is not None
                 for source, begin, size, at in chunk.parts:
                     targets[source][begin : begin + size].copy_(self._slots[k][at : at + size], non_blocking=locked)
@@ -388,9 +433,17 @@ class Ring:
             for pending in fills.values():
                 pending.cancel()
             wait(fills.values())
+        self._cursor = (start + len(chunks)) % count
+        self._last = key
+        following = self._following.get(key)
+        if following is not None:
+            self._read_ahead(following, self._cursor)
 
     def close(self) -> None:
-        """Wait for every copy out of the slots, then unlock them (the mapping goes with the ring)."""
+        """Stop reading ahead, wait for every copy out of the slots, then unlock them (the mapping
+        goes with the ring)."""
+        self._take_read_ahead([])
+        self._following.clear()
         for copied in self._copied:
             if copied is not None:
                 copied.synchronize()

@@ -730,3 +730,30 @@ def test_a_weight_copied_out_of_a_file_mapping_gives_back_the_pages_it_only_read
     assert present[written] and sum(present) == 1, "every page it only read was given back"
     assert all(_present_pages(heap))
     assert torch.equal(weight, expected), "read again, the file's pages hold the same bytes"
+
+
+def test_a_kept_ring_reads_the_copy_that_followed_last_time_ahead_and_never_serves_stale_bytes(tmp_path) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3)))
+    views = _mapped_checkpoint(tmp_path, module)
+    first, second, third = ([views[id(layer.weight)]] for layer in module)
+    ring = file_reads.Ring(100 << 10, 3, 0, pin=False, device=CPU)  # 3 slots: a weight is 3 chunks
+
+    def copied(sources: list[MappedBytes]) -> torch.Tensor:
+        target = torch.empty(sources[0].view.numel(), dtype=torch.uint8)
+        ring.copy(sources, [target])
+        return target
+
+    try:
+        for sources in (first, second, first):
+            assert torch.equal(copied(sources), sources[0].view)
+        assert ring._ahead is not None and ring._ahead[0] == second, "second followed first: read ahead"
+        assert all(fill.result() for fill in ring._ahead[3]), "read from the file"
+        second[0].view[PAGE : PAGE + 8] = 255  # written through its mapping after it was read ahead
+        assert torch.equal(copied(second), second[0].view), "the chunk written since is read again"
+        assert ring._ahead is not None and ring._ahead[0] == first
+        assert torch.equal(copied(third), third[0].view), "another copy than the one read ahead"
+        assert torch.equal(copied(first), first[0].view)
+    finally:
+        ring.close()
+    assert ring._ahead is None
