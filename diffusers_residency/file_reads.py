@@ -1,25 +1,21 @@
-"""Reading masters from checkpoint files: back into page-locked memory of their own, by threads, each
-piece locked as it fills (``ReadBack``); or straight to the device through a ring of page-locked
-slots (``copy_from_files``), which a wake does first and reads the masters back after.
+"""Reading masters back from checkpoint files into page-locked memory of their own, by threads, each
+piece locked as it fills (``ReadBack``), and what reading files takes: runs of weights back to back
+in a file, the reader threads. A wake first copies the files to the device through a ring of slots
+(see :mod:`.ring`) and reads the masters back after.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import torch
 
-from . import _device
 from .files import (
     READ_THREADS,
     MappedBytes,
-    OpenFile,
-    bytes_of,
     files_of,
     fill_from_file,
     read_into,
@@ -47,12 +43,7 @@ from .pinning import (
 _PIECE_BYTES = 256 << 20
 _SMALLEST_PIECE_BYTES = 16 << 20
 # Pieces start on huge-page boundaries, so that locking one never splits a huge page of the next.
-_HUGE_PAGE = 2 << 20
-# A load from masters mapped from files goes through a ring of this many page-locked slots of this
-# size (see copy_from_files): 1 GiB in all, enough to keep the bus busy, and slots of 16 to 64 MiB
-# ran about as fast (docs/measurements.md).
-_RING_SLOT_BYTES = 32 << 20
-_RING_SLOTS = 32
+HUGE_PAGE = 2 << 20
 
 
 class _Piece:
@@ -62,7 +53,7 @@ class _Piece:
         self.number, self.start, self.size, self.members = number, start, size, members
 
 
-def _back_to_back(sources: Sequence[MappedBytes], members: Sequence[int]) -> list[list[int]]:
+def back_to_back_runs(sources: Sequence[MappedBytes], members: Sequence[int]) -> list[list[int]]:
     """``members`` (indices into ``sources``) in runs that one read fills: in file order, each run
     lying back to back in one file and in its mapping; a source without a file is a run alone."""
     runs: list[list[int]] = [[i] for i in members if sources[i].file is None]
@@ -87,7 +78,7 @@ _pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 _pools_lock = threading.Lock()
 
 
-def _thread_pool(name: str) -> ThreadPoolExecutor:
+def thread_pool(name: str) -> ThreadPoolExecutor:
     """The reader threads of one kind of work, made once per process (a fork does not copy the
     parent's threads), each pool first come first served."""
     with _pools_lock:
@@ -101,13 +92,7 @@ def _reader_pool() -> ThreadPoolExecutor:
     """The threads that fill read-backs, shared by all of them: the masters of every unit a wake
     brought back are read in the background, one unit after the other (see
     ``ModuleStager.read_ahead``)."""
-    return _thread_pool("read_back")
-
-
-def _ring_pool() -> ThreadPoolExecutor:
-    """The threads that fill the ring of :func:`copy_from_files`: a pool apart from the read-backs',
-    so that a load waiting on its ring never queues behind a read-back running in the background."""
-    return _thread_pool("ring")
+    return thread_pool("read_back")
 
 
 class ReadBack:
@@ -152,7 +137,7 @@ class ReadBack:
                 within, size = block_bytes([sources[i].view.numel() for i in members], [alignments[i] for i in members])
                 self.pieces.append(_Piece(len(self.pieces), span, size, members))
                 self._offsets.extend(span + offset for offset in within)
-                span = align_up(span + size, _HUGE_PAGE)
+                span = align_up(span + size, HUGE_PAGE)
                 members, filled = [], 0
             if source is not None:
                 members.append(index)
@@ -192,7 +177,7 @@ class ReadBack:
         registrations from several threads at once: 8 GiB in 256 MiB pieces went in at 49-62 GB/s
         from one to sixteen threads there."""
         try:
-            for run in _back_to_back(self._sources, piece.members):
+            for run in back_to_back_runs(self._sources, piece.members):
                 first, last = self._sources[run[0]], self._sources[run[-1]]
                 if first.file is None or written_pages(first.view.data_ptr(), last.view.data_ptr() + last.view.numel()):
                     for i in run:
@@ -262,290 +247,3 @@ def finish_or_unlock(reading: ReadBack) -> list[HostMaster]:
     except BaseException:
         reading.abandon()
         raise
-
-
-@dataclass(frozen=True)
-class _RingChunk:
-    """At most one ring slot of bytes lying back to back in a file and in its mapping, from
-    ``offset`` in the file and ``address`` in the mapping (``file`` None: one source without a
-    file), and where each source's share goes: ``parts`` holds ``(source, start in the source,
-    bytes, start in the slot)``."""
-
-    file: OpenFile | None
-    offset: int
-    address: int
-    nbytes: int
-    parts: tuple[tuple[int, int, int, int], ...]
-
-
-def _ring_chunks(sources: Sequence[MappedBytes], slot_bytes: int) -> list[_RingChunk]:
-    """The sources cut into slot-sized chunks, runs of sources back to back in a file sharing
-    chunks."""
-    chunks = []
-    for run in _back_to_back(sources, range(len(sources))):
-        first = sources[run[0]]
-        sizes = [sources[i].view.numel() for i in run]
-        starts = [0]
-        for size in sizes[:-1]:
-            starts.append(starts[-1] + size)
-        total, next_source = starts[-1] + sizes[-1], 0
-        for begin in range(0, total, slot_bytes):
-            end = min(begin + slot_bytes, total)
-            while starts[next_source] + sizes[next_source] <= begin:
-                next_source += 1
-            parts = []
-            within = next_source
-            while within < len(run) and starts[within] < end:
-                low, high = max(begin, starts[within]), min(end, starts[within] + sizes[within])
-                if low < high:
-                    parts.append((run[within], low - starts[within], high - low, low - begin))
-                within += 1
-            chunks.append(
-                _RingChunk(first.file, first.offset + begin, first.view.data_ptr() + begin, end - begin, tuple(parts))
-            )
-    return chunks
-
-
-class Ring:
-    """Page-locked slots that copies from checkpoint files go through (see :func:`copy_from_files`):
-    threads read the files into the slots, the calling thread queues the copies out of them, and a
-    slot is read into again once its last copy has run.
-
-    A level-2 wake makes one for its call and closes it after. Masters kept in the files for good
-    (a host budget, see :mod:`.host_budget`) load at every call, a streamed block at every step: they
-    share one ring held while they are staged, so that mapping and page-locking a gigabyte is not
-    paid at each load. ``budget`` and ``pin`` say whether the slots may be page-locked (each by the
-    thread that first fills it, in ``device``'s context); a copy out of a slot that is not waits
-    for itself.
-    """
-
-    def __init__(
-        self, slot_bytes: int, slot_count: int, budget: int, *, pin: bool, device: torch.device | None = None
-    ) -> None:
-        self.slot_bytes = _slot_size(slot_bytes)
-        self.device = device
-        self._mapping, block, start = new_block(slot_count * self.slot_bytes)
-        self._slots = [slot(block, k * self.slot_bytes, self.slot_bytes) for k in range(slot_count)]
-        self._spans = [(start + k * self.slot_bytes, start + (k + 1) * self.slot_bytes) for k in range(slot_count)]
-        # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
-        self._claimed = [pin and claim_range(*span, budget) for span in self._spans]
-        self._pins: list[HostPin | None] = [None] * slot_count
-        # The event of the last copy out of each slot, where that copy did not wait for itself.
-        self._copied: list[torch.Event | None] = [None] * slot_count
-        self._asynchronous = device is not None and _device.is_accelerator(device)
-        # The slot the next copy starts at; the copy queued last (by id of its first source and
-        # its length) and, for each copy, the sources of the one that followed it (see copy).
-        self._cursor = 0
-        self._last: tuple[int, int] | None = None
-        self._following: dict[tuple[int, int] | None, list[MappedBytes]] = {}
-        # The copy being read ahead: its sources, chunks, first slot and the fills under way.
-        self._ahead: tuple[list[MappedBytes], list[_RingChunk], int, list[Future[bool]]] | None = None
-        # The thread and stream that loads through a kept ring run on (see submit), made on first use.
-        self._loader: ThreadPoolExecutor | None = None
-        self._stream = _device.new_copy_stream(device) if self._asynchronous else None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self._slots) * self.slot_bytes
-
-    def _fill(self, chunk: _RingChunk, k: int, sources: Sequence[MappedBytes]) -> bool:
-        """Fill slot ``k`` with ``chunk`` once its last copy has run, on a reader thread; whether it
-        was read from the file (rather than copied from views that this process wrote)."""
-        copied = self._copied[k]
-        if copied is not None:
-            copied.synchronize()
-        slot = self._slots[k]
-        # Read from the file where this process never wrote to the chunk's mapped pages, else
-        # copied from the views (see fill_from_file).
-        from_file = chunk.file is not None and not written_pages(chunk.address, chunk.address + chunk.nbytes)
-        if from_file:
-            if not read_into(chunk.file, chunk.offset, [bytes_of(slot[: chunk.nbytes])]):
-                refuse_short_read(chunk.file, chunk.offset, chunk.nbytes)
-        else:
-            for source, begin, size, at in chunk.parts:
-                slot[at : at + size].copy_(sources[source].view[begin : begin + size])
-        if self._claimed[k]:
-            self._claimed[k] = False
-            self._pins[k] = register_claimed(*self._spans[k], (self._mapping,), self.device)
-        return from_file
-
-    def _read_ahead(self, sources: Sequence[MappedBytes], start: int) -> None:
-        """Start filling the slots from ``start`` on with the first chunks of ``sources``, the copy
-        that followed the one just queued last time (see :meth:`copy`)."""
-        chunks = _ring_chunks(sources, self.slot_bytes)
-        count = len(self._slots)
-        fills = [
-            _ring_pool().submit(self._fill, chunk, (start + index) % count, sources)
-            for index, chunk in enumerate(chunks[:count])
-        ]
-        self._ahead = (list(sources), chunks, start, fills)
-
-    def _take_read_ahead(self, sources: Sequence[MappedBytes]) -> tuple[list[_RingChunk], int, list[Future[bool]]]:
-        """The fills :meth:`_read_ahead` started for ``sources``, with their chunks and first slot; or
-        none (and the slots they fill freed) where it read ahead another copy."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and len(ahead[0]) == len(sources) and all(a is b for a, b in zip(ahead[0], sources)):
-            return ahead[1], ahead[2], ahead[3]
-        if ahead is not None:
-            for fill in ahead[3]:
-                fill.cancel()
-            wait(ahead[3])
-        return _ring_chunks(sources, self.slot_bytes), self._cursor, []
-
-    def copy(self, sources: Sequence[MappedBytes], targets: Sequence[torch.Tensor]) -> None:
-        """Copy each source's bytes into its target (a flat byte tensor on the ring's device, the
-        same size), queued on the current stream. Returns once every copy is queued; the slots are
-        read into again only after their copies ran. Raises if a file changed since its masters
-        were mapped, before or while it is read (see :meth:`OpenFile.refuse_if_changed`).
-
-        The ring learns which copy follows which (a streamed block's loads come in the same order
-        at every step) and, once a copy's chunks are all read, starts reading the next one's into
-        the slots its copies free: the next load finds its first chunks read while this one's
-        copies ran, where it would otherwise wait for a chunk's read before its first copy. A chunk
-        read ahead from the file whose pages this process has written since is read again."""
-        files = files_of(sources)
-        for file in files:
-            file.refuse_if_changed()
-        key = (id(sources[0]), len(sources)) if sources else None
-        if self._last is not None:
-            self._following[self._last] = list(sources)
-        chunks, start, ahead = self._take_read_ahead(sources)
-        count = len(self._slots)
-        readers = _ring_pool()
-        fills: dict[int, Future[bool]] = dict(enumerate(ahead))
-        try:
-            for index in range(len(fills), min(count, len(chunks))):
-                fills[index] = readers.submit(self._fill, chunks[index], (start + index) % count, sources)
-            for index, chunk in enumerate(chunks):
-                k = (start + index) % count
-                from_file = fills[index].result()
-                del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
-                if index < len(ahead) and from_file and written_pages(chunk.address, chunk.address + chunk.nbytes):
-                    self._fill(chunk, k, sources)  # written since it was read ahead: the views hold the bytes
-                locked = self._pins[k] is not None
-                for source, begin, size, at in chunk.parts:
-                    targets[source][begin : begin + size].copy_(self._slots[k][at : at + size], non_blocking=locked)
-                self._copied[k] = None
-                if locked and self._asynchronous:
-                    self._copied[k] = torch.Event(device=self.device)
-                    self._copied[k].record()
-                if index + count < len(chunks):
-                    fills[index + count] = readers.submit(self._fill, chunks[index + count], k, sources)
-            for file in files:
-                file.refuse_if_changed()  # written while it was read: the bytes copied may be a mix
-        finally:
-            for pending in fills.values():
-                pending.cancel()
-            wait(fills.values())
-        self._cursor = (start + len(chunks)) % count
-        self._last = key
-        following = self._following.get(key)
-        if following is not None:
-            self._read_ahead(following, self._cursor)
-
-    def submit(
-        self, sources: Sequence[MappedBytes], targets: Sequence[torch.Tensor], after: torch.Event | None
-    ) -> Future[tuple[torch.Event | None, float]]:
-        """:meth:`copy` on the ring's own thread and stream, after ``after`` (an event of the stream
-        the load was queued on: where its device storage is free to write); its result is an event
-        that the copies are done by (None on the CPU, where they are) and the seconds the thread
-        took. Loads through one ring run one after the other, in the order submitted.
-
-        A load from files waits for reads of the page cache, while a load from masters in RAM only
-        queues copies: run by the thread that queues the compute, it held that thread for the
-        reads, and the device, left with nothing queued, waited too (docs/measurements.md). Here the
-        reads run beside the compute; the unit's first forward waits for its event."""
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="ring_loader")
-
-        def load() -> tuple[torch.Event | None, float]:
-            started = time.perf_counter()
-            if self._stream is None:
-                self.copy(sources, targets)
-                return None, time.perf_counter() - started
-            if after is not None:
-                self._stream.wait_event(after)
-            with self._stream:
-                self.copy(sources, targets)
-            done = torch.Event(device=self.device)
-            done.record(self._stream)
-            return done, time.perf_counter() - started
-
-        return self._loader.submit(load)
-
-    def close(self) -> None:
-        """Wait for the loads submitted, stop reading ahead, wait for every copy out of the slots,
-        then unlock them (the mapping goes with the ring)."""
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
-        self._take_read_ahead([])
-        self._following.clear()
-        for copied in self._copied:
-            if copied is not None:
-                copied.synchronize()
-        self._copied = [None] * len(self._slots)
-        for k, span in enumerate(self._spans):
-            if self._claimed[k]:
-                self._claimed[k] = False
-                LOCKED.remove(*span)
-        self._pins = [None] * len(self._slots)  # unlocks them (HostPin's finalizer)
-
-
-def _slot_size(nbytes: int) -> int:
-    """A ring slot's bytes for chunks of ``nbytes``: whole huge pages (see _HUGE_PAGE), or whole
-    pages for a slot smaller than one (a small unit's ring)."""
-    return align_up(nbytes, _HUGE_PAGE if nbytes >= _HUGE_PAGE else PAGE)
-
-
-def _ring_shape(largest: int) -> tuple[int, int]:
-    """Slot bytes and count of a ring for loads of at most ``largest`` bytes: 1 GiB at most."""
-    return max(1, min(largest, _RING_SLOT_BYTES)), min(_RING_SLOTS, max(1, -(-largest // _RING_SLOT_BYTES)))
-
-
-def ring_bytes(largest: int) -> int:
-    """The host memory of a ring for loads of at most ``largest`` bytes (see :func:`new_ring`)."""
-    slot_bytes, slot_count = _ring_shape(largest)
-    return _slot_size(slot_bytes) * slot_count
-
-
-def new_ring(largest: int, budget: int, *, pin: bool, device: torch.device | None = None) -> Ring:
-    """A ring for loads of at most ``largest`` bytes, to be shared by them (see :class:`Ring`)."""
-    return Ring(*_ring_shape(largest), budget, pin=pin, device=device)
-
-
-def copy_from_files(
-    sources: Sequence[MappedBytes],
-    targets: Sequence[torch.Tensor],
-    budget: int,
-    *,
-    pin: bool,
-    device: torch.device | None = None,
-    ring: Ring | None = None,
-) -> None:
-    """Copy each source's bytes into its target (a flat byte tensor on ``device``, the same size)
-    through ``ring``, or through a ring made for this call (page-locked while ``pin`` and
-    ``budget`` allow) and closed when every copy has run.
-
-    A level-2 wake that read the masters into new memory of their own and copied them from there
-    moved each byte through host memory four times: the kernel zeroes each new page, the read
-    copies into it (reading the page cache and writing), and the device reads it back, and the
-    host's memory bandwidth set the pace (2.3x a level-1 wake; docs/measurements.md). Through at
-    most 1 GiB of slots the zeroing and the locking of every page go: the masters are read back
-    into memory of their own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
-    Nothing is left locked or reading when it raises."""
-    if ring is not None:
-        ring.copy(sources, targets)
-        return
-    chunks = _ring_chunks(sources, _RING_SLOT_BYTES)
-    if not chunks:
-        return
-    ring = Ring(max(chunk.nbytes for chunk in chunks), min(_RING_SLOTS, len(chunks)), budget, pin=pin, device=device)
-    try:
-        ring.copy(sources, targets)
-    finally:
-        if ring._asynchronous:
-            # Every copy out of the slots has run before they are unlocked and unmapped, one
-            # interrupted before its event was recorded included.
-            torch.accelerator.current_stream(device).synchronize()
-        ring.close()

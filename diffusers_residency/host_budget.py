@@ -4,7 +4,7 @@ Offloading moves weights from the device to host RAM, and a pipeline larger than
 offloaded at all. With a host budget, masters beyond it keep no copy in anonymous memory: they are
 views of the pipeline's safetensors files, mapped (their pages are the page cache's, which the
 kernel may drop and read again), and their loads go through a ring of page-locked slots (see
-:class:`~.file_reads.Ring`). This module decides which, from sizes and the device plan alone, so
+:class:`~.ring.Ring`). This module decides which, from sizes and the device plan alone, so
 its choices are tested with plain numbers.
 
 Each byte served from a file costs a read at every load, so the masters chosen are those loaded
@@ -28,12 +28,12 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from .checkpoints import checkpoint_views, component_folder, equal_views, saved_weights, servable, write_checkpoint
-from .file_reads import new_ring, ring_bytes
 from .files import MappedBytes
 from .mapped_masters import FileBacking
 from .pinning import physical_memory_bytes
 from .planner import ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
+from .ring import new_ring, ring_bytes
 from .streaming import repeated_blocks
 from .text import format_bytes, parse_bytes
 

@@ -1,7 +1,7 @@
 """Masters mapped from checkpoint files (a level-2 sleep's): swapping them in, checking their files,
 and reading them back into memory of their own, ahead of need or when asked.
 
-A load copies masters mapped from files straight to the device (see file_reads.copy_from_files)
+A load copies masters mapped from files straight to the device (see ring.copy_from_files)
 and leaves them mapped; :meth:`FileBackedMasters.read_ahead` then reads them back in the background.
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from . import _device, file_reads, files, pinning
 from .masters import StorageGroup, bound_as_taken, fills_storage
+from .ring import Ring
 from .weights import flat_bytes
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class FileBacking:
     of page-locked slots that the loads of every such unit of a pipeline share."""
 
     sources: Mapping[int, files.MappedBytes]
-    ring: file_reads.Ring
+    ring: Ring
 
 
 class FileBackedMasters:
@@ -43,7 +44,7 @@ class FileBackedMasters:
     file_backing: FileBacking | None
 
     @property
-    def file_ring(self) -> file_reads.Ring | None:
+    def file_ring(self) -> Ring | None:
         """The ring this unit's loads from files go through, where its masters stay in the files."""
         return None if self.file_backing is None else self.file_backing.ring
 
@@ -62,7 +63,7 @@ class FileBackedMasters:
         none are mapped or a read is under way.
 
         A load copies masters mapped from files straight to the device (see
-        file_reads.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
+        ring.copy_from_files) and leaves them mapped: a wake takes the files' bytes to the
         device first and reads the masters back after, rather than reading them all before the
         first copy. Until then a level-1 sleep or an eviction would have nothing but the page cache
         to rebind to, hence the read here. Masters kept in the files for good (``file_backing``)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from . import _device, file_reads, pinning
+from . import _device, file_reads, pinning, ring
 from .masters import StorageGroup
 from .weights import flat_bytes
 
@@ -123,7 +123,7 @@ class DeviceCopies:
     _copy: _device.TimedCopy
     _device_storages: list[torch.Tensor]
     _placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]]
-    file_ring: file_reads.Ring | None
+    file_ring: ring.Ring | None
     read_bytes: int
     read_seconds: float
     # A load through the kept ring under way on its thread (see Ring.submit).
@@ -164,7 +164,7 @@ class DeviceCopies:
         """Allocate the device storage, queue the copies into it and return a storage per group to
         bind; with ``reading``, each copy from a master being read back waits for its piece, and the
         groups take the masters read back once all are queued; without, masters mapped from files
-        are copied from the files (see file_reads.copy_from_files) and stay mapped."""
+        are copied from the files (see ring.copy_from_files) and stay mapped."""
         groups, locked_in, arriving = self._groups, None, None
         reads_files = reading is None and self._maps_files
         from_files = [i for i, group in enumerate(groups) if group.mapped] if reads_files else []
@@ -260,7 +260,7 @@ class DeviceCopies:
     ) -> None:
         """Queue the copies of the ``mapped`` groups (at ``indices`` among the load's groups) from
         their checkpoint files, through the ring of page-locked slots (see
-        file_reads.copy_from_files): to ``offsets`` in the one buffer, or into their own storages.
+        ring.copy_from_files): to ``offsets`` in the one buffer, or into their own storages.
         Their masters stay mapped, to be read back after (see FileBackedMasters.read_ahead)."""
         if offsets is not None:
             (buffer,) = storages
@@ -279,7 +279,7 @@ class DeviceCopies:
             self._file_load = self.file_ring.submit(sources, targets, after)
             return
         started = time.perf_counter()
-        file_reads.copy_from_files(
+        ring.copy_from_files(
             sources, targets, self.pin_budget or 0, pin=self.pin_budget is not None, device=self.device
         )
         self.read_seconds += time.perf_counter() - started

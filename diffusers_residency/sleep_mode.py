@@ -6,7 +6,7 @@ level-1 sleep is an offload: rebind to the masters, drop the device storage, rel
 copy at all. Level 2 also gives the masters' host memory back, by swapping each master for a view
 of the same bytes in the memory-mapped checkpoint the pipeline was loaded from (checked byte for
 byte, so a weight changed since loading keeps its own master); waking copies them from the files
-to the device through a ring of pinned slots (see file_reads.copy_from_files), then reads them
+to the device through a ring of pinned slots (see ring.copy_from_files), then reads them
 back into pinned memory of their own in the background (see file_reads.ReadBack).
 
 A call to a pipeline that sleeps wakes the components it needs, one by one, as it reaches them.

@@ -145,12 +145,12 @@ def test_level_1_sleep_frees_the_device_and_wakes_exact() -> None:
 
 
 def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatch) -> None:
-    from diffusers_residency import file_reads, pinning
+    from diffusers_residency import pinning, ring
 
     # A ring of two small slots: each is copied out of and read into again many times, so a slot
     # read into before its copy to the device ran would show in the outputs.
-    monkeypatch.setattr(file_reads, "_RING_SLOT_BYTES", 256 << 10)
-    monkeypatch.setattr(file_reads, "_RING_SLOTS", 2)
+    monkeypatch.setattr(ring, "_RING_SLOT_BYTES", 256 << 10)
+    monkeypatch.setattr(ring, "_RING_SLOTS", 2)
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.save_pretrained(tmp_path)
     case.pipe.register_to_config(_name_or_path=str(tmp_path))

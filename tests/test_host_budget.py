@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusers_residency import file_reads, host_budget
+from diffusers_residency import host_budget, ring
 from diffusers_residency.checkpoints import checkpoint_views
 from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
 from diffusers_residency.pipeline import pipeline_state
@@ -113,8 +113,8 @@ def test_placement_serves_the_least_loaded_first_and_never_the_denoisers_residen
     )  # fmt: skip
     total = 15 * GB + GB // 2
     assert not place_on_host(plan, total).serves_files
-    ring = file_reads.ring_bytes(2 * GB)
-    assert ring == file_reads.ring_bytes(3 * GB) == 1 << 30, "the ring is 1 GiB at most"
+    ring_bytes = ring.ring_bytes(2 * GB)
+    assert ring_bytes == ring.ring_bytes(3 * GB) == 1 << 30, "the ring is 1 GiB at most"
     # Kept on the device first, then loaded once per call, then the staged block, then streamed
     # blocks, the later first.
     steps = [
@@ -124,9 +124,9 @@ def test_placement_serves_the_least_loaded_first_and_never_the_denoisers_residen
         (7, {"image_encoder", "text_encoder"}, {3, 9}),
     ]
     for served_gb, components, positions in steps:
-        placement = place_on_host(plan, total - served_gb * GB + ring)
+        placement = place_on_host(plan, total - served_gb * GB + ring_bytes)
         assert placement.components == components and placement.blocks.get("transformer", frozenset()) == positions
-        assert placement.file_bytes == served_gb * GB and placement.ram_bytes == total - served_gb * GB + ring
+        assert placement.file_bytes == served_gb * GB and placement.ram_bytes == total - served_gb * GB + ring_bytes
     placement = place_on_host(plan, 4 * GB)
     assert not placement.blocks["transformer"] & {0, 5}, "resident blocks stay in RAM"
     with pytest.raises(HostBudgetTooSmallError, match="lower vram_budget"):
@@ -192,14 +192,14 @@ def test_a_lora_fused_after_enable_is_served_from_ram(flux: PipelineCase, monkey
     flux.pipe.enable_pinned_offload(device="cpu", host_budget="0.6MB", **SETUPS["streamed"][0])
     assert flux.pipe.residency_plan().host.blocks["transformer"]
     reads: list[tuple[int, int]] = []
-    real = file_reads.read_into
+    real = ring.read_into
 
     def recorded(file, offset, targets):
         if Path(file.path).parent.name == "transformer":
             reads.append((offset, offset + sum(len(t) for t in targets)))
         return real(file, offset, targets)
 
-    monkeypatch.setattr(file_reads, "read_into", recorded)
+    monkeypatch.setattr(ring, "read_into", recorded)
     flux.run()
     assert reads, "the blocks served from files load from them"
     # The file's bytes of every weight the LoRA is fused into: no load may read them from the file.
@@ -228,25 +228,25 @@ def test_loads_from_files_run_on_the_rings_thread_and_a_failed_one_leaves_the_ma
     kwargs, budget, _ = SETUPS["streamed"]
     flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
     threads: set[str] = set()
-    real = file_reads.Ring.copy
+    real = ring.Ring.copy
 
     def recorded(self, sources, targets):
         threads.add(threading.current_thread().name)
         return real(self, sources, targets)
 
-    monkeypatch.setattr(file_reads.Ring, "copy", recorded)
+    monkeypatch.setattr(ring.Ring, "copy", recorded)
     assert torch.equal(flux.run(), flux.reference)
     assert threads and all(name.startswith("ring_loader") for name in threads), threads
 
     def failing(self, sources, targets):
         raise OSError("injected: the disk went away")
 
-    monkeypatch.setattr(file_reads.Ring, "copy", failing)
+    monkeypatch.setattr(ring.Ring, "copy", failing)
     with pytest.raises(OSError, match="injected"):
         flux.run()
     assert_no_meta_or_foreign_device(flux.pipe)
     # Loads made ahead in the failed call failed too: loaded again where they are used.
-    monkeypatch.setattr(file_reads.Ring, "copy", real)
+    monkeypatch.setattr(ring.Ring, "copy", real)
     assert torch.equal(flux.run(), flux.reference)
     flux.pipe.disable_pinned_offload()
     assert torch.equal(flux.run(), flux.reference)
@@ -258,7 +258,7 @@ def test_a_load_from_files_that_fails_once_is_loaded_again_where_it_is_used(
     kwargs, budget, _ = SETUPS["streamed"]
     flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
     assert torch.equal(flux.run(), flux.reference)
-    real = file_reads.Ring.copy
+    real = ring.Ring.copy
     failures = []
 
     def fails_once(self, sources, targets):
@@ -267,6 +267,6 @@ def test_a_load_from_files_that_fails_once_is_loaded_again_where_it_is_used(
             raise OSError("injected: a read failed once")
         return real(self, sources, targets)
 
-    monkeypatch.setattr(file_reads.Ring, "copy", fails_once)
+    monkeypatch.setattr(ring.Ring, "copy", fails_once)
     assert torch.equal(flux.run(), flux.reference)
     assert failures and "loading again" in caplog.text

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from diffusers_residency import ModuleStager, _device, file_reads, files, pinning
+from diffusers_residency import ModuleStager, _device, file_reads, files, pinning, ring
 from diffusers_residency.file_reads import ReadBack
 from diffusers_residency.files import MappedBytes
 
@@ -358,8 +358,8 @@ def _six_mapped_weights(tmp_path, monkeypatch) -> list[MappedBytes]:
     torch.manual_seed(0)
     module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(6)))
     views = _mapped_checkpoint(tmp_path, module)
-    monkeypatch.setattr(file_reads, "_RING_SLOT_BYTES", 100 << 10)
-    monkeypatch.setattr(file_reads, "_RING_SLOTS", 2)
+    monkeypatch.setattr(ring, "_RING_SLOT_BYTES", 100 << 10)
+    monkeypatch.setattr(ring, "_RING_SLOTS", 2)
     return [views[id(layer.weight)] for layer in module]
 
 
@@ -371,7 +371,7 @@ def test_copying_from_files_goes_through_a_ring_of_slots_locked_once(tmp_path, d
     registered: list[int] = []
     register = driver.register
     monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered.append(args[1]) or register(*args))
-    file_reads.copy_from_files(sources, targets, budget, pin=True, device=CPU)
+    ring.copy_from_files(sources, targets, budget, pin=True, device=CPU)
     assert all(torch.equal(target, source.view) for target, source in zip(targets, sources))
     assert len(registered) == (2 if budget else 0), "each slot locked once, within the budget"
     assert driver.ranges == {} and pinning.locked_bytes() == 0, "and unlocked before it returns"
@@ -395,7 +395,7 @@ def test_copying_from_files_that_fails_part_way_leaves_nothing_locked(tmp_path, 
 
     monkeypatch.setattr(files.os, "preadv", preadv)
     with pytest.raises((OSError, RuntimeError), match="injected" if failure == "read" else "changed since"):
-        file_reads.copy_from_files(sources, targets, 1 << 40, pin=True, device=CPU)
+        ring.copy_from_files(sources, targets, 1 << 40, pin=True, device=CPU)
     assert driver.ranges == {} and pinning.locked_bytes() == 0
 
 
@@ -411,7 +411,7 @@ def test_masters_read_back_are_locked_in_pieces_each_master_inside_one(driver: F
         assert master.data.data_ptr() % 512 == alignment
     assert len({id(master.pin) for master in masters}) == 4
     starts = sorted(driver.ranges)
-    assert all(start % file_reads._HUGE_PAGE == starts[0] % file_reads._HUGE_PAGE for start in starts)
+    assert all(start % file_reads.HUGE_PAGE == starts[0] % file_reads.HUGE_PAGE for start in starts)
     del masters, master
     gc.collect()
     assert driver.ranges == {}, "each piece is unlocked with the last master in it"
@@ -737,23 +737,23 @@ def test_a_kept_ring_reads_the_copy_that_followed_last_time_ahead_and_never_serv
     module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3)))
     views = _mapped_checkpoint(tmp_path, module)
     first, second, third = ([views[id(layer.weight)]] for layer in module)
-    ring = file_reads.Ring(100 << 10, 3, 0, pin=False, device=CPU)  # 3 slots: a weight is 3 chunks
+    kept = ring.Ring(100 << 10, 3, 0, pin=False, device=CPU)  # 3 slots: a weight is 3 chunks
 
     def copied(sources: list[MappedBytes]) -> torch.Tensor:
         target = torch.empty(sources[0].view.numel(), dtype=torch.uint8)
-        ring.copy(sources, [target])
+        kept.copy(sources, [target])
         return target
 
     try:
         for sources in (first, second, first):
             assert torch.equal(copied(sources), sources[0].view)
-        assert ring._ahead is not None and ring._ahead[0] == second, "second followed first: read ahead"
-        assert all(fill.result() for fill in ring._ahead[3]), "read from the file"
+        assert kept._ahead is not None and kept._ahead[0] == second, "second followed first: read ahead"
+        assert all(fill.result() for fill in kept._ahead[3]), "read from the file"
         second[0].view[PAGE : PAGE + 8] = 255  # written through its mapping after it was read ahead
         assert torch.equal(copied(second), second[0].view), "the chunk written since is read again"
-        assert ring._ahead is not None and ring._ahead[0] == first
+        assert kept._ahead is not None and kept._ahead[0] == first
         assert torch.equal(copied(third), third[0].view), "another copy than the one read ahead"
         assert torch.equal(copied(first), first[0].view)
     finally:
-        ring.close()
-    assert ring._ahead is None
+        kept.close()
+    assert kept._ahead is None

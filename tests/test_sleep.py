@@ -387,13 +387,13 @@ def test_failure_inside_wake_leaves_the_pipeline_usable(flux: PipelineCase, monk
 def test_a_level_2_wake_reads_masters_back_once_every_component_is_on_the_device(flux: PipelineCase, monkeypatch) -> None:
     """The wake copies each component from the files, and only then are the masters read back into
     memory of their own: read back during the wake, they would slow its copies."""
-    from diffusers_residency import file_reads
+    from diffusers_residency import file_reads, ring
     from diffusers_residency.residency import ResidencyGroup
 
     flux.pipe.sleep(level=2)
     units = flux.pipe.__dict__["_pinned_residency"].group.units
     events: list[str] = []
-    real_init, real_wake, real_copy = file_reads.ReadBack.__init__, ResidencyGroup.wake, file_reads.copy_from_files
+    real_init, real_wake, real_copy = file_reads.ReadBack.__init__, ResidencyGroup.wake, ring.copy_from_files
 
     def read_back(read, *args, **kwargs):
         events.append("read back")
@@ -408,7 +408,7 @@ def test_a_level_2_wake_reads_masters_back_once_every_component_is_on_the_device
         real_copy(*args, **kwargs)
 
     monkeypatch.setattr(file_reads.ReadBack, "__init__", read_back)
-    monkeypatch.setattr(file_reads, "copy_from_files", copy_from_files)
+    monkeypatch.setattr(ring, "copy_from_files", copy_from_files)
     monkeypatch.setattr(ResidencyGroup, "wake", wake)
     flux.pipe.wake_up()
     assert events == ["wake", "copy from files"] * len(units) + ["read back"] * len(units)
@@ -501,13 +501,13 @@ def test_a_call_whose_read_back_cannot_start_keeps_what_it_loaded(flux: Pipeline
     a file changed in between fails that read, not the call, and the masters come from the device."""
     from pathlib import Path
 
-    from diffusers_residency import file_reads
+    from diffusers_residency import ring
 
     flux.pipe.enable_pinned_offload(device="cpu")
     flux.run()
     flux.pipe.sleep(level=2)
     (written,) = (Path(flux.pipe.name_or_path) / "transformer").glob("*.safetensors")
-    real_copy = file_reads.copy_from_files
+    real_copy = ring.copy_from_files
 
     def copy_then_save(sources, *args, **kwargs):
         real_copy(sources, *args, **kwargs)
@@ -516,7 +516,7 @@ def test_a_call_whose_read_back_cannot_start_keeps_what_it_loaded(flux: Pipeline
             os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
 
     with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="diffusers_residency"):
-        patch.setattr(file_reads, "copy_from_files", copy_then_save)
+        patch.setattr(ring, "copy_from_files", copy_then_save)
         assert torch.equal(flux.run(), flux.reference)  # which ends with the transformer evicted
     assert "Could not start reading masters back" in caplog.text and "Copying" in caplog.text
     assert flux.pipe.residency_report()["transformer"].mapped_bytes == 0
