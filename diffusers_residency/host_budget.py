@@ -209,6 +209,14 @@ def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
             f"{len(positions)} of {len(by_name[name].block_bytes)} blocks served from files ({streamed} streamed at "
             f"every step, read from their files at each step); its trunk and resident blocks stay in RAM"
         )
+    for plan_of in plan.components:
+        if plan_of.name not in reasons:
+            kept = by_name[plan_of.name].per_step and plan_of.policy is Policy.RESIDENT
+            reasons[plan_of.name] = (
+                "in RAM: a denoiser kept on the device is never served from files"
+                if kept
+                else "in RAM: the rest fits the budget without it"
+            )
     placement = HostPlacement(
         budget,
         components=frozenset(c.component for c in chosen if c.block is None),

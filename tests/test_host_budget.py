@@ -49,6 +49,7 @@ def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) 
     assert ram <= plan.host.budget - plan.host.ring_bytes, str(report)
     if setup == "resident":
         assert "transformer" not in served(flux.pipe), "a resident denoiser stays in RAM"
+        assert "transformer: in RAM: a denoiser kept on the device" in str(plan)
     if setup == "streamed":
         transformer = plan.host.blocks["transformer"]
         assert transformer and not transformer & plan["transformer"].resident_blocks
