@@ -245,6 +245,7 @@ class ResidencyGroup:
         """Offload the unit and stop managing it; its tensors stay bound to their host masters."""
         unit.stager.close()
         self.units.remove(unit)
+        self.file_backing.pop(id(unit.module), None)  # an id the module may leave to another
         ring = unit.stager.file_ring
         if ring is not None and all(other.stager.file_ring is not ring for other in self.units):
             ring.close()  # the last unit that loaded through it is gone
