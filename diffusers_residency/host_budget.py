@@ -262,24 +262,13 @@ def file_backing(
     if not placement.serves_files:
         return {}
     served = _served_modules(modules, placement)
-    sources: dict[str, dict[int, MappedBytes]] = {}
-    unserved: dict[str, int] = {}
+    weights: dict[str, list[torch.Tensor]] = {}
     shared: dict[str, int] = {}
     for name, units in served.items():
-        weights = [w for w in saved_weights(units) if servable(w)]
-        shared_bytes = sum(w.nbytes for w in saved_weights(units) if not servable(w))
-        if shared_bytes:
-            shared[name] = shared_bytes
-        views = _views_in(component_folder(pipe, name), modules[name], weights)
-        if len(views) < len(weights) and offload_folder is not None:
-            cached = Path(offload_folder) / name
-            views = _views_in(cached if any(cached.glob("*.safetensors")) else None, modules[name], weights)
-            if len(views) < len(weights):
-                logger.info("Writing %r's weights to %s, to serve them from there", name, cached)
-                views = _views_in(write_checkpoint(cached, modules[name]), modules[name], weights)
-        if len(views) < len(weights):
-            unserved[name] = sum(w.nbytes for w in weights if id(w) not in views)
-        sources[name] = views
+        saved = saved_weights(units)
+        weights[name] = [w for w in saved if servable(w)]
+        if len(weights[name]) < len(saved):
+            shared[name] = sum(w.nbytes for w in saved if not servable(w))
     if shared:
         raise ValueError(
             f"host_budget would serve {sorted(shared)} from checkpoint files, but {format_bytes(sum(shared.values()))} "
@@ -287,6 +276,19 @@ def file_backing(
             "dtype change), which no file holds. Load the checkpoint in the dtype it was saved in, or save the "
             "pipeline in the dtype you use and load it from there."
         )
+    sources: dict[str, dict[int, MappedBytes]] = {}
+    unserved: dict[str, int] = {}
+    for name, wanted in weights.items():
+        views = _views_in(component_folder(pipe, name), modules[name], wanted)
+        if len(views) < len(wanted) and offload_folder is not None:
+            cached = Path(offload_folder) / name
+            views = _views_in(cached if any(cached.glob("*.safetensors")) else None, modules[name], wanted)
+            if len(views) < len(wanted):
+                logger.info("Writing %r's weights to %s, to serve them from there", name, cached)
+                views = _views_in(write_checkpoint(cached, modules[name]), modules[name], wanted)
+        if len(views) < len(wanted):
+            unserved[name] = sum(w.nbytes for w in wanted if id(w) not in views)
+        sources[name] = views
     if unserved:
         where = f"the files it was loaded from ({pipe.name_or_path!r})" if pipe.name_or_path else "no files (built in code)"
         raise ValueError(

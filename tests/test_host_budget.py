@@ -240,3 +240,20 @@ def test_a_load_from_files_that_fails_leaves_the_masters_and_the_next_call_is_ex
     assert torch.equal(flux.run(), flux.reference)
     flux.pipe.disable_pinned_offload()
     assert torch.equal(flux.run(), flux.reference)
+
+
+def test_weights_sharing_one_storage_are_refused_a_budget_that_would_serve_them(flux: PipelineCase) -> None:
+    # As a loader that converts dtypes may leave them: every weight a view into one flat storage.
+    text_encoder_2 = flux.pipe.text_encoder_2
+    weights = list(text_encoder_2.parameters())
+    flat = torch.cat([w.detach().reshape(-1) for w in weights])
+    offset = 0
+    for weight in weights:
+        weight.data = flat[offset : offset + weight.numel()].view_as(weight)
+        offset += weight.numel()
+    before = flux.state()
+    with pytest.raises(ValueError, match="share"):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.7MB", **SETUPS["resident"][0])
+    assert pipeline_state(flux.pipe) is None
+    assert_weights_equal(before, flux.state())
+    assert torch.equal(flux.run(), flux.reference)
