@@ -136,9 +136,9 @@ def snapshot(
     # A tensor keeps the inference-ness it had when first staged: one replaced under inference mode
     # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
     was_inference = {id(binding.target): binding.inference for group in previous for binding in group.bindings}
-    # Masters that view a checkpoint file (asleep at level 2) are slices of one mapping of the whole
-    # file. A tensor in such a mapping goes with the view it lies in, placed within it, rather than
-    # being grouped by its storage, the file's, which would take the whole file as one master.
+    # Masters that view a checkpoint file (asleep at level 2, or served from files) are views of its
+    # mapping (each a storage of its own over it, see checkpoints). A tensor in such a view goes with
+    # the view it lies in, placed within it, and keeps it as its master, mapped.
     views_in: dict[int, list[StorageGroup]] = {}
     for group in sorted((group for group in previous if group.mapped), key=lambda group: group.master.data_ptr()):
         views_in.setdefault(group.master.untyped_storage().data_ptr(), []).append(group)
