@@ -166,7 +166,8 @@ class Ring:
         at every step) and, once a copy's chunks are all read, starts reading the next one's into
         the slots its copies free: the next load finds its first chunks read while this one's
         copies ran, where it would otherwise wait for a chunk's read before its first copy. A chunk
-        read ahead from the file whose pages this process has written since is read again."""
+        read ahead is taken only where it came from the file and its pages are still the file's;
+        one copied from written views, or whose pages were written since, is copied again."""
         files = files_of(sources)
         for file in files:
             file.refuse_if_changed()
@@ -184,8 +185,10 @@ class Ring:
                 k = (start + index) % count
                 from_file = fills[index].result()
                 del fills[index]  # only once it has run: an interrupted wait leaves it to the cleanup
-                if index < len(ahead) and from_file and written_pages(chunk.address, chunk.address + chunk.nbytes):
-                    self._fill(chunk, k, sources)  # written since it was read ahead: the views hold the bytes
+                if index < len(ahead) and (not from_file or written_pages(chunk.address, chunk.address + chunk.nbytes)):
+                    # Read ahead from views this process wrote (which may have been written again
+                    # since), or from the file before its pages were written: the views hold the bytes.
+                    self._fill(chunk, k, sources)
                 locked = self._pins[k] is not None
                 for source, begin, size, at in chunk.parts:
                     targets[source][begin : begin + size].copy_(self._slots[k][at : at + size], non_blocking=locked)

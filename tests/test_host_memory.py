@@ -752,6 +752,11 @@ def test_a_kept_ring_reads_the_copy_that_followed_last_time_ahead_and_never_serv
         second[0].view[PAGE : PAGE + 8] = 255  # written through its mapping after it was read ahead
         assert torch.equal(copied(second), second[0].view), "the chunk written since is read again"
         assert kept._ahead is not None and kept._ahead[0] == first
+        # Read ahead from views written before (a fused LoRA), then written again (unfused).
+        assert torch.equal(copied(first), first[0].view) and kept._ahead[0] == second
+        assert not all(fill.result() for fill in kept._ahead[3]), "the written chunk copied from the views"
+        second[0].view[PAGE : PAGE + 8] = 7
+        assert torch.equal(copied(second), second[0].view), "views written again after the read ahead"
         assert torch.equal(copied(third), third[0].view), "another copy than the one read ahead"
         assert torch.equal(copied(first), first[0].view)
     finally:
