@@ -129,11 +129,11 @@ def servable(tensor: torch.Tensor) -> bool:
 
 
 def equal_views(tensors: list[torch.Tensor], views: Mapping[int, MappedBytes]) -> dict[int, MappedBytes]:
-    """The views of ``views`` that hold the same bytes as their tensor (compared by threads, from the
-    files: see :func:`~.files.hold_the_same_bytes`), by ``id`` of the tensor. A weight changed since
-    it was loaded (a fused LoRA, a cast) has none."""
+    """The views of ``views`` that hold the same bytes as their tensor (on the host), compared by
+    threads from the files (see :func:`~.files.hold_the_same_bytes`), by ``id`` of the tensor. A
+    weight changed since it was loaded (a fused LoRA, a cast) has none."""
     viewed = [tensor for tensor in tensors if id(tensor) in views and servable(tensor)]
-    host = [flat_bytes(tensor.untyped_storage()).cpu() for tensor in viewed]
+    host = [flat_bytes(tensor.untyped_storage()) for tensor in viewed]
     same = hold_the_same_bytes(host, [views[id(tensor)] for tensor in viewed])
     return {id(tensor): views[id(tensor)] for tensor, equal in zip(viewed, same) if equal}
 

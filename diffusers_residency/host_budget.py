@@ -244,31 +244,39 @@ def _views_in(folder: Path | None, module: nn.Module, weights: list[torch.Tensor
     return equal_views(weights, checkpoint_views(folder, module)) if folder is not None else {}
 
 
-def file_backing(
+def file_sources(
     pipe: DiffusionPipeline,
     modules: Mapping[str, nn.Module],
     placement: HostPlacement,
     offload_folder: str | os.PathLike | None,
-    *,
-    budget: int,
-    pin: bool,
-    device: torch.device,
-) -> dict[int, FileBacking]:
+) -> dict[int, Mapping[int, MappedBytes]]:
     """What each module the placement serves from files is served from (by ``id`` of the module):
-    the views of its weights in the pipeline's checkpoint files, byte for byte equal to them, and one
-    ring for all their loads. A component whose weights are not all in those files (built in code,
-    or changed since loading) has them written once into ``offload_folder/<component>`` and served
-    from there; with no ``offload_folder`` it is refused. Raises before the pipeline changes."""
+    the views of its weights in the pipeline's checkpoint files, byte for byte equal to them. A
+    component whose weights are not all in those files (built in code, or changed since loading)
+    has them written once into ``offload_folder/<component>`` and served from there; with no
+    ``offload_folder`` it is refused. Raises before the pipeline changes."""
     if not placement.serves_files:
         return {}
     served = _served_modules(modules, placement)
     weights: dict[str, list[torch.Tensor]] = {}
     shared: dict[str, int] = {}
+    on_device: dict[str, torch.device] = {}
     for name, units in served.items():
         saved = saved_weights(units)
         weights[name] = [w for w in saved if servable(w)]
         if len(weights[name]) < len(saved):
             shared[name] = sum(w.nbytes for w in saved if not servable(w))
+        device = next((w.device for w in saved if w.device.type != "cpu"), None)
+        if device is not None:
+            on_device[name] = device
+    if on_device:
+        # Copied down to be compared with the files and to take masters, they would fill the RAM
+        # the budget is there to spare, and what no file holds would stay there.
+        raise ValueError(
+            f"host_budget would serve {sorted(on_device)} from checkpoint files, but their weights are on "
+            f"{sorted(map(str, set(on_device.values())))}. Enable pinned offload on the pipeline on the CPU: "
+            "load it there, or pipe.to('cpu') first."
+        )
     if shared:
         raise ValueError(
             f"host_budget would serve {sorted(shared)} from checkpoint files, but {format_bytes(sum(shared.values()))} "
@@ -297,5 +305,21 @@ def file_backing(
             "to have them written there once and served from there, or load the pipeline with from_pretrained() "
             "from a local folder."
         )
+    return {id(unit): sources[name] for name, units in served.items() for unit in units}
+
+
+def file_backing(
+    sources: Mapping[int, Mapping[int, MappedBytes]],
+    placement: HostPlacement,
+    *,
+    budget: int,
+    pin: bool,
+    device: torch.device,
+) -> dict[int, FileBacking]:
+    """Each served module's :class:`FileBacking`: its sources (see :func:`file_sources`) and one ring
+    for all their loads, page-locked within ``budget`` when ``pin``. The caller closes the ring
+    if it does not stage them after all."""
+    if not sources:
+        return {}
     ring = new_ring(placement.largest_load, budget, pin=pin, device=device)
-    return {id(unit): FileBacking(sources[name], ring) for name, units in served.items() for unit in units}
+    return {module: FileBacking(views, ring) for module, views in sources.items()}

@@ -26,7 +26,7 @@ from .adaptive import STATE_ATTR, PipelineResidency, apply_plan
 from .calls import wrap_every_pipeline_call
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
-from .host_budget import HostPlacement, file_backing, place_on_host, resolve_host_budget
+from .host_budget import HostPlacement, file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
 from .planner import BudgetTooSmallError, ComponentSizes, ResidencyPlan, default_reserve, plan_as_given, plan_residency
 from .policy import Policy
@@ -348,15 +348,16 @@ def enable_pinned_offload(
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)
         return
-    backing = file_backing(
-        pipe, modules, placement, offload_folder, budget=group.pin_budget, pin=group.pin_memory, device=group.device
-    )
+    sources = file_sources(pipe, modules, placement, offload_folder)
     if previous is not None:
         disable_pinned_offload(pipe)
-    group.file_backing = backing
     hooks: dict[str, StagingHook] = {}
     attached: dict[int, str] = {}
+    backing = {}
     try:
+        # The ring is made once the previous setup is gone: its slots count against the pin budget.
+        backing = file_backing(sources, placement, budget=group.pin_budget, pin=group.pin_memory, device=group.device)
+        group.file_backing = backing
         for component in plan.components:
             name, module = component.name, modules[component.name]
             if id(module) in attached:

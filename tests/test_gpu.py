@@ -541,3 +541,13 @@ def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on
     assert pinning.locked_bytes() == before
     case.pipe.to("cuda")
     assert torch.equal(case.run(), case.reference)
+
+
+def test_a_host_budget_is_refused_for_weights_on_the_device_before_anything_changes() -> None:
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    total = sum(sum(t.nbytes for t in m.state_dict().values()) for m in case.pipe.components.values() if isinstance(m, torch.nn.Module))
+    with pytest.raises(ValueError, match="pipe.to\\('cpu'\\)"):
+        case.pipe.enable_pinned_offload(vram_budget=None, host_budget=int(0.6 * total))
+    assert pipeline_state(case.pipe) is None
+    assert all(devices == {CUDA} for devices in param_devices(case.pipe).values())
+    assert torch.equal(case.run(), case.reference)
