@@ -28,6 +28,7 @@ from diffusers_residency.bench.modes import (
 )
 from diffusers_residency.bench.tables import (
     format_calls,
+    format_shape_calls,
     format_compile_table,
     format_round_ratios,
     format_table,
@@ -147,6 +148,33 @@ def test_the_table_shows_a_dash_for_a_call_that_did_not_run_and_lists_every_call
         "- pinned @ 4.00 GB: 2.000, 2.000, 3.000 s (never within 1.05x of steady)",
         "- group_offload_leaf @ unlimited: out of memory",
     ]
+
+
+def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape(tmp_path, capsys, monkeypatch) -> None:
+    sizes = []
+    real = bench_main.call_kwargs
+
+    def recorded(*args, **kwargs):
+        sizes.append((kwargs["height"], kwargs["width"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_main, "call_kwargs", recorded)
+    argv = ["--device", "cpu", "--modes", "resident,pinned", "--shapes", "32x32,48x32", "--warmup", "1", "--calls", "4"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    each_mode = [(32, 32), (48, 32), (32, 32), (48, 32), (32, 32)]
+    assert sizes[:10] == each_mode * 2, "each mode's calls take the shapes in turn, from the first"
+    out = capsys.readouterr().out
+    assert "shapes in turn 32x32, 48x32" in out and "every call by shape:" in out
+    assert json.loads((tmp_path / "results.json").read_text())["results"][1]["exact"] is True
+    results = [ModeResult("pinned", 2.0, 1, 1.0, True, call_seconds=(5.0, 3.0, 2.0, 1.0, 2.2, 1.1))]
+    assert format_shape_calls(results, [(32, 32), (48, 32)]) == (
+        "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median; "
+        "48x32: 3.000, 1.000, 1.100 s, later ones at most 1.05x their median"
+    )
+    with pytest.raises(SystemExit):
+        main(["--shapes", "32x32", "--height", "64"])
+    with pytest.raises(SystemExit):
+        main(["--shapes", "32by32"])
 
 
 @pytest.mark.parametrize("counts", [["--warmup", "-1"], ["--calls", "0"]])

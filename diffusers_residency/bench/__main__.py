@@ -53,6 +53,7 @@ from .tables import (
     format_compile_table,
     format_host_memory,
     format_round_ratios,
+    format_shape_calls,
     format_table,
     gb,
     judged_by_compile_spread,
@@ -78,6 +79,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="call shapes in turn, e.g. 1024x1024,768x768,1280x1280 (height x width; instead of --height/--width): "
+        "each call takes the next, and a table gives every shape's calls",
+    )
     parser.add_argument("--checkpoint", type=Path, default=None, help="a pipeline folder saved with save_pretrained")
     parser.add_argument(
         "--quantize",
@@ -150,6 +157,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--compile-mode applies to a compiled denoiser: give --compile regional or --compile whole too")
     if args.warmup < 0 or args.calls < 1:
         parser.error("--warmup takes 0 or more, --calls 1 or more: the steady figures are the latter's")
+    if args.shapes is not None:
+        if args.height is not None or args.width is not None:
+            parser.error("--shapes gives each call's height and width: leave --height and --width out")
+        try:
+            args.shapes = [tuple(int(side) for side in shape.lower().split("x")) for shape in args.shapes.split(",")]
+        except ValueError:
+            args.shapes = None
+        if not args.shapes or any(len(shape) != 2 or min(shape) <= 0 for shape in args.shapes):
+            parser.error("--shapes takes heights and widths such as 1024x1024,768x768")
     return args
 
 
@@ -244,7 +260,7 @@ def _source(args: argparse.Namespace) -> str:
 
 def _pipeline(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> tuple[diffusers.DiffusionPipeline, Callable[[], torch.Tensor]]:
+) -> tuple[diffusers.DiffusionPipeline, _Calls]:
     """The pipeline on the host, and one call of it as every mode makes it."""
     print(f"building {_source(args)} ({dtype}) ...", file=sys.stderr, flush=True)
     # Build where the resident mode runs (random init on a GPU takes seconds), then start every
@@ -257,24 +273,39 @@ def _pipeline(
         quantize_nf4(next(pipe.components[name] for name in DENOISERS if name in pipe.components), dtype)
     pipe.set_progress_bar_config(disable=True)
     pipe.to("cpu")
-    kwargs = dict(steps=args.steps, height=args.height, width=args.width)
+    return pipe, _Calls(pipe, args)
 
-    def call() -> torch.Tensor:
-        return pipeline_output(pipe, call_kwargs(args.pipeline, args.scale, **kwargs))
 
-    return pipe, call
+class _Calls:
+    """A call of the pipeline as every mode makes it; with ``--shapes``, each call the next shape,
+    from the first again for each mode (see :meth:`restart`)."""
+
+    def __init__(self, pipe: diffusers.DiffusionPipeline, args: argparse.Namespace) -> None:
+        self.pipe, self.args = pipe, args
+        self.shapes = args.shapes or [(args.height, args.width)]
+        self.made = 0
+
+    def restart(self) -> None:
+        self.made = 0
+
+    def __call__(self) -> torch.Tensor:
+        height, width = self.shapes[self.made % len(self.shapes)]
+        self.made += 1
+        kwargs = call_kwargs(self.args.pipeline, self.args.scale, steps=self.args.steps, height=height, width=width)
+        return pipeline_output(self.pipe, kwargs)
 
 
 def _run_mode(
     args: argparse.Namespace,
     pipe: diffusers.DiffusionPipeline,
-    call: Callable[[], torch.Tensor],
+    call: _Calls,
     device: torch.device,
     run: tuple[Mode, int | None, int],
     reference: torch.Tensor | None,
 ) -> tuple[ModeResult, torch.Tensor | None]:
     """``run_mode`` as the command line asks for it."""
     mode, budget, _ = run
+    call.restart()  # every mode's first call, the one compared with resident's, has the first shape
     compile_settings = CompileSettings(args.compile, args.compile_backend, args.compile_mode) if args.compile else None
     return run_mode(pipe, mode, device, call, warmup=args.warmup, calls=args.calls, reference=reference, budget=budget,
                     compile=compile_settings, trace=args.trace)  # fmt: skip
@@ -348,9 +379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     weights = "unknown bytes" if weight_bytes is None else format_bytes(weight_bytes)
     called = call_kwargs(args.pipeline, args.scale, steps=args.steps, height=args.height, width=args.width)
+    size = f"{called['height']}x{called['width']}"
+    if args.shapes:
+        size = "shapes in turn " + ", ".join(f"{height}x{width}" for height, width in args.shapes)
     setting = (
         f"{_source(args)}, {weights} of weights, {dtype}, {called['num_inference_steps']} steps, "
-        f"{called['height']}x{called['width']}, {args.warmup} + {args.calls} calls per mode, every one "
+        f"{size}, {args.warmup} + {args.calls} calls per mode, every one "
         f"timed, steady figures over the last {args.calls}, {'each mode in a fresh process, ' if args.fresh_process else ''}"
         f"residency profiles in {profiles}"
     )
@@ -369,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
     print(format_table(results, weight_bytes, ratios=speed))
     print(f"\nevery call in order, the first ones included:\n\n{format_calls(results)}")
+    if args.shapes:
+        print(f"\nevery call by shape:\n\n{format_shape_calls(results, args.shapes)}")
     print(f"\nhost memory (anonymous: RssAnon plus mlocked pages):\n\n{format_host_memory(results, weight_bytes)}")
     ratios = format_round_ratios(results)
     if ratios:

@@ -141,6 +141,27 @@ def format_calls(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
+def format_shape_calls(results: list[ModeResult], shapes: list[tuple[int, int]]) -> str:
+    """With ``--shapes``: each run's calls grouped by shape (call ``i`` had shape ``i`` modulo their
+    number), and the slowest of each shape's calls after its first, over the median of those: a
+    plan per shape keeps that near 1.00x, whatever the shapes between."""
+    several = any(r.round > 1 for r in results)
+    lines = []
+    for r in results:
+        label = run_label(r.mode, r.budget_bytes, r.round if several else None)
+        if r.error:
+            lines.append(f"- {label}: {r.error}")
+            continue
+        parts = []
+        for index, (height, width) in enumerate(shapes):
+            times = r.call_seconds[index :: len(shapes)]
+            later = times[1:]
+            spread = f", later ones at most {max(later) / statistics.median(later):.2f}x their median" if len(later) > 1 else ""
+            parts.append(f"{height}x{width}: {', '.join(f'{t:.3f}' for t in times)} s{spread}")
+        lines.append(f"- {label}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def format_round_ratios(results: list[ModeResult]) -> str:
     """Each mode's ratio to resident in every round, and their median: empty for a single round."""
     if not any(r.round > 1 for r in results):
