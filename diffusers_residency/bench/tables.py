@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..text import size_unit
@@ -124,42 +125,44 @@ def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> s
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def format_calls(results: list[ModeResult]) -> str:
-    """Every call's seconds, one line per run: the first calls are what a user meets first."""
+def _line_per_run(results: list[ModeResult], describe: Callable[[ModeResult], str]) -> str:
+    """One line per run: its label and ``describe(run)``, or its error."""
     several = any(r.round > 1 for r in results)
     lines = []
     for r in results:
         label = run_label(r.mode, r.budget_bytes, r.round if several else None)
-        if r.error:
-            lines.append(f"- {label}: {r.error}")
-            continue
+        lines.append(f"- {label}: {r.error if r.error else describe(r)}")
+    return "\n".join(lines)
+
+
+def format_calls(results: list[ModeResult]) -> str:
+    """Every call's seconds, one line per run: the first calls are what a user meets first."""
+
+    def calls(r: ModeResult) -> str:
         if r.calls_to_steady is not None:
             steady = f" (steady from call {r.calls_to_steady})"
         else:
             steady = f" (never within {STEADY_WITHIN}x of steady)" if len(r.call_seconds) > 1 else ""
-        lines.append(f"- {label}: {', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}")
-    return "\n".join(lines)
+        return f"{', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}"
+
+    return _line_per_run(results, calls)
 
 
 def format_shape_calls(results: list[ModeResult], shapes: list[tuple[int, int]]) -> str:
     """With ``--shapes``: each run's calls grouped by shape (call ``i`` had shape ``i`` modulo their
     number), and the slowest of each shape's calls after its first, over the median of those: a
     plan per shape keeps that near 1.00x, whatever the shapes between."""
-    several = any(r.round > 1 for r in results)
-    lines = []
-    for r in results:
-        label = run_label(r.mode, r.budget_bytes, r.round if several else None)
-        if r.error:
-            lines.append(f"- {label}: {r.error}")
-            continue
+
+    def by_shape(r: ModeResult) -> str:
         parts = []
         for index, (height, width) in enumerate(shapes):
             times = r.call_seconds[index :: len(shapes)]
             later = times[1:]
             spread = f", later ones at most {max(later) / statistics.median(later):.2f}x their median" if len(later) > 1 else ""
             parts.append(f"{height}x{width}: {', '.join(f'{t:.3f}' for t in times)} s{spread}")
-        lines.append(f"- {label}: " + "; ".join(parts))
-    return "\n".join(lines)
+        return "; ".join(parts)
+
+    return _line_per_run(results, by_shape)
 
 
 def format_round_ratios(results: list[ModeResult]) -> str:
