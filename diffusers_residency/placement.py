@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -126,8 +125,6 @@ class DeviceCopies:
     file_ring: ring.Ring | None
     read_bytes: int
     read_seconds: float
-    # A load through the kept ring under way on its thread (see Ring.submit).
-    _file_load: Future[tuple[torch.Event | None, float]] | None
 
     def _layout(self) -> tuple:
         """What device storage this stager's loads need: equal layouts can share :class:`DeviceSlots`."""
@@ -267,23 +264,17 @@ class DeviceCopies:
             targets = [buffer[offsets[i] : offsets[i] + group.nbytes] for i, group in zip(indices, mapped)]
         else:
             targets = [storages[i] for i in indices]
-        sources = [group.mapped_from for group in mapped]
-        self.read_bytes += sum(group.nbytes for group in mapped)
-        if self.file_ring is not None:
-            # Masters kept in the files: loaded on the ring's thread, waited for by the first
-            # forward (see ModuleStager.ready). The ring's stream starts after this stream's work
-            # so far, which waited for the compute that last used the storage (see TimedCopy).
-            after = None
-            if _device.is_accelerator(self.device):
-                after = torch.Event(device=self.device)
-                after.record(torch.accelerator.current_stream(self.device))
-            self._file_load = self.file_ring.submit(sources, targets, after)
-            return
         started = time.perf_counter()
         ring.copy_from_files(
-            sources, targets, self.pin_budget or 0, pin=self.pin_budget is not None, device=self.device
+            [group.mapped_from for group in mapped],
+            targets,
+            self.pin_budget or 0,
+            pin=self.pin_budget is not None,
+            device=self.device,
+            ring=self.file_ring,
         )
         self.read_seconds += time.perf_counter() - started
+        self.read_bytes += sum(group.nbytes for group in mapped)
 
 
 def _storage_per_group(

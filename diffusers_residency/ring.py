@@ -6,7 +6,6 @@ one for good, which reads the next load ahead.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -108,9 +107,6 @@ class Ring:
         self._following: dict[tuple[int, int] | None, list[MappedBytes]] = {}
         # The copy being read ahead: its sources, chunks, first slot and the fills under way.
         self._ahead: tuple[list[MappedBytes], list[_RingChunk], int, list[Future[bool]]] | None = None
-        # The thread and stream that loads through a kept ring run on (see submit), made on first use.
-        self._loader: ThreadPoolExecutor | None = None
-        self._stream = _device.new_copy_stream(device) if self._asynchronous else None
 
     @property
     def nbytes(self) -> int:
@@ -214,42 +210,9 @@ class Ring:
         if following is not None:
             self._read_ahead(following, self._cursor)
 
-    def submit(
-        self, sources: Sequence[MappedBytes], targets: Sequence[torch.Tensor], after: torch.Event | None
-    ) -> Future[tuple[torch.Event | None, float]]:
-        """:meth:`copy` on the ring's own thread and stream, after ``after`` (an event of the stream
-        the load was queued on: where its device storage is free to write). Its result is an event
-        the copies are done by (None on the CPU, where they are) and the seconds the thread took.
-        Loads through one ring run one after the other, in the order submitted.
-
-        A load from files waits for reads of the page cache, where a load from masters in RAM only
-        queues copies: run by the thread that queues the compute, it held that thread for the
-        reads, and the device, left with nothing queued, waited too (docs/measurements.md). Here the
-        reads run beside the compute; the unit's first forward waits for the event."""
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="ring_loader")
-
-        def load() -> tuple[torch.Event | None, float]:
-            started = time.perf_counter()
-            if self._stream is None:
-                self.copy(sources, targets)
-                return None, time.perf_counter() - started
-            if after is not None:
-                self._stream.wait_event(after)
-            with self._stream:
-                self.copy(sources, targets)
-            done = torch.Event(device=self.device)
-            done.record(self._stream)
-            return done, time.perf_counter() - started
-
-        return self._loader.submit(load)
-
     def close(self) -> None:
-        """Wait for the loads submitted, stop reading ahead, wait for every copy out of the slots,
-        then unlock them (the mapping goes with the ring)."""
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        """Stop reading ahead, wait for every copy out of the slots, then unlock them (the mapping
+        goes with the ring)."""
         self._take_read_ahead([])
         self._following.clear()
         for copied in self._copied:
@@ -292,10 +255,11 @@ def copy_from_files(
     *,
     pin: bool,
     device: torch.device | None = None,
+    ring: Ring | None = None,
 ) -> None:
     """Copy each source's bytes into its target (a flat byte tensor on ``device``, the same size)
-    through a ring made for this call (page-locked while ``pin`` and ``budget`` allow) and closed
-    when every copy has run.
+    through ``ring``, or through a ring made for this call (page-locked while ``pin`` and
+    ``budget`` allow) and closed when every copy has run.
 
     A level-2 wake that read the masters into new memory of their own and copied them from there
     moved each byte through host memory four times: the kernel zeroes each new page, the read
@@ -304,6 +268,9 @@ def copy_from_files(
     most 1 GiB of slots the zeroing and the locking of every page go: the masters are read back
     into memory of their own afterwards, off the wake's path (see ``ModuleStager.read_ahead``).
     Nothing is left locked or reading when it raises."""
+    if ring is not None:
+        ring.copy(sources, targets)
+        return
     chunks = _ring_chunks(sources, _RING_SLOT_BYTES)
     if not chunks:
         return

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from concurrent.futures import wait
 from dataclasses import replace
 
 import torch
@@ -126,7 +125,6 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # Bytes loaded from masters kept in checkpoint files, and the host seconds those loads took.
         self.read_bytes = 0
         self.read_seconds = 0.0
-        self._file_load = None
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
@@ -240,9 +238,6 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def _fall_back_to_masters(self) -> None:
         """After a failure: wait for in-flight copies into the storage about to be dropped, rebind the
         masters, and give the allocator's cache back so a retry (or the next component) finds room."""
-        loading, self._file_load = self._file_load, None
-        if loading is not None:
-            wait([loading])  # its copies are queued, or it failed: either way it writes no more
         try:
             _device.synchronize(self.device)
         except Exception:
@@ -276,33 +271,9 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         """Make the compute stream wait for the last load's copy (on the device, not the host). Called
         before every forward of a loaded unit, which also takes masters read back since it was
         loaded from the files, once that read is done (see :meth:`_settle_mapped_masters`)."""
-        if self._file_load is not None:
-            self._join_file_load(retry=True)
         if self._reading_ahead is not None and self._reading_ahead[1].done():
             self._settle_mapped_masters()
         self._copy.join()
-
-    def _join_file_load(self, *, retry: bool) -> None:
-        """Make the compute stream wait for the load through the kept ring (see Ring.submit), once
-        its thread has queued it. One that failed puts the weights back on their masters and drops
-        the device storage it was filling; with ``retry`` it is loaded again at once (a load made
-        ahead fails on its own thread, and may have failed in a call that has ended since), and a
-        second failure raises."""
-        try:
-            done, seconds = self._file_load.result()
-        except Exception:
-            self._fall_back_to_masters()
-            if not retry:
-                raise
-            logger.warning("Loading from checkpoint files failed; loading again", exc_info=True)
-            self._load(ahead=True, slots=None)
-            if self._file_load is not None:
-                self._join_file_load(retry=False)
-            return
-        self._file_load = None
-        self.read_seconds += seconds
-        if done is not None:
-            torch.accelerator.current_stream(self.device).wait_event(done)
 
     def _load(self, ahead: bool, slots: DeviceSlots | None) -> None:
         try:
@@ -334,9 +305,6 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         already queued there; a copy into storage from ``slots`` first waits for that compute.
         """
         if not self.loaded:
-            return
-        if self._file_load is not None and self._file_load.exception() is not None:
-            self._fall_back_to_masters()  # a load from files made ahead failed, and nothing used it
             return
         # A copy made ahead and never used: order it before the compute work that may get its
         # storage next.
