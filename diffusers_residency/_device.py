@@ -178,6 +178,7 @@ def cap_device_memory(device: torch.device, nbytes: int | None) -> bool:
     cap), as a smaller GPU would. Only CUDA has such a cap; returns whether one is in force."""
     if device.type != "cuda":
         return False
+    device = _indexed(device)  # torch's memory fraction wants an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0 if nbytes is None else min(1.0, nbytes / total), device)
     return nbytes is not None
