@@ -63,6 +63,10 @@ PREFETCH_BLOCKS = 2
 # (the next copy is queued behind the one running), and the slot it frees holds blocks that do not
 # move at every step.
 PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
+# Simulated steps within this fraction of the shortest count as equal (see _with_resident_blocks):
+# a timed step moves by more than that from one call or process to the next, and between near-equal
+# choices it would pick another set of resident blocks each time.
+STEP_TIE = 0.02
 # Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
 # budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
 # (the VAE decoding at full resolution: 2.6 GB, docs/measurements.md), plus room for the
@@ -468,7 +472,8 @@ def _with_resident_blocks(
 ) -> dict[str, ComponentPlan]:
     """``plans`` with streamed component ``name``'s resident blocks (and window depth, one of
     ``depths``) chosen to fit: the most bytes, or with a timing the shortest simulated step (among
-    equals the first depth, then the most bytes); its staged blocks are left to :func:`_stage_blocks`."""
+    steps within :data:`STEP_TIE` of it, the first depth, then the most bytes); its staged blocks
+    are left to :func:`_stage_blocks`."""
     sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
     fitting = (
         {**plans, name: replace(plan, resident_blocks=resident, prefetch_blocks=depth)}
@@ -479,7 +484,11 @@ def _with_resident_blocks(
     if timing is None:
         return next(fitting, plans)
     seconds = functools.partial(_step_seconds, name=name, by_name=by_name, fits=fits, timing=timing)
-    return min(fitting, key=seconds, default=plans)
+    timed = [(seconds(trial), trial) for trial in fitting]
+    if not timed:
+        return plans
+    shortest = min(step for step, _ in timed)
+    return next(trial for step, trial in timed if step <= shortest * (1 + STEP_TIE))
 
 
 def _step_seconds(
