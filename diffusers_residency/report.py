@@ -35,8 +35,9 @@ class ComponentReport:
     read_seconds: float = 0.0
     # Host time the package spent on the component (see ResidencyUnit.host_seconds), over all calls so far.
     host_seconds: float = 0.0
-    # A streamed component's compute seconds per step: the first step timed and the latest (see
-    # BlockStream). Beside its loads per step it says whether the bus or the compute sets the pace.
+    # A streamed component's compute seconds per step: the first step timed, and the median of those
+    # the latest call timed (see BlockStream). Beside its loads per step it says whether the bus or
+    # the compute sets the pace.
     step_compute_seconds: tuple[float, float] | None = None
 
     @property
@@ -85,7 +86,7 @@ class ResidencyReport:
         unit, size = size_unit(max((c.weight_bytes for c in self.components), default=0))
         header = (
             "component", "policy", "state", unit, f"device {unit}", f"pinned {unit}", f"pageable {unit}", f"mapped {unit}",
-            "loads", "load s", "GB/s", "file GB/s", "host s", "releases", "retains", "compute s/step (first, latest)",
+            "loads", "load s", "GB/s", "file GB/s", "host s", "releases", "retains", "compute s/step (first, latest call)",
         )  # fmt: skip
         rows = [
             (

@@ -17,6 +17,7 @@ the last blocks loaded, when another component evicts them.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -29,6 +30,11 @@ from .policy import Policy
 from .staging import ModuleStager
 
 logger = logging.getLogger(__name__)
+
+# Steps timed per activation of a streamed component (a pipeline call), from its second on; their
+# median is the step the planner is given. One step's time moves with a garbage collection, an
+# allocator retry or another process on the device, and a plan chosen from it moved with it.
+STEPS_TIMED = 5
 
 
 class Block(Protocol):
@@ -83,12 +89,13 @@ class BlockStream:
     is ever read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a
     wait.
 
-    The second pass of every activation of the component (the second denoising step of a call) is
-    timed on the compute stream, block by block: from the end of a block's entry (its weights
-    waited for) to the next block's entry, so the pass's last block also counts the work up to the
-    next pass (the scheduler's step, the trunk). :meth:`step_compute_seconds` sums them: what a
-    step computes, beside what it loads, says whether the bus or the compute sets its pace. A pass
-    cut by a switch to another component is not counted.
+    From the second pass of every activation of the component (the second denoising step of a
+    call) on, up to :data:`STEPS_TIMED` passes are timed on the compute stream, block by block:
+    from the end of a block's entry (its weights waited for) to the next block's entry, so the
+    pass's last block also counts the work up to the next pass (the scheduler's step, the trunk).
+    :meth:`step_compute_seconds` sums them: what a step computes, beside what it loads, says
+    whether the bus or the compute sets its pace. A pass cut by a switch to another component is
+    not counted.
     """
 
     def __init__(
@@ -112,10 +119,12 @@ class BlockStream:
         self._running: tuple[Block, torch.Event | float] | None = None
         self._activation = -1
         self._passes = 0
-        # The first pass ever timed and the latest: their stamps until read, then their sums.
+        # The first pass ever timed, and those of the latest activation that timed one: their
+        # stamps until read, then their sums.
         self._first_step: dict[Block, tuple] | float | None = None
-        self._latest_step: dict[Block, tuple] | float | None = None
-        # How many passes were timed: whether the latest was timed after a given moment.
+        self._latest_steps: list[dict[Block, tuple] | float] = []
+        self._timed_in_activation = 0
+        # How many passes were timed: whether one was timed after a given moment.
         self.steps_timed = 0
         self._compute_windows()
 
@@ -160,33 +169,36 @@ class BlockStream:
         self._compute_windows()
 
     def step_compute_seconds(self) -> tuple[float, float] | None:
-        """Compute seconds of the first step ever timed and of the latest one (None before a whole
-        step was timed, in a call of three steps or more). Reading waits for that step to have run
-        on the device."""
-        if self._latest_step is None:
+        """Compute seconds of the first step ever timed, and the median of those timed in the
+        latest activation that timed one (None before a whole step was timed, in a call of three
+        steps or more). Reading waits for those steps to have run on the device."""
+        if not self._latest_steps:
             return None
-        self._first_step, self._latest_step = (
-            stamps if isinstance(stamps, float) else sum(_device.seconds_between(*pair) for pair in stamps.values())
-            for stamps in (self._first_step, self._latest_step)
-        )
-        return self._first_step, self._latest_step
+        self._first_step = _step_seconds(self._first_step)
+        self._latest_steps = [_step_seconds(stamps) for stamps in self._latest_steps]
+        return self._first_step, statistics.median(self._latest_steps)
 
     def _pass_begins(self, unit: Block) -> None:
         switches = self.group.switches
         if switches != self._activation:
             # Another component ran since this one last did: a pass it cut short is not a step.
-            self._activation, self._passes = switches, 0
+            self._activation, self._passes, self._timed_in_activation = switches, 0, 0
             self._stamps = self._running = None
         elif self._stamps is not None:
             if self._running is not None:
                 self._stamp_end(unit)
-            self._latest_step, self._stamps = self._stamps, None
+            if not self._timed_in_activation:
+                self._latest_steps = []
+            self._latest_steps.append(self._stamps)
+            self._timed_in_activation += 1
             self.steps_timed += 1
             if self._first_step is None:
-                self._first_step = self._latest_step
+                self._first_step = self._stamps
+            self._stamps = None
         self._passes += 1
-        if self._passes == 2:
+        if 2 <= self._passes <= STEPS_TIMED + 1:
             self._stamps = {}
+        if self._passes == 2:
             self.group.first_pass_ran(self.component)
 
     def _stamp_end(self, unit: Block) -> None:
@@ -255,3 +267,8 @@ class BlockStream:
             # an eviction, a sleep or the end of the call finds every byte of the component in its
             # loaded blocks.
             self.slots.clear()
+
+
+def _step_seconds(stamps: dict[Block, tuple] | float) -> float:
+    """A timed pass's compute seconds: the sum of its blocks' (start, end) stamps, once read."""
+    return stamps if isinstance(stamps, float) else sum(_device.seconds_between(*pair) for pair in stamps.values())

@@ -28,7 +28,7 @@ from diffusers_residency.pipeline import (
 from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, plan_residency
 from diffusers_residency.policy import Policy
 from diffusers_residency.step_timing import StepTiming
-from diffusers_residency.streaming import repeated_blocks
+from diffusers_residency.streaming import STEPS_TIMED, repeated_blocks
 
 from .helpers import (
     RESERVE,
@@ -722,12 +722,26 @@ def test_a_streamed_component_reports_the_compute_of_a_step(flux: PipelineCase, 
     assert flux.pipe.residency_report()["transformer"].step_compute_seconds is None, "a step across two calls"
     assert torch.equal(_run(flux, 3), reference[3])
     assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 1.0)
-    assert "compute s/step (first, latest)" in str(flux.pipe.residency_report())
+    assert "compute s/step (first, latest call)" in str(flux.pipe.residency_report())
 
     monkeypatch.undo()  # the host clock: the next call's step is timed afresh, the first kept
     assert torch.equal(_run(flux, 3), reference[3])
     first, latest = flux.pipe.residency_report()["transformer"].step_compute_seconds
     assert first == 1.0 and 0 < latest != 1.0
+
+
+def test_a_streamed_step_is_the_median_of_the_steps_a_call_timed(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = _run(flux, 8)
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    # A clock at which the n-th step of a call lasts durations[n]: the steps from the second on are
+    # timed, STEPS_TIMED of them (the 2nd to the 6th), and one of them is slow.
+    durations = [0.0, 0.0, 1.0, 9.0, 2.0, 3.0, 100.0, 50.0, 7.0, 7.0]
+    steps = []
+    flux.pipe.transformer.register_forward_pre_hook(lambda *_: steps.append(None))
+    monkeypatch.setattr(_device, "compute_timestamp", lambda device: sum(durations[: len(steps)]))
+    assert STEPS_TIMED == 5
+    assert torch.equal(_run(flux, 8), reference)
+    assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 3.0)
 
 
 def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_room_to_the_vae(
