@@ -11,13 +11,13 @@ once it returns, so that what one shape taught never lands in another shape's pl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .budget_watch import BudgetWatch
 from .hooks import StagingHook
-from .planner import BudgetTooSmallError, ResidencyPlan
+from .planner import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
 from .profile import CallFigures, ResidencyProfile, write_profile
 from .report import report_for
@@ -129,16 +129,21 @@ def _watch(state: PipelineResidency, *, measure: bool) -> None:
 
 
 def replan_in_place(
-    state: PipelineResidency, activations: Mapping[str, int], timings: Mapping[str, StepTiming] | None = None
+    state: PipelineResidency,
+    activations: Mapping[str, int],
+    timings: Mapping[str, StepTiming] | None = None,
+    chosen: Sequence[ComponentPlan] | None = None,
 ) -> ResidencyPlan:
     """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
     components that stream keep streaming (their blocks have hooks of their own; with every block
     resident, one is as good as resident), the others may move between staged and resident, not to
-    streaming (they have no block hooks).
+    streaming (they have no block hooks). ``chosen``: the plan made before for these figures (see
+    plan_residency).
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming, whole = _hooked(state)
-    plan = state.replan(activations, streaming, whole, state.plan.timings if timings is None else timings)
+    timings = state.plan.timings if timings is None else timings
+    plan = state.replan(activations, streaming, whole, timings, chosen=chosen)
     return replace(plan, source="measured", shape=state.shape)
 
 
@@ -353,7 +358,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     figures = state.profile.shapes.get(shape)
     if figures is not None:
         try:
-            plan = replan_in_place(state, figures.activations, figures.timings)
+            plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
         except BudgetTooSmallError:  # figures saved for other policies given (components=)
             logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", shape)
         else:
@@ -397,6 +402,7 @@ def end_call(state: PipelineResidency) -> None:
         dict(state.plan.timings),
         frozenset(state.group.retention.release_over_limit_before),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
+        plan=state.plan.components,
     )
     if state.profile.shapes.get(state.shape) == figures:
         return

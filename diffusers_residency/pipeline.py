@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -28,7 +28,15 @@ from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .host_budget import HostPlacement, file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
-from .planner import BudgetTooSmallError, ComponentSizes, ResidencyPlan, default_reserve, plan_as_given, plan_residency
+from .planner import (
+    BudgetTooSmallError,
+    ComponentPlan,
+    ComponentSizes,
+    ResidencyPlan,
+    default_reserve,
+    plan_as_given,
+    plan_residency,
+)
 from .policy import Policy
 from .profile import ResidencyProfile, read_profile, starting_profile, write_profile
 from .report import ResidencyReport, report_for
@@ -166,16 +174,16 @@ def _planner(
     budget: tuple[int, int | None] | None,
 ) -> Callable[..., ResidencyPlan]:
     """The plan for these components as a function of per-component activations, of policies to pin
-    besides the user's, of components that can only move whole, and of ``least`` (see
-    :func:`~diffusers_residency.planner.plan_residency`): planned again when a call says what its
-    components need."""
+    besides the user's, of components that can only move whole, of ``least`` and of a plan ``chosen``
+    before (see :func:`~diffusers_residency.planner.plan_residency`): planned again when a call says
+    what its components need."""
     sizes = _component_sizes(pipe, modules)
-    chosen = _policies(pipe, modules, components)
+    policies = _policies(pipe, modules, components)
     if budget is None:
-        return lambda activations, pinned, whole=(), timings=None, least=False: plan_as_given(sizes, chosen)
+        return lambda *args, **kwargs: plan_as_given(sizes, policies)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
-    fixed = {name: policy for name, policy in chosen.items() if name in (components or {}) or policy is Policy.RESIDENT}
+    fixed = {name: policy for name, policy in policies.items() if name in (components or {}) or policy is Policy.RESIDENT}
     budget_bytes, reserve = budget
     if reserve is None:
         reserve = _default_reserve(sizes, budget_bytes, fixed)
@@ -186,11 +194,13 @@ def _planner(
         whole: Collection[str] = (),
         timings: Mapping[str, StepTiming] | None = None,
         least: bool = False,
+        chosen: Sequence[ComponentPlan] | None = None,
     ) -> ResidencyPlan:
         # A component with no block hooks shows the planner no blocks: it cannot stream.
         planned = [replace(s, block_bytes=()) if s.name in whole else s for s in sizes]
+        fixed_here = {**fixed, **pinned}
         return plan_residency(
-            planned, budget_bytes, reserve, {**fixed, **pinned}, activations, timings=timings, least=least
+            planned, budget_bytes, reserve, fixed_here, activations, timings=timings, least=least, chosen=chosen
         )
 
     return plan

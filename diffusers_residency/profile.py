@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from . import _device
+from .planner import ComponentPlan
+from .policy import Policy
 from .step_timing import StepTiming
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,8 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
 class CallFigures:
     """What calls of one shape measured: each component's bytes above the weights while it ran
     (margins included), each streamed denoiser's step timing, and the components before which the
-    allocator's cache is to be given back rather than kept (see ``RetentionBudget``)."""
+    allocator's cache is to be given back rather than kept (see ``RetentionBudget``); and the plan
+    made for those figures, which a first call from them takes as it is (see ``plan_residency``)."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -121,6 +124,7 @@ class CallFigures:
     # Whether the step was timed again under the plan made for the measuring call's timing (which
     # retries under a cap can stretch); a plan from figures not retimed times it again.
     retimed: bool = True
+    plan: tuple[ComponentPlan, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -128,13 +132,21 @@ class CallFigures:
             "timings": {name: [t.compute_per_byte, t.load_per_byte] for name, t in self.timings.items()},
             "release_before": sorted(self.release_before),
             "retimed": self.retimed,
+            "plan": [
+                [p.name, p.policy.value, sorted(p.resident_blocks), sorted(p.staged_blocks), p.prefetch_blocks]
+                for p in self.plan
+            ],
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
         timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
-        return cls(activations, timings, frozenset(map(str, data["release_before"])), bool(data["retimed"]))
+        plan = tuple(
+            ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
+            for name, policy, kept, staged, depth in data.get("plan", ())  # absent before plans were kept
+        )
+        return cls(activations, timings, frozenset(map(str, data["release_before"])), bool(data["retimed"]), plan)
 
 
 @dataclass

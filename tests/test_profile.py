@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import multiprocessing
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,16 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import _component_sizes, _default_reserve, _module_components, pipeline_state
-from diffusers_residency.planner import BudgetTooSmallError, ComponentSizes, default_reserve, plan_residency
+from diffusers_residency.planner import (
+    BudgetTooSmallError,
+    ComponentPlan,
+    ComponentSizes,
+    default_reserve,
+    plan_residency,
+)
 from diffusers_residency.policy import Policy
 from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
+from diffusers_residency.step_timing import StepTiming
 
 from .helpers import PipelineCase
 
@@ -73,6 +81,16 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     profile = residency_profile(first.pipe)
     assert list(profile.shapes) == [learned.shape] and "1 call shape(s)" in str(profile)
 
+    assert profile.shapes[learned.shape].plan == learned.components, "the plan is kept with its figures"
+    # The plan kept is taken as it is, not made again: one that keeps fewer blocks than the planner
+    # would (still fitting) shows which.
+    state = pipeline_state(first.pipe)
+    kept = tuple(
+        replace(p, resident_blocks=frozenset({0})) if p.name == "transformer" else p for p in learned.components
+    )
+    figures = replace(profile.shapes[learned.shape], plan=kept)
+    write_profile(state.profile_file, ResidencyProfile(profile.key, {learned.shape: figures}))
+
     second = PipelineCase("flux")  # built and loaded the same way: what a new process would hold
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     measuring = _measured_calls(second)
@@ -80,7 +98,7 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     planned = second.pipe.residency_plan()
     assert measuring == [False], "no measuring call"
     assert planned.source == "from the residency profile" and "residency profile" in str(planned)
-    assert (planned.components, planned.activations) == (learned.components, learned.activations)
+    assert (planned.components, planned.activations) == (kept, learned.activations)
 
     third = PipelineCase("flux")  # another budget: the profile is not for it
     third.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
@@ -317,3 +335,38 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
 
     signature = inspect.signature(StableDiffusionXLPipeline.__call__)
     assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
+
+
+def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() -> None:
+    sizes = (
+        ComponentSizes("text_encoder", 300 * MB, (100 * MB,) * 3),
+        ComponentSizes("transformer", 1000 * MB, (200 * MB,) * 5, per_step=True),
+    )
+    made = plan_residency(sizes, 900 * MB, 100 * MB)
+    assert made["transformer"].policy is Policy.STREAMED, str(made)
+    kept = tuple(
+        replace(p, resident_blocks=frozenset({0}), staged_blocks=frozenset()) if p.name == "transformer" else p
+        for p in made.components
+    )
+    assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=kept).components == kept
+    # No longer fitting (a smaller budget), or against a policy now fixed: planned again.
+    smaller = plan_residency(sizes, 700 * MB, 100 * MB, chosen=made.components)
+    assert smaller.components != made.components and smaller.peak_bytes <= 700 * MB
+    fixed = plan_residency(sizes, 900 * MB, 100 * MB, {"text_encoder": Policy.STAGED}, chosen=made.components)
+    assert fixed["text_encoder"].policy is Policy.STAGED
+
+
+def test_a_kept_plan_survives_the_file_and_an_older_file_without_one_still_reads(tmp_path: Path) -> None:
+    plan = (
+        ComponentPlan("text_encoder", Policy.STAGED),
+        ComponentPlan("transformer", Policy.STREAMED, frozenset({0, 3}), 1, frozenset({1})),
+    )
+    key = {"pipeline": "P"}
+    figures = CallFigures({"transformer": 5}, {"transformer": StepTiming(1e-9, 2e-11)}, frozenset({"vae"}), True, plan)
+    path = tmp_path / "p.json"
+    write_profile(path, ResidencyProfile(key, {"s": figures}))
+    assert read_profile(path, key).shapes["s"] == figures
+    data = json.loads(path.read_text())
+    del data["shapes"]["s"]["plan"]
+    path.write_text(json.dumps(data))
+    assert read_profile(path, key).shapes["s"] == replace(figures, plan=())
