@@ -483,6 +483,19 @@ def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path,
     assert all(r["trace"] for r in json.loads((tmp_path / "results.json").read_text())["results"])
 
 
+def test_the_first_call_can_be_the_traced_one(tmp_path, capsys) -> None:
+    assert main(["--modes", "resident,pinned", "--warmup", "1", "--calls", "1", "--trace", "first", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the first call traced, resident @ unlimited" in out and "the first call traced, pinned @ unlimited" in out
+    assert "one more call traced" not in out
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [len(r["call_seconds"]) for r in results] == [2, 2], "the traced call is the first warm-up call, timed"
+    assert all(r["trace"] and r["exact"] is not False for r in results)
+    with pytest.raises(SystemExit):
+        main(["--trace", "first", "--warmup", "0", "--out", str(tmp_path)])
+    assert "give --warmup 1 or more" in capsys.readouterr().err
+
+
 def _span(cat: str, name: str, ts: int, dur: int, correlation: int | None = None) -> dict:
     event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
     if correlation is not None:
@@ -568,7 +581,7 @@ def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch) -> None:
 
     monkeypatch.setattr(modes, "traced_call", failing)
     result, output = run_mode(
-        case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace=True
+        case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace="after"
     )
     assert result.error is None and result.seconds_per_call > 0 and output is not None
     assert result.trace == "no trace: RuntimeError: profiler unavailable"

@@ -128,9 +128,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--trace",
-        action="store_true",
+        nargs="?",
+        const="after",
+        choices=("after", "first"),
+        default=None,
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
-        "time went and how long the device waited for it, per component",
+        "time went and how long the device waited for it, per component; '--trace first' runs the first call "
+        "under it instead (a warm-up call, its time the profiler's too): where a first call's excess goes",
     )
     parser.add_argument(
         "--fresh-process",
@@ -157,6 +161,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--compile-mode applies to a compiled denoiser: give --compile regional or --compile whole too")
     if args.warmup < 0 or args.calls < 1:
         parser.error("--warmup takes 0 or more, --calls 1 or more: the steady figures are the latter's")
+    if args.trace == "first" and args.warmup < 1:
+        parser.error("--trace first traces a warm-up call, not a steady one: give --warmup 1 or more")
     if args.shapes is not None:
         if args.height is not None or args.width is not None:
             parser.error("--shapes gives each call's height and width: leave --height and --width out")
@@ -423,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for result in results:  # every round's: each is a call of its own
         if result.trace:
             where = run_label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
-            print(f"\none more call traced, {where}:\n\n```\n{result.trace}\n```")
+            which = "the first call" if args.trace == "first" else "one more call"
+            print(f"\n{which} traced, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":

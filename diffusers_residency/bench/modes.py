@@ -385,13 +385,13 @@ def run_mode(
     reference: torch.Tensor | None,
     budget: int | None = None,
     compile: CompileSettings | None = None,
-    trace: bool = False,
+    trace: str | None = None,
 ) -> tuple[ModeResult, torch.Tensor | None]:
     """Cap the device at ``budget``, set the mode up (and compile its denoiser, as ``compile``
     says), run ``warmup`` then ``calls`` calls, every one timed, the steady figures taken over the
-    last ``calls`` (and, with ``trace``, one more under the profiler, see :mod:`.trace`), tear it
-    down; return the figures and the first output (the reference for the modes after it when this
-    is the resident mode)."""
+    last ``calls`` (with ``trace="after"``, one more under the profiler, see :mod:`.trace`; with
+    ``"first"``, the first one under it, a warm-up call), tear it down; return the figures and the
+    first output (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
     _settle(device)
@@ -408,7 +408,9 @@ def run_mode(
         if compile is not None:
             compile_denoiser(pipe, compile)
         seconds: list[float] = []
-        first = timed_calls(call, device, warmup, seconds)
+        traced, first = _traced_first_call(pipe, call, device, seconds) if trace == "first" else (None, None)
+        output = timed_calls(call, device, warmup - (trace == "first"), seconds)
+        first = output if first is None else first
         graphs = _graphs() if compile is not None else None
         # Inductor's graph trees are CUDA's only.
         count_cuda_graphs = compile is not None and device.type == "cuda" and replays_cuda_graphs(compile.kwargs())
@@ -427,7 +429,7 @@ def run_mode(
         peak_anonymous = sampler.stop()
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
-        traced = _trace(pipe, call, device) if trace else None
+        traced = _trace(pipe, call, device) if trace == "after" else traced
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)
@@ -525,6 +527,18 @@ def _trace(pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: to
     except Exception as exc:
         logger.warning("tracing a call failed", exc_info=True)
         return f"no trace: {_first_line(exc)}"
+
+
+def _traced_first_call(
+    pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: torch.device, seconds: list[float]
+) -> tuple[str, torch.Tensor]:
+    """The first call under the profiler: its summary and its output, its time appended to
+    ``seconds`` (the profiler's own cost included: it is where a first call's excess goes that this
+    shows, not its length). A failure fails the mode, as an untraced first call's would."""
+    outputs: list[torch.Tensor] = []
+    traced = traced_call(pipe, lambda: outputs.append(call()), device)
+    seconds.append(traced.wall_ms / 1000)
+    return str(traced), outputs[0]
 
 
 def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float, int, float]:
