@@ -339,8 +339,12 @@ def enable_pinned_offload(
         and (not plan.keeps_everything or capped)
         and len(set(sequence)) > 1
     )
-    profile, profile_file = starting_profile(type(pipe).__name__, modules, budget[0], group.device, group.pin_memory) if measuring else (None, None)
+    profile, profile_file = None, None
     if measuring:
+        given = {name: Policy.parse(value, name).value for name, value in (components or {}).items()}
+        profile, profile_file = starting_profile(
+            type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
+        )
         plan = replan({}, {}, least=True)
     wrap_every_pipeline_call()
 

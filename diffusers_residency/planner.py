@@ -458,17 +458,23 @@ def plan_residency(
 def _still_holds(
     chosen: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes], fixed: Mapping[str, Policy]
 ) -> bool:
-    """Whether ``chosen`` plans each of these components once, with the policies ``fixed`` pins, and
-    streams only components with blocks to stream, by positions they have."""
+    """Whether ``chosen`` plans each of these components once, with the policies ``fixed`` pins;
+    streams only components with blocks to stream, each block resident or staged at most once, with
+    a window; and names blocks of no other component (a profile may have been edited by hand)."""
     if sorted(p.name for p in chosen) != sorted(by_name):
         return False
     for plan in chosen:
-        blocks = len(by_name[plan.name].block_bytes)
         if plan.name in fixed and plan.policy is not fixed[plan.name]:
             return False
-        if plan.policy is Policy.STREAMED and (
-            not by_name[plan.name].streamable or any(i >= blocks for i in plan.resident_blocks | plan.staged_blocks)
-        ):
+        if plan.policy is not Policy.STREAMED:
+            if plan.resident_blocks or plan.staged_blocks:
+                return False
+            continue
+        positions = range(len(by_name[plan.name].block_bytes))
+        kept = plan.resident_blocks | plan.staged_blocks
+        if not by_name[plan.name].streamable or plan.prefetch_blocks < 1 or not kept <= set(positions):
+            return False
+        if plan.resident_blocks & plan.staged_blocks:
             return False
     return True
 

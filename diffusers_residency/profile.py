@@ -116,7 +116,8 @@ class CallFigures:
     """What calls of one shape measured: each component's bytes above the weights while it ran
     (margins included), each streamed denoiser's step timing, and the components before which the
     allocator's cache is to be given back rather than kept (see ``RetentionBudget``); and the plan
-    made for those figures, which a first call from them takes as it is (see ``plan_residency``)."""
+    made for those figures and the budget in bytes it was made for (a profile's budget is keyed to
+    256 MiB), which a first call from them takes as it is at that budget (see ``plan_residency``)."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -125,6 +126,7 @@ class CallFigures:
     # retries under a cap can stretch); a plan from figures not retimed times it again.
     retimed: bool = True
     plan: tuple[ComponentPlan, ...] = ()
+    plan_budget: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -136,6 +138,7 @@ class CallFigures:
                 [p.name, p.policy.value, sorted(p.resident_blocks), sorted(p.staged_blocks), p.prefetch_blocks]
                 for p in self.plan
             ],
+            "plan_budget": self.plan_budget,
         }
 
     @classmethod
@@ -146,7 +149,9 @@ class CallFigures:
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
             for name, policy, kept, staged, depth in data.get("plan", ())  # absent before plans were kept
         )
-        return cls(activations, timings, frozenset(map(str, data["release_before"])), bool(data["retimed"]), plan)
+        budget = data.get("plan_budget")
+        release_before, retimed = frozenset(map(str, data["release_before"])), bool(data["retimed"])
+        return cls(activations, timings, release_before, retimed, plan, None if budget is None else int(budget))
 
 
 @dataclass
@@ -203,10 +208,12 @@ def profile_key(
     device_name: str,
     device_bytes: int | None,
     pin_memory: bool,
+    policies: Mapping[str, str],
 ) -> dict[str, str]:
     """What a profile's figures hold for. Components are hashed from their class, configuration,
     attention kernel, dtypes and byte sizes: the same checkpoint loaded again matches, another one
-    (or another dtype) does not. Not keyed: a VAE's tiling or slicing switched on after loading."""
+    (or another dtype) does not. ``policies``: those the caller gave (``components=``), which the
+    plan kept with the figures keeps. Not keyed: a VAE's tiling or slicing switched on after loading."""
     import diffusers
     import transformers
 
@@ -226,6 +233,7 @@ def profile_key(
         "device_memory": str(device_bytes),
         "budget": f"{round(budget / BUDGET_GRANULARITY) * BUDGET_GRANULARITY}",
         "pinned": str(pin_memory),
+        "policies": ",".join(f"{name}={policy}" for name, policy in sorted(policies.items())),
         "torch": torch.__version__.split("+")[0],
         "diffusers": diffusers.__version__,
         "transformers": transformers.__version__,
@@ -287,14 +295,18 @@ def write_profile(path: Path, profile: ResidencyProfile) -> None:
 
 
 def starting_profile(
-    pipeline_class: str, modules: Mapping[str, nn.Module], budget: int, device: torch.device, pin_memory: bool
+    pipeline_class: str,
+    modules: Mapping[str, nn.Module],
+    budget: int,
+    device: torch.device,
+    pin_memory: bool,
+    policies: Mapping[str, str],
 ) -> tuple[ResidencyProfile, Path | None]:
     """The residency profile a setup starts from (the one saved in the cache folder, if any, or an
     empty one), and the file it is kept in (None when profiles are turned off)."""
     memory = _device.read_memory_telemetry(device)
-    key = profile_key(
-        pipeline_class, modules, budget, device, _device.device_model(device), memory and memory.total, pin_memory
-    )
+    model, total = _device.device_model(device), memory and memory.total
+    key = profile_key(pipeline_class, modules, budget, device, model, total, pin_memory, policies)
     folder = cache_folder()
     if folder is None:
         return ResidencyProfile(key), None

@@ -106,6 +106,16 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert torch.equal(third.run(), third.reference)
     assert measuring == [True]
 
+    # A budget a few bytes off shares the profile (its budget is keyed to 256 MiB), not the plan
+    # kept: that was made for the bytes of the first, and is made again from the figures.
+    fourth = PipelineCase("flux")
+    fourth.pipe.enable_pinned_offload("cpu", vram_budget=budget - 4096)
+    measuring = _measured_calls(fourth)
+    assert torch.equal(fourth.run(), fourth.reference)
+    planned = fourth.pipe.residency_plan()
+    assert measuring == [False] and planned.source == "from the residency profile"
+    assert planned.components == learned.components != kept
+
 
 def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
@@ -128,6 +138,24 @@ def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
     margin = int(budget * 0.02)
     assert plans[32].activations["transformer"] == 1000 + margin and plans[48].activations["transformer"] == 9000 + margin
     assert set(residency_profile(flux.pipe).shapes) == {plans[32].shape, plans[48].shape}
+
+
+def test_policies_given_key_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A plan kept for a text encoder the caller staged is no plan for a setup that fixes nothing.
+    first = PipelineCase("flux")
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget, components={"text_encoder": "staged"})
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    assert first.pipe.residency_plan()["text_encoder"].policy is Policy.STAGED
+    assert residency_profile(first.pipe).key["policies"] == "text_encoder=staged"
+
+    second = PipelineCase("flux")
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    measuring = _measured_calls(second)
+    assert torch.equal(second.run(), second.reference)
+    assert measuring == [True], "measured: the profile was for other policies"
+    assert residency_profile(second.pipe).key["policies"] == ""
 
 
 def test_a_profile_saved_and_loaded_explicitly_plans_a_pipeline_with_profiles_turned_off(
@@ -343,17 +371,30 @@ def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() 
         ComponentSizes("transformer", 1000 * MB, (200 * MB,) * 5, per_step=True),
     )
     made = plan_residency(sizes, 900 * MB, 100 * MB)
-    assert made["transformer"].policy is Policy.STREAMED, str(made)
-    kept = tuple(
-        replace(p, resident_blocks=frozenset({0}), staged_blocks=frozenset()) if p.name == "transformer" else p
-        for p in made.components
-    )
+    transformer = made["transformer"]
+    assert transformer.policy is Policy.STREAMED and transformer.resident_blocks, str(made)
+
+    def with_transformer(**changes) -> tuple[ComponentPlan, ...]:
+        return tuple(replace(p, **changes) if p.name == "transformer" else p for p in made.components)
+
+    # Fewer blocks resident than the planner keeps, still fitting: taken as it is.
+    kept = with_transformer(resident_blocks=frozenset(), staged_blocks=frozenset())
     assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=kept).components == kept
-    # No longer fitting (a smaller budget), or against a policy now fixed: planned again.
+    # No longer fitting (a smaller budget), against a policy now fixed, or not a plan of these
+    # components (a block out of range, one both resident and staged, no window): planned again.
     smaller = plan_residency(sizes, 700 * MB, 100 * MB, chosen=made.components)
     assert smaller.components != made.components and smaller.peak_bytes <= 700 * MB
-    fixed = plan_residency(sizes, 900 * MB, 100 * MB, {"text_encoder": Policy.STAGED}, chosen=made.components)
-    assert fixed["text_encoder"].policy is Policy.STAGED
+    assert made["text_encoder"].policy is not Policy.RESIDENT, str(made)
+    fixed = plan_residency(sizes, 1200 * MB, 100 * MB, {"text_encoder": Policy.RESIDENT}, chosen=kept)
+    assert fixed["text_encoder"].policy is Policy.RESIDENT and fixed.peak_bytes <= 1200 * MB
+    malformed = (
+        with_transformer(resident_blocks=frozenset({-1})),
+        with_transformer(resident_blocks=frozenset({5})),
+        with_transformer(resident_blocks=frozenset({0}), staged_blocks=frozenset({0})),
+        with_transformer(resident_blocks=frozenset(), staged_blocks=frozenset(), prefetch_blocks=0),
+    )
+    for chosen in malformed:
+        assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=chosen).components == made.components, chosen
 
 
 def test_a_kept_plan_survives_the_file_and_an_older_file_without_one_still_reads(tmp_path: Path) -> None:
