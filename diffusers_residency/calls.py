@@ -53,6 +53,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
         with contextlib.ExitStack() as locks:
             for group in groups:
                 locks.enter_context(group.call_lock)
+                group.calls += 1
             if state is None or state.profile is None or state.in_call:
                 # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
                 # the outermost call is the one planned for.

@@ -138,6 +138,9 @@ class ResidencyGroup:
         # Times evict_others handed the device to a component: a block stream times a step only
         # between two (see BlockStream).
         self.switches = 0
+        # Pipeline calls begun (see calls._wrap_call): where every other component stays resident,
+        # nothing switches between two calls, and a block stream tells its calls apart by these.
+        self.calls = 0
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False

@@ -50,9 +50,10 @@ class Block(Protocol):
 class StreamOwner(Protocol):
     """What a stream needs of the group it runs in (a residency group)."""
 
-    # How many times the device has switched from one component to another: a stream that sees it
-    # move knows another component ran since its last block.
+    # How many times the device has switched from one component to another, and how many pipeline
+    # calls began: a stream that sees either move knows its next pass begins a new activation.
     switches: int
+    calls: int
 
     def first_pass_ran(self, component: str) -> None:
         """Told once a component's blocks have run through once in a call."""
@@ -94,8 +95,8 @@ class BlockStream:
     from the end of a block's entry (its weights waited for) to the next block's entry, so the
     pass's last block also counts the work up to the next pass (the scheduler's step, the trunk).
     :meth:`step_compute_seconds` sums them: what a step computes, beside what it loads, says
-    whether the bus or the compute sets its pace. A pass cut by a switch to another component is
-    not counted.
+    whether the bus or the compute sets its pace. A pass cut by a switch to another component, or
+    by the end of its call, is not counted.
     """
 
     def __init__(
@@ -117,7 +118,7 @@ class BlockStream:
         # with its start. Passes are counted from the group's switch count they began at.
         self._stamps: dict[Block, tuple] | None = None
         self._running: tuple[Block, torch.Event | float] | None = None
-        self._activation = -1
+        self._activation: tuple[int, int] | None = None
         self._passes = 0
         # The first pass ever timed, and those of the latest activation that timed one: their
         # stamps until read, then their sums.
@@ -179,10 +180,11 @@ class BlockStream:
         return self._first_step, statistics.median(self._latest_steps)
 
     def _pass_begins(self, unit: Block) -> None:
-        switches = self.group.switches
-        if switches != self._activation:
-            # Another component ran since this one last did: a pass it cut short is not a step.
-            self._activation, self._passes, self._timed_in_activation = switches, 0, 0
+        activation = (self.group.switches, self.group.calls)
+        if activation != self._activation:
+            # Another component ran since this one last did, or another call began: a pass they
+            # cut short is not a step.
+            self._activation, self._passes, self._timed_in_activation = activation, 0, 0
             self._stamps = self._running = None
         elif self._stamps is not None:
             if self._running is not None:

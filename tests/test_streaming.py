@@ -730,6 +730,27 @@ def test_a_streamed_component_reports_the_compute_of_a_step(flux: PipelineCase, 
     assert first == 1.0 and 0 < latest != 1.0
 
 
+def test_each_call_times_its_steps_where_every_other_component_stays_resident(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing switches between two calls then: the stream tells them apart by the calls begun, and
+    # a third call's steps are timed as the first's were (not passes counted on from the first call).
+    reference = _run(flux, 3)
+    others = {name: "resident" for name in ("text_encoder", "text_encoder_2", "vae")}
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed", **others}, vram_budget=None)
+    steps = []
+    flux.pipe.transformer.register_forward_pre_hook(lambda *_: steps.append(None))
+    group = pipeline_state(flux.pipe).group
+    step_seconds = [1.0]
+    monkeypatch.setattr(_device, "compute_timestamp", lambda device: step_seconds[0] * len(steps))
+    assert torch.equal(_run(flux, 3), reference)
+    switches = group.switches
+    for step_seconds[0] in (2.0, 3.0):
+        assert torch.equal(_run(flux, 3), reference)
+        assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, step_seconds[0])
+    assert group.switches == switches, "no component switched between the calls"
+
+
 def test_a_streamed_step_is_the_median_of_the_steps_a_call_timed(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _run(flux, 8)
     flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
