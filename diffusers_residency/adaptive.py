@@ -358,9 +358,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     figures = state.profile.shapes.get(shape)
     if figures is not None:
         try:
-            # The plan kept holds at the budget it was made for: a profile's is keyed to 256 MiB.
-            kept = figures.plan if figures.plan_budget == state.plan.budget else None
-            plan = replan_in_place(state, figures.activations, figures.timings, kept or None)
+            plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
         except BudgetTooSmallError:  # figures saved for other policies given (components=)
             logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", shape)
         else:
@@ -405,7 +403,6 @@ def end_call(state: PipelineResidency) -> None:
         frozenset(state.group.retention.release_over_limit_before),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
         plan=state.plan.components,
-        plan_budget=state.plan.budget,
     )
     if state.profile.shapes.get(state.shape) == figures:
         return

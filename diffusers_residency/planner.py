@@ -386,9 +386,10 @@ def plan_residency(
     each component having the most room it can have.
 
     ``chosen``: the components of a plan made before for the same figures (a residency profile
-    keeps it), taken as they are where they still fit and keep ``fixed``: a timed plan weighs every
-    fitting choice of resident blocks, a large part of a second for FLUX.1-dev at 16 GB, which a
-    first call from a profile would otherwise pay.
+    keeps it), taken as they are where they still fit and keep ``fixed``, unless everything fits
+    now: a timed plan weighs every fitting choice of resident blocks, a large part of a second for
+    FLUX.1-dev at 16 GB, which a first call from a profile would otherwise pay. (A profile holds
+    for budgets within 256 MiB of one another: the plan kept may leave up to that much unused.)
 
     Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
     """
@@ -413,12 +414,12 @@ def plan_residency(
         plan = _as_given(s, fixed[s.name])
         return replace(plan, resident_blocks=frozenset(range(len(s.block_bytes)))) if plan.policy is Policy.STREAMED else plan
 
-    if chosen is not None and not least and _still_holds(chosen, by_name, fixed):
-        if fits(plans := {p.name: p for p in chosen}):
-            return as_plan(plans)
     resident = {s.name: most_resident(s) for s in sizes}
     if fits(resident) and not least:
         return as_plan(resident)
+    if chosen is not None and not least and _still_holds(chosen, by_name, fixed):
+        if fits(plans := {p.name: p for p in chosen}):
+            return as_plan(plans)
 
     free = [s for s in sizes if s.name not in fixed]
     plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _off_device_between_uses(s) for s in sizes}

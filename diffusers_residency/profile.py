@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 CACHE_VARIABLE = "DIFFUSERS_RESIDENCY_CACHE"
 NO_PROFILES_VARIABLE = "DIFFUSERS_RESIDENCY_NO_PROFILES"
 # Bumped when what a profile holds changes meaning: an older file is then refused as stale.
-FORMAT = 1
+# 2: plans kept with their figures, and the policies given keyed.
+FORMAT = 2
 
 # Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
@@ -116,8 +117,7 @@ class CallFigures:
     """What calls of one shape measured: each component's bytes above the weights while it ran
     (margins included), each streamed denoiser's step timing, and the components before which the
     allocator's cache is to be given back rather than kept (see ``RetentionBudget``); and the plan
-    made for those figures and the budget in bytes it was made for (a profile's budget is keyed to
-    256 MiB), which a first call from them takes as it is at that budget (see ``plan_residency``)."""
+    made for those figures, which a first call from them takes as it is (see ``plan_residency``)."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -126,7 +126,6 @@ class CallFigures:
     # retries under a cap can stretch); a plan from figures not retimed times it again.
     retimed: bool = True
     plan: tuple[ComponentPlan, ...] = ()
-    plan_budget: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -138,7 +137,6 @@ class CallFigures:
                 [p.name, p.policy.value, sorted(p.resident_blocks), sorted(p.staged_blocks), p.prefetch_blocks]
                 for p in self.plan
             ],
-            "plan_budget": self.plan_budget,
         }
 
     @classmethod
@@ -147,11 +145,10 @@ class CallFigures:
         timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
         plan = tuple(
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
-            for name, policy, kept, staged, depth in data.get("plan", ())  # absent before plans were kept
+            for name, policy, kept, staged, depth in data["plan"]
         )
-        budget = data.get("plan_budget")
         release_before, retimed = frozenset(map(str, data["release_before"])), bool(data["retimed"])
-        return cls(activations, timings, release_before, retimed, plan, None if budget is None else int(budget))
+        return cls(activations, timings, release_before, retimed, plan)
 
 
 @dataclass

@@ -115,7 +115,8 @@ class BlockStream:
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
         # The pass being timed: (start, end) compute timestamps per block, and the block running
-        # with its start. Passes are counted from the group's switch count they began at.
+        # with its start. Passes are counted within an activation: from the group's switch and
+        # call counts they began at.
         self._stamps: dict[Block, tuple] | None = None
         self._running: tuple[Block, torch.Event | float] | None = None
         self._activation: tuple[int, int] | None = None

@@ -16,6 +16,7 @@ import torch
 from diffusers_residency import (
     _device,
     load_residency_profile,
+    pipeline,
     residency_profile,
     save_residency_profile,
 )
@@ -82,23 +83,21 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert list(profile.shapes) == [learned.shape] and "1 call shape(s)" in str(profile)
 
     assert profile.shapes[learned.shape].plan == learned.components, "the plan is kept with its figures"
-    # The plan kept is taken as it is, not made again: one that keeps fewer blocks than the planner
-    # would (still fitting) shows which.
-    state = pipeline_state(first.pipe)
-    kept = tuple(
-        replace(p, resident_blocks=frozenset({0})) if p.name == "transformer" else p for p in learned.components
-    )
-    figures = replace(profile.shapes[learned.shape], plan=kept)
-    write_profile(state.profile_file, ResidencyProfile(profile.key, {learned.shape: figures}))
 
     second = PipelineCase("flux")  # built and loaded the same way: what a new process would hold
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     measuring = _measured_calls(second)
+    # The plan kept is handed to the planner, to be taken as it is (see the planner's own test).
+    handed = []
+    real = pipeline.plan_residency
+    monkeypatch.setattr(pipeline, "plan_residency", lambda *a, **kw: handed.append(kw.get("chosen")) or real(*a, **kw))
     assert torch.equal(second.run(), second.reference)
+    monkeypatch.setattr(pipeline, "plan_residency", real)
     planned = second.pipe.residency_plan()
     assert measuring == [False], "no measuring call"
+    assert handed == [learned.components]
     assert planned.source == "from the residency profile" and "residency profile" in str(planned)
-    assert (planned.components, planned.activations) == (kept, learned.activations)
+    assert (planned.components, planned.activations) == (learned.components, learned.activations)
 
     third = PipelineCase("flux")  # another budget: the profile is not for it
     third.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
@@ -106,15 +105,15 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert torch.equal(third.run(), third.reference)
     assert measuring == [True]
 
-    # A budget a few bytes off shares the profile (its budget is keyed to 256 MiB), not the plan
-    # kept: that was made for the bytes of the first, and is made again from the figures.
+    # A budget a few megabytes off ("auto" moves so between processes) shares the profile (its
+    # budget is keyed to 256 MiB), and the plan kept with it.
     fourth = PipelineCase("flux")
-    fourth.pipe.enable_pinned_offload("cpu", vram_budget=budget - 4096)
+    fourth.pipe.enable_pinned_offload("cpu", vram_budget=budget - (4 << 20))
     measuring = _measured_calls(fourth)
     assert torch.equal(fourth.run(), fourth.reference)
     planned = fourth.pipe.residency_plan()
     assert measuring == [False] and planned.source == "from the residency profile"
-    assert planned.components == learned.components != kept
+    assert planned.components == learned.components
 
 
 def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
@@ -204,7 +203,7 @@ def test_a_profile_measured_for_another_setup_is_refused_and_the_log_says_why(
 
 
 @pytest.mark.parametrize(
-    "content", [b"{not json", b'{"format": 1, "key": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
+    "content", [b"{not json", b'{"format": 2, "key": {}}', b'{"format": 1, "key": {}, "shapes": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
@@ -380,6 +379,9 @@ def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() 
     # Fewer blocks resident than the planner keeps, still fitting: taken as it is.
     kept = with_transformer(resident_blocks=frozenset(), staged_blocks=frozenset())
     assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=kept).components == kept
+    # Where everything fits, everything stays: the plan kept was for less room.
+    roomy = plan_residency(sizes, 2000 * MB, 100 * MB, chosen=kept)
+    assert {p.policy for p in roomy.components} == {Policy.RESIDENT}
     # No longer fitting (a smaller budget), against a policy now fixed, or not a plan of these
     # components (a block out of range, one both resident and staged, no window): planned again.
     smaller = plan_residency(sizes, 700 * MB, 100 * MB, chosen=made.components)
@@ -397,7 +399,9 @@ def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() 
         assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=chosen).components == made.components, chosen
 
 
-def test_a_kept_plan_survives_the_file_and_an_older_file_without_one_still_reads(tmp_path: Path) -> None:
+def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     plan = (
         ComponentPlan("text_encoder", Policy.STAGED),
         ComponentPlan("transformer", Policy.STREAMED, frozenset({0, 3}), 1, frozenset({1})),
@@ -407,7 +411,9 @@ def test_a_kept_plan_survives_the_file_and_an_older_file_without_one_still_reads
     path = tmp_path / "p.json"
     write_profile(path, ResidencyProfile(key, {"s": figures}))
     assert read_profile(path, key).shapes["s"] == figures
+    # Before plans were kept (format 1), the policies given were not keyed either: a plan made
+    # again from those figures might not be the one the policies given now ask for.
     data = json.loads(path.read_text())
     del data["shapes"]["s"]["plan"]
-    path.write_text(json.dumps(data))
-    assert read_profile(path, key).shapes["s"] == replace(figures, plan=())
+    path.write_text(json.dumps({**data, "format": 1}))
+    assert read_profile(path, key) is None and "format 1, this version reads 2" in caplog.text

@@ -134,7 +134,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
         "time went and how long the device waited for it, per component; '--trace first' runs the first call "
-        "under it instead (a warm-up call, its time the profiler's too): where a first call's excess goes",
+        "under it instead (a warm-up call): where a first call's excess goes; what that call measures for a "
+        "plan, its time and the host-memory peak then carry the profiler's cost too",
     )
     parser.add_argument(
         "--fresh-process",
