@@ -206,7 +206,7 @@ class ResidencyPlan:
     @property
     def peak_bytes(self) -> int:
         """The most the plan expects on the device at any moment of a call, activations included."""
-        return _call_peak(self.components, self._sizes_by_name, self.activation_bytes_of)
+        return _call_peak(self.components, _footprint_of(self._sizes_by_name), self.activation_bytes_of)
 
     def __str__(self) -> str:
         by_name = self._sizes_by_name
@@ -261,24 +261,76 @@ def _transient(plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSi
     return max((p.transient_bytes(by_name[p.name]) for p in plans), default=0)
 
 
-def _call_peak(
-    plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes], activations: Callable[[str], int]
-) -> int:
+_Footprint = Callable[["ComponentPlan"], tuple[int, int]]
+
+
+def _footprint_of(by_name: Mapping[str, ComponentSizes]) -> _Footprint:
+    """A component plan's (resident, transient) weight bytes, each plan's worked out once: a timed
+    plan asks whether tens of thousands of candidates fit, each made of the same few plans."""
+    known: dict[ComponentPlan, tuple[int, int]] = {}
+
+    def footprint(plan: ComponentPlan) -> tuple[int, int]:
+        found = known.get(plan)
+        if found is None:
+            sizes = by_name[plan.name]
+            found = known[plan] = (plan.resident_bytes(sizes), plan.transient_bytes(sizes))
+        return found
+
+    return footprint
+
+
+def _call_peak(plans: Sequence[ComponentPlan], footprint: _Footprint, activations: Callable[[str], int]) -> int:
     """The most on the device at any moment of a call: what stays, plus the running component's
     transient weights and activations, at its largest.
 
     A resident component evicts nothing when it starts (it may run interleaved with others, a
     ControlNet inside the denoising loop), so while it runs the transient weights of whichever
     component ran before it may still be there: its moment counts the largest of them."""
-    transient = {p.name: p.transient_bytes(by_name[p.name]) for p in plans}
+    bytes_of = [footprint(plan) for plan in plans]
+    # A resident component's own transient bytes are 0: the largest of the others' is the largest.
+    most_transient = max((transient for _, transient in bytes_of), default=0)
+    moments = (
+        (most_transient if plan.policy is Policy.RESIDENT else transient) + activations(plan.name)
+        for plan, (_, transient) in zip(plans, bytes_of)
+    )
+    return sum(stays for stays, _ in bytes_of) + max(moments, default=0)
 
-    def moment(plan: ComponentPlan) -> int:
-        if plan.policy is Policy.RESIDENT:
-            left = max((nbytes for name, nbytes in transient.items() if name != plan.name), default=0)
-            return left + activations(plan.name)
-        return transient[plan.name] + activations(plan.name)
 
-    return _resident(plans, by_name) + max(map(moment, plans), default=0)
+class _Room:
+    """The device's room under ``budget`` during a call: whether plans fit, and how many transient
+    bytes a streamed component may take beside the others."""
+
+    def __init__(self, by_name: Mapping[str, ComponentSizes], budget: int, need: Callable[[str], int]) -> None:
+        self.footprint = _footprint_of(by_name)
+        self.budget = budget
+        self.need = need
+
+    def peak(self, plans: Mapping[str, ComponentPlan]) -> int:
+        return _call_peak(list(plans.values()), self.footprint, self.need)
+
+    def fits(self, plans: Mapping[str, ComponentPlan]) -> bool:
+        return self.peak(plans) <= self.budget
+
+    def transient_room(self, plans: Mapping[str, ComponentPlan], name: str) -> int:
+        """The most transient bytes streamed component ``name`` may take with the others as in
+        ``plans``, or -1 where another's moment overflows whatever it takes: :func:`_call_peak`
+        solved for its transient bytes (its resident ones, and the others', stay as they are).
+        Its own moment, and each resident component's (which keeps every transient byte of the
+        one before it), bound them."""
+        bytes_of = {other: self.footprint(plan) for other, plan in plans.items()}
+        left = self.budget - sum(stays for stays, _ in bytes_of.values())
+        others_transient = max((transient for other, (_, transient) in bytes_of.items() if other != name), default=0)
+        room = left - self.need(name)
+        for other, plan in plans.items():
+            if other == name:
+                continue
+            if plan.policy is Policy.RESIDENT:
+                if others_transient + self.need(other) > left:
+                    return -1
+                room = min(room, left - self.need(other))
+            elif bytes_of[other][1] + self.need(other) > left:
+                return -1
+        return room
 
 
 def _streamed(sizes: ComponentSizes) -> ComponentPlan:
@@ -387,8 +439,8 @@ def plan_residency(
 
     ``chosen``: the components of a plan made before for the same figures (a residency profile
     keeps it), taken as they are where they still fit and keep ``fixed``, unless everything fits
-    now: a timed plan weighs every fitting choice of resident blocks, a large part of a second for
-    FLUX.1-dev at 16 GB, which a first call from a profile would otherwise pay. (A profile holds
+    now: a timed plan weighs every fitting choice of resident blocks, several hundred simulated
+    steps for FLUX.1-dev at 16 GB, which a first call from a profile would otherwise pay. (A profile holds
     for budgets within 256 MiB of one another: the plan kept may leave up to that much unused.)
 
     Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
@@ -397,12 +449,8 @@ def plan_residency(
     activations = dict(activations or {})
     timings = dict(timings or {})
     by_name = {s.name: s for s in sizes}
-
-    def need(name: str) -> int:
-        return activations.get(name, reserve)
-
-    def fits(plans: Mapping[str, ComponentPlan]) -> bool:
-        return _call_peak(list(plans.values()), by_name, need) <= budget
+    room = _Room(by_name, budget, lambda name: activations.get(name, reserve))
+    fits = room.fits
 
     def as_plan(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
         return ResidencyPlan(budget, reserve, tuple(plans[s.name] for s in sizes), tuple(sizes), activations, timings)
@@ -424,7 +472,7 @@ def plan_residency(
     free = [s for s in sizes if s.name not in fixed]
     plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _off_device_between_uses(s) for s in sizes}
     if not fits(plans):
-        peak = _call_peak(list(plans.values()), by_name, need)
+        peak = room.peak(plans)
         raise BudgetTooSmallError(
             f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but "
             f"those you fixed, a call needs {format_bytes(peak)} at its largest moment, weights and "
@@ -436,7 +484,7 @@ def plan_residency(
         # A per-step component whose activations a measuring call already measured (its first
         # step) keeps, for the rest of that call, the blocks its own moment has room for; the
         # others' moments are still unknown, and staged blocks leave them all their room.
-        return as_plan(_stage_blocks(plans, by_name, fits, only=activations.keys()))
+        return as_plan(_stage_blocks(plans, by_name, room, only=activations.keys()))
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
     # per-step component would be streamed at every step to save one load per call.
@@ -445,14 +493,14 @@ def plan_residency(
             trial = {**plans, s.name: ComponentPlan(s.name, Policy.RESIDENT)}
             if fits(trial):
                 plans = trial
-        plans = _grow_streamed(plans, by_name, fits, timings)
-    plans = _stage_blocks(plans, by_name, fits)
+        plans = _grow_streamed(plans, by_name, room, timings)
+    plans = _stage_blocks(plans, by_name, room)
     # Last, for a timed component, the window's depth: chosen before the once-per-call components
     # took their room, a shallower window's slot would go to them, not to blocks of this one.
     for name, timing in timings.items():
         if name in plans and plans[name].policy is Policy.STREAMED:
-            plans = _with_resident_blocks(plans, name, by_name, fits, timing, PREFETCH_CHOICES)
-            plans = _stage_blocks(plans, by_name, fits)
+            plans = _with_resident_blocks(plans, name, by_name, room, timing, PREFETCH_CHOICES)
+            plans = _stage_blocks(plans, by_name, room)
     return as_plan(plans)
 
 
@@ -483,7 +531,7 @@ def _still_holds(
 def _grow_streamed(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
-    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    room: _Room,
     timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan]:
     """Give each streamed component, per-step ones first, the resident blocks that fit: the most
@@ -492,7 +540,7 @@ def _grow_streamed(
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
-        plans = _with_resident_blocks(plans, name, by_name, fits, timings.get(name), (plans[name].prefetch_blocks,))
+        plans = _with_resident_blocks(plans, name, by_name, room, timings.get(name), (plans[name].prefetch_blocks,))
     return plans
 
 
@@ -500,7 +548,7 @@ def _with_resident_blocks(
     plans: dict[str, ComponentPlan],
     name: str,
     by_name: Mapping[str, ComponentSizes],
-    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    room: _Room,
     timing: StepTiming | None,
     depths: Sequence[int],
 ) -> dict[str, ComponentPlan]:
@@ -514,10 +562,10 @@ def _with_resident_blocks(
         for depth in depths
         for resident, _, _ in _resident_block_choices(sizes, depth)
     )
-    fitting = (trial for trial in fitting if fits(trial))
+    fitting = (trial for trial in fitting if room.fits(trial))
     if timing is None:
         return next(fitting, plans)
-    seconds = functools.partial(_step_seconds, name=name, by_name=by_name, fits=fits, timing=timing)
+    seconds = functools.partial(_step_seconds, name=name, by_name=by_name, room=room, timing=timing)
     timed = [(seconds(trial), trial) for trial in fitting]
     if not timed:
         return plans
@@ -530,19 +578,25 @@ def _step_seconds(
     *,
     name: str,
     by_name: Mapping[str, ComponentSizes],
-    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    room: _Room,
     timing: StepTiming,
 ) -> float:
     """Component ``name``'s simulated step under ``plans``, with the staged blocks they leave room for."""
-    plan = _stage_blocks(plans, by_name, fits)[name]
+    plan = _stage_blocks(plans, by_name, room)[name]
     kept = plan.resident_blocks | plan.staged_blocks
-    return simulated_step_seconds(by_name[name].block_bytes, kept, plan.prefetch_blocks, timing)
+    return _simulated_step_seconds(by_name[name].block_bytes, kept, plan.prefetch_blocks, timing)
+
+
+# The three choices of a timed plan (see plan_residency) simulate the same sets of kept blocks
+# again, two in three times for FLUX.1-dev at 16 GB, and a plan made again for the same figures
+# (a shape switched back to) simulates them all again.
+_simulated_step_seconds = functools.lru_cache(maxsize=4096)(simulated_step_seconds)
 
 
 def _stage_blocks(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
-    fits: Callable[[Mapping[str, ComponentPlan]], bool],
+    room: _Room,
     only: Collection[str] | None = None,
 ) -> dict[str, ComponentPlan]:
     """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
@@ -551,22 +605,21 @@ def _stage_blocks(
     a streamed one loads behind the compute).
 
     Blocks of one size are taken as a run: while some of that size still stream, the window keeps
-    its slot size and each one more kept only adds bytes, so the most that fit are found by
-    bisection (a timed plan asks this for every candidate, and block by block it was most of a
-    replan's time). The last one of a size may shrink the window's slots: it is tried on its own."""
+    its slot size and each one more kept only adds its bytes, so the most that fit follow from the
+    component's transient room (a timed plan asks this for every candidate). The last one of a size
+    may shrink the window's slots: it is tried on its own."""
     for name, plan in plans.items():
         sizes = by_name[name]
         if plan.policy is not Policy.STREAMED or not sizes.per_step or (only is not None and name not in only):
             continue
+        transient_room = room.transient_room(plans, name)
         streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
         for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):
             run = [i for i in streamed if sizes.block_bytes[i] == size]
-            low, high = 0, len(run) - 1  # the most of run[:-1] that fit lies in [low, high]
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if fits(_staging(plans, name, run[:middle])) else (low, middle - 1)
-            whole_run = low == len(run) - 1 and fits(_staging(plans, name, run))
-            plans = _staging(plans, name, run if whole_run else run[:low])
+            spare = transient_room - room.footprint(plans[name])[1]
+            count = max(0, min(len(run) - 1, spare // size))
+            whole_run = count == len(run) - 1 and room.fits(_staging(plans, name, run))
+            plans = _staging(plans, name, run if whole_run else run[:count])
     return plans
 
 

@@ -26,27 +26,35 @@ def simulated_step_seconds(
     (the copy stream waits for it, see ``_device.TimedCopy``). Blocks in ``kept`` never load.
     Three passes are run and the middle one timed: the window wraps into the next step."""
     count = len(block_bytes)
-    streamed = [t for t in range(3 * count) if t % count not in kept]
-    if len(streamed) <= 3 * (prefetch_blocks + 1):
+    is_kept = [i in kept for i in range(count)]
+    streamed = [i for i in range(count) if not is_kept[i]]
+    if len(streamed) <= prefetch_blocks + 1:
         # A window as large as every streamed block keeps them all: after the first pass, none loads.
         return sum(block_bytes) * timing.compute_per_byte
-    load_done: dict[int, float] = {}
+    # A planner simulates hundreds of choices per plan: the per-block figures are worked out once,
+    # and loads are counted by their place among the streamed occurrences of the three passes.
+    compute = [nbytes * timing.compute_per_byte for nbytes in block_bytes]
+    load = [block_bytes[i] * timing.load_per_byte for i in streamed] * 3
+    occurrences = len(load)
+    load_done = [0.0] * occurrences
     compute_done = copy_done = 0.0
     pass_ends = []
-    issued = 0  # occurrences streamed[:issued] have their loads issued
-    after = 0  # streamed[after] is the first streamed occurrence past the current one
-    for t in range(3 * count):
-        i = t % count
-        while after < len(streamed) and streamed[after] <= t:
-            after += 1
-        # At the entry of occurrence t: its own load if not issued yet, then the window's.
-        window_end = min(len(streamed), after + prefetch_blocks + (i in kept))
-        while issued < window_end:
-            u = streamed[issued]
-            copy_done = max(copy_done, compute_done) + block_bytes[u % count] * timing.load_per_byte
-            load_done[u] = copy_done
-            issued += 1
-        compute_done = max(compute_done, load_done.get(t, 0.0)) + block_bytes[i] * timing.compute_per_byte
-        if i == count - 1:
-            pass_ends.append(compute_done)
+    issued = 0  # the first ``issued`` streamed occurrences have their loads issued
+    reached = 0  # streamed occurrences up to the current one, itself included
+    for _ in range(3):
+        for i in range(count):
+            # At the entry of an occurrence: its own load if not issued yet, then the window's.
+            if is_kept[i]:
+                window_end = min(occurrences, reached + prefetch_blocks + 1)
+            else:
+                reached += 1
+                window_end = min(occurrences, reached + prefetch_blocks)
+            while issued < window_end:
+                copy_done = max(copy_done, compute_done) + load[issued]
+                load_done[issued] = copy_done
+                issued += 1
+            if not is_kept[i]:
+                compute_done = max(compute_done, load_done[reached - 1])
+            compute_done += compute[i]
+        pass_ends.append(compute_done)
     return pass_ends[1] - pass_ends[0]

@@ -246,9 +246,9 @@ def test_bad_budget_strings_are_refused(bad) -> None:
         parse_bytes(bad)
 
 
-def _stage_blocks_one_by_one(plans, by_name, fits):
-    """The staged-block rule block by block, largest first (then in order): what the planner's
-    bisection over blocks of one size must agree with."""
+def _stage_blocks_one_by_one(plans, by_name, room):
+    """The staged-block rule block by block, largest first (then in order), each trial checked
+    whole: what the planner's count from a component's transient room must agree with."""
     from dataclasses import replace
 
     for name, plan in plans.items():
@@ -258,12 +258,12 @@ def _stage_blocks_one_by_one(plans, by_name, fits):
         streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
         for index in sorted(streamed, key=lambda i: (-sizes.block_bytes[i], i)):
             trial = {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | {index})}
-            if fits(trial):
+            if room.fits(trial):
                 plans = trial
     return plans
 
 
-def test_staged_blocks_found_by_bisection_are_those_block_by_block_would_keep(monkeypatch) -> None:
+def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep(monkeypatch) -> None:
     activations = {"text_encoder": 89 * MB, "text_encoder_2": 303 * MB, "transformer": 954 * MB, "vae": 3100 * MB}
     timing = {"transformer": StepTiming(compute_per_byte=0.17 / 22.5e9, load_per_byte=1 / 52e9)}
 
@@ -271,10 +271,10 @@ def test_staged_blocks_found_by_bisection_are_those_block_by_block_would_keep(mo
         untimed = [plan_residency(FLUX, b * GB // 4, 3 * GB, activations=activations) for b in range(24, 130, 3)]
         return untimed + [plan_residency(FLUX, b * GB, 3 * GB, activations=activations, timings=timing) for b in (9, 14)]
 
-    bisected = plans()
+    counted = plans()
     monkeypatch.setattr("diffusers_residency.planner._stage_blocks", _stage_blocks_one_by_one)
-    assert bisected == plans()
-    assert any(plan["transformer"].staged_blocks for plan in bisected), "some budget stages blocks"
+    assert counted == plans()
+    assert any(plan["transformer"].staged_blocks for plan in counted), "some budget stages blocks"
 
 
 def test_timings_a_few_percent_apart_choose_the_same_resident_blocks() -> None:
