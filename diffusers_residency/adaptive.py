@@ -381,6 +381,17 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", shape)
 
 
+def plan_ahead(state: PipelineResidency) -> None:
+    """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
+    holds first (a service's first call is most often of its usual shape) and start loading what
+    that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
+    its first call rather than in it. A first call of that shape then finds its plan in place and
+    its resident weights loaded; one of another shape plans for itself as it starts (see
+    begin_call), and the loads made here are partly undone."""
+    if state.profile is not None and state.profile.shapes:
+        begin_call(state, next(iter(state.profile.shapes)))
+
+
 def abort_call(state: PipelineResidency) -> None:
     """The pipeline call raised: nothing it measured is kept, and the next call plans for its shape
     again (measuring it afresh if it is still new)."""

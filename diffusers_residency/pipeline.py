@@ -22,7 +22,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
-from .adaptive import STATE_ATTR, PipelineResidency, apply_plan
+from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
 from .calls import wrap_every_pipeline_call
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
@@ -361,6 +361,7 @@ def enable_pinned_offload(
         previous.group.budget_watch = None  # watched again for the new plan, the peak reset
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)
+        plan_ahead(previous)
         return
     sources = file_sources(pipe, modules, placement, offload_folder)
     if previous is not None:
@@ -424,7 +425,8 @@ def enable_pinned_offload(
         hooked_modules=lambda: [unit.module for unit in state.group.units],
         state_attribute=STATE_ATTR,
     )
-    logger.info("Pinned offload on %s:\n%s", group.device, plan)
+    plan_ahead(state)
+    logger.info("Pinned offload on %s:\n%s", group.device, state.plan)
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:

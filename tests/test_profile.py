@@ -85,19 +85,27 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert profile.shapes[learned.shape].plan == learned.components, "the plan is kept with its figures"
 
     second = PipelineCase("flux")  # built and loaded the same way: what a new process would hold
-    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    measuring = _measured_calls(second)
     # The plan kept is handed to the planner, to be taken as it is (see the planner's own test).
     handed = []
     real = pipeline.plan_residency
     monkeypatch.setattr(pipeline, "plan_residency", lambda *a, **kw: handed.append(kw.get("chosen")) or real(*a, **kw))
-    assert torch.equal(second.run(), second.reference)
-    monkeypatch.setattr(pipeline, "plan_residency", real)
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    # Planned as enabled, before any call, and what the plan keeps resident is loaded then.
     planned = second.pipe.residency_plan()
-    assert measuring == [False], "no measuring call"
-    assert handed == [learned.components]
+    assert handed[-1] == learned.components
     assert planned.source == "from the residency profile" and "residency profile" in str(planned)
     assert (planned.components, planned.activations) == (learned.components, learned.activations)
+    group = pipeline_state(second.pipe).group
+    resident = [unit for unit in group.units if unit.policy is Policy.RESIDENT]
+    assert resident and all(unit.stager.loaded for unit in resident)
+    assert not any(unit.stager.loaded for unit in group.units if unit.policy is not Policy.RESIDENT)
+    measuring = _measured_calls(second)
+    handed.clear()
+    assert torch.equal(second.run(), second.reference)
+    monkeypatch.setattr(pipeline, "plan_residency", real)
+    assert measuring == [False], "no measuring call"
+    assert handed == [], "the first call, of the shape planned for, plans nothing"
+    assert second.pipe.residency_plan() is planned
 
     third = PipelineCase("flux")  # another budget: the profile is not for it
     third.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
