@@ -318,6 +318,11 @@ class MasterBindings:
     def pinned(self) -> bool:
         return all(group.pinned for group in self._groups)
 
+    def masters(self) -> Iterator[torch.Tensor]:
+        """Every host master held, those kept from before the last conversion included."""
+        for group in self._groups + self._kept_groups:
+            yield group.master
+
     def host_bytes(self) -> dict[str, int]:
         """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file;
         masters kept from before the last conversion (see :meth:`convert`) included."""

@@ -41,6 +41,7 @@ from .policy import Policy
 from .profile import ResidencyProfile, read_profile, starting_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
+from .shared_masters import refuse_unsharable, share_host_weights
 from .step_timing import StepTiming
 from .streaming import repeated_blocks
 from .text import format_bytes, parse_bytes
@@ -243,6 +244,27 @@ def _same_setup(
     )
 
 
+def _refuse_sharing(
+    previous: PipelineResidency | None, group: ResidencyGroup, host: int | None, modules: Mapping[str, nn.Module]
+) -> None:
+    if previous is not None:
+        raise ValueError(
+            "share_host_masters is given to the first enable_pinned_offload of a pipeline: call "
+            "disable_pinned_offload() on every rank first"
+        )
+    if host is not None:
+        raise ValueError("share_host_masters keeps every master in shared memory, host_budget serves some from files: give one")
+    if group.pin_memory:
+        # Each rank maps the host's copy privately, and page-locking a private mapping in place
+        # writes its pages, which gives the rank copies of its own (see pinning): each rank would
+        # hold the host's copy and a locked one.
+        raise ValueError(
+            "share_host_masters keeps the host's copy pageable: page-locking it would give every rank a copy of its "
+            "own. Pass pin_memory=False (loads then run at the pageable copy rate)"
+        )
+    refuse_unsharable(modules)
+
+
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
     # diffusers keeps these on the device because pipelines may use them without calling them.
     for name in pipe._exclude_from_cpu_offload:
@@ -261,6 +283,7 @@ def enable_pinned_offload(
     pin_budget: int | float | None = None,
     host_budget: int | float | str | None = None,
     offload_folder: str | os.PathLike | None = None,
+    share_host_masters: bool = False,
 ) -> None:
     """Stage the pipeline's components on ``device`` from pinned host masters.
 
@@ -303,6 +326,11 @@ def enable_pinned_offload(
         offload_folder: where weights served from files are written once when the pipeline was
             not loaded from files, or they changed since (without it, such a pipeline is refused
             a ``host_budget`` it cannot meet from RAM).
+        share_host_masters: under ``torch.distributed``, keep one host copy of the weights per host,
+            mapped by each of its ranks, instead of one per rank (data-parallel serving, one
+            pipeline per GPU). Collective: every rank enables the same pipeline, loaded on the host,
+            from the same checkpoint (checked byte for byte). Each rank's writes stay its own (see
+            :mod:`.shared_masters`).
 
     Calling it again reconfigures the pipeline: with the same device and pinning only the policies
     change and the masters are kept; otherwise pinned offload is disabled and set up anew. All
@@ -322,6 +350,8 @@ def enable_pinned_offload(
     host = resolve_host_budget(host_budget)
     if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
         raise TypeError(f"offload_folder is a folder's path, not {offload_folder!r}")
+    if share_host_masters:
+        _refuse_sharing(previous, group, host, modules)
     replan = _planner(pipe, modules, components, budget)
     plan = replan({}, {})
     # Served from files at enable, for good: placed from the plan before any call is measured.
@@ -348,6 +378,8 @@ def enable_pinned_offload(
         plan = replan({}, {}, least=True)
     wrap_every_pipeline_call()
 
+    if share_host_masters:
+        group.host_ranks = share_host_weights(modules)
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from . import _device
 from .residency import ResidencyGroup, ResidencyUnit
+from .shared_masters import shared_bytes
 from .text import format_bytes, size_unit, text_table
 
 _GB = 1e9
@@ -66,10 +69,30 @@ class ComponentReport:
 
 
 @dataclass(frozen=True)
+class HostSharing:
+    """This rank's part in a host's shared masters (see :mod:`.shared_masters`): the host bytes
+    mapped from the host's one copy, and those this rank holds alone (masters made since: new
+    LoRA layers, casts, weights written while loaded)."""
+
+    rank: int
+    world_size: int
+    host_ranks: tuple[int, ...]
+    shared_bytes: int
+    owned_bytes: int
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} of {self.world_size}, host masters shared with ranks {list(self.host_ranks)}: "
+            f"{format_bytes(self.shared_bytes)} shared, {format_bytes(self.owned_bytes)} owned"
+        )
+
+
+@dataclass(frozen=True)
 class ResidencyReport:
     device: str
     retention_budget_bytes: int | None
     components: tuple[ComponentReport, ...]
+    host_sharing: HostSharing | None = None
 
     def __getitem__(self, name: str) -> ComponentReport:
         for component in self.components:
@@ -107,7 +130,8 @@ class ResidencyReport:
         ]
         lines = text_table((header, *rows))
         budget = "n/a" if self.retention_budget_bytes is None else format_bytes(self.retention_budget_bytes)
-        return "\n".join([f"device {self.device}, retention budget {budget}", *lines])
+        head = [f"device {self.device}, retention budget {budget}"]
+        return "\n".join([*head, *([str(self.host_sharing)] if self.host_sharing is not None else []), *lines])
 
 
 def _component_report(name: str, units: list[ResidencyUnit]) -> ComponentReport:
@@ -146,4 +170,19 @@ def report_for(group: ResidencyGroup) -> ResidencyReport:
         device=str(group.device),
         retention_budget_bytes=budget,
         components=tuple(_component_report(name, units) for name, units in components.items()),
+        host_sharing=_host_sharing(group),
+    )
+
+
+def _host_sharing(group: ResidencyGroup) -> HostSharing | None:
+    if group.host_ranks is None:
+        return None
+    masters = [master for unit in group.units for master in unit.stager.masters()]
+    shared = shared_bytes(masters)
+    return HostSharing(
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        host_ranks=group.host_ranks,
+        shared_bytes=shared,
+        owned_bytes=sum(master.numel() for master in masters) - shared,
     )

@@ -155,6 +155,8 @@ class ResidencyGroup:
         # budget: set before they are added (see host_budget), so that their weights are never
         # copied or page-locked on the way.
         self.file_backing: dict[int, FileBacking] = {}
+        # The ranks of this host that share the masters' host copy (see shared_masters), if any.
+        self.host_ranks: tuple[int, ...] | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
         # Reached by copying a module this group stages from anywhere but the pipeline that enabled

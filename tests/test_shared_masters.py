@@ -1,0 +1,196 @@
+"""Weights shared by the ranks of one host (``share_host_masters``), on the CPU: several processes
+under ``torch.distributed``'s gloo backend, each serving the same pipeline, as data-parallel ranks
+on one host do."""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.shared_masters import FILE_PREFIX, SHARED_FOLDER
+from diffusers_residency.weights import module_stored_tensors
+
+from .helpers import PipelineCase
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir(SHARED_FOLDER), reason=f"needs shared memory at {SHARED_FOLDER}"),
+]
+
+
+def _join(rank: int, world: int, store: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+
+
+def _shared_mappings() -> dict[str, tuple[int, int]]:
+    """This process's mappings of shared weights: path -> (size, Pss), in kB (``/proc/self/smaps``)."""
+    found: dict[str, tuple[int, int]] = {}
+    current = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's first line: its address range, ..., its path
+                current = fields[5] if FILE_PREFIX in line else None
+                if current is not None:
+                    found.setdefault(current, (0, 0))
+            elif current is not None and fields[0] in ("Size:", "Pss:"):
+                size, pss = found[current]
+                found[current] = (size + int(fields[1]), pss) if fields[0] == "Size:" else (size, pss + int(fields[1]))
+    return found
+
+
+def _in_mapping(tensor: torch.Tensor) -> bool:
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if FILE_PREFIX in line:
+                low, high = (int(value, 16) for value in line.split()[0].split("-"))
+                if low <= address < high:
+                    return True
+    return False
+
+
+def _pipeline(seed: int) -> PipelineCase:
+    """The tiny FLUX pipeline, saved and loaded back, built before the process group is: under one,
+    transformers' ``save_pretrained`` writes from rank 0 only."""
+    torch.manual_seed(seed)
+    return PipelineCase("flux")
+
+
+def _modules(case: PipelineCase) -> list[torch.nn.Module]:
+    return [module for module in case.pipe.components.values() if isinstance(module, torch.nn.Module)]
+
+
+def _serve(rank: int, world: int, store: str, results: str, seed_apart: bool, device: str) -> None:
+    case = _pipeline(1 if seed_apart and rank else 0)
+    if device != "cpu":  # the resident reference on the device, then back to the host to share
+        case.pipe.to(device)
+        case.reference = case.run()
+        case.pipe.to("cpu")
+    if seed_apart and rank:
+        with torch.no_grad():
+            next(case.pipe.vae.parameters()).add_(1.0)
+    _join(rank, world, store)
+    try:
+        case.pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=None if device == "cpu" else False)
+    except ValueError as exc:
+        moved = any(_in_mapping(t) for module in _modules(case) for t in module_stored_tensors((module,)) if t.numel())
+        Path(results, f"{rank}.txt").write_text(f"refused ({'moved' if moved else 'unchanged'}): {exc}")
+        return
+    exact = all(torch.equal(case.run(), case.reference) for _ in range(2))
+    masters = [group.master for unit in pipeline_state(case.pipe).group.units for group in unit.stager._groups]
+    inside = all(_in_mapping(master) for master in masters if master.numel())
+    weights = sum(master.numel() for master in masters)
+    dist.barrier()  # every rank has mapped every file before any Pss is read
+    mappings = _shared_mappings()
+    size, pss = sum(v[0] for v in mappings.values()), sum(v[1] for v in mappings.values())
+    sharing = case.pipe.residency_report().host_sharing
+    figures = {"exact": exact, "inside": inside, "weights": weights, "size": size, "pss": pss, "files": len(mappings)}
+    figures |= {"rank": rank, "report": str(sharing), "shared": sharing.shared_bytes, "owned": sharing.owned_bytes}
+    dist.barrier()  # no rank writes before every rank has read its Pss
+    if rank == 1:
+        # Written in place between calls, while the transformer is off the device: into its master,
+        # this rank's private mapping of the host's copy. Rank 0 must not see it.
+        with torch.no_grad():
+            case.pipe.transformer.proj_out.weight.add_(1.0)
+    dist.barrier()
+    figures["unchanged"] = torch.equal(case.run(), case.reference)
+    Path(results, f"{rank}.txt").write_text(json.dumps(figures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_ranks(tmp_path: Path, world: int, *, seed_apart: bool = False, device: str = "cpu") -> list[str]:
+    context = multiprocessing.get_context("spawn")
+    store, results = str(tmp_path / "store"), str(tmp_path / "results")
+    os.makedirs(results)
+    ranks = [context.Process(target=_serve, args=(rank, world, store, results, seed_apart, device)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=300)
+    assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
+    return [Path(results, f"{rank}.txt").read_text() for rank in range(world)]
+
+
+def _ours() -> set[str]:
+    return set(glob.glob(os.path.join(SHARED_FOLDER, FILE_PREFIX + "*")))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: str) -> None:
+    # On CUDA, two ranks on one GPU, the host's copy pageable (see share_host_masters).
+    before = _ours()
+    for figures in map(json.loads, _run_ranks(tmp_path, 2, device=device)):
+        assert figures["exact"], "every rank's output equal to its resident output"
+        assert figures["inside"], "every master lies in the host's shared copy"
+        assert figures["files"] == 4, "one mapping per component"
+        assert figures["size"] * 1024 >= figures["weights"]
+        assert (figures["shared"], figures["owned"]) == (figures["weights"], 0)
+        assert figures["unchanged"] == (figures["rank"] == 0), "a rank's writes are its own"
+        assert figures["report"].startswith(f"rank {figures['rank']} of 2, host masters shared with ranks [0, 1]: ")
+        # Each rank's share of the mapped pages is half of them: the pages are the host's, once.
+        assert abs(figures["pss"] - figures["size"] / 2) <= 0.05 * figures["size"], figures
+    assert _ours() == before
+
+
+def test_ranks_with_other_weights_are_refused_on_every_rank(tmp_path: Path) -> None:
+    before = _ours()
+    lines = _run_ranks(tmp_path, 2, seed_apart=True)
+    # Refused on both ranks, and no weight was rebound (the components before the VAE were fine).
+    assert all(line.startswith("refused (unchanged): share_host_masters: rank 1 holds other weights for 'vae'") for line in lines), lines
+    assert _ours() == before
+
+
+def _die_mid_call(rank: int, world: int, store: str) -> None:
+    case = _pipeline(0)
+    _join(rank, world, store)
+    case.pipe.enable_pinned_offload("cpu", share_host_masters=True)
+    if rank == 1:
+        case.pipe.transformer.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+    case.run()
+    dist.destroy_process_group()
+
+
+def test_a_rank_killed_mid_call_leaves_no_file_behind(tmp_path: Path) -> None:
+    before = _ours()
+    context = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    ranks = [context.Process(target=_die_mid_call, args=(rank, 2, store)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=300)
+    assert [process.exitcode for process in ranks] == [0, -signal.SIGKILL]
+    assert _ours() == before
+
+
+@pytest.mark.parametrize(
+    ("before", "extra", "match"),
+    [
+        (False, {}, "torch.distributed initialised"),
+        (False, {"host_budget": "1GB"}, "host_budget serves some from files"),
+        (True, {}, "given to the first enable_pinned_offload"),
+    ],
+)
+def test_sharing_that_cannot_be_done_is_refused_before_anything_changes(before: bool, extra: dict, match: str) -> None:
+    case = PipelineCase("flux")
+    if before:
+        case.pipe.enable_pinned_offload("cpu")
+    hooks = {name: getattr(module, "_hf_hook", None) for name, module in case.pipe.components.items()}
+    with pytest.raises(ValueError, match=match):
+        case.pipe.enable_pinned_offload("cpu", share_host_masters=True, **extra)
+    assert hooks == {name: getattr(module, "_hf_hook", None) for name, module in case.pipe.components.items()}
+    assert torch.equal(case.run(), case.reference)
