@@ -617,7 +617,9 @@ def _stage_blocks(
         for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):
             run = [i for i in streamed if sizes.block_bytes[i] == size]
             spare = transient_room - room.footprint(plans[name])[1]
-            count = max(0, min(len(run) - 1, spare // size))
+            # Blocks with no bytes (a repeated block without weights) all fit where the rest does.
+            fitting = spare // size if size else (len(run) if spare >= 0 else 0)
+            count = max(0, min(len(run) - 1, fitting))
             whole_run = count == len(run) - 1 and room.fits(_staging(plans, name, run))
             plans = _staging(plans, name, run if whole_run else run[:count])
     return plans

@@ -271,9 +271,16 @@ def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep
         untimed = [plan_residency(FLUX, b * GB // 4, 3 * GB, activations=activations) for b in range(24, 130, 3)]
         return untimed + [plan_residency(FLUX, b * GB, 3 * GB, activations=activations, timings=timing) for b in (9, 14)]
 
+    def plans_with_empty_blocks() -> list:
+        # A repeated block with no weights of its own: it stages for free, wherever the rest fits.
+        sizes = (ComponentSizes("transformer", 600 * MB, (100 * MB,) * 6 + (0, 0), True),)
+        return [plan_residency(sizes, b * MB, 100 * MB) for b in (400, 450, 500, 650, 800)]
+
     counted = plans()
+    empty = plans_with_empty_blocks()
     monkeypatch.setattr("diffusers_residency.planner._stage_blocks", _stage_blocks_one_by_one)
     assert counted == plans()
+    assert empty == plans_with_empty_blocks()
     assert any(plan["transformer"].staged_blocks for plan in counted), "some budget stages blocks"
 
 
