@@ -41,7 +41,7 @@ from .policy import Policy
 from .profile import ResidencyProfile, read_profile, starting_profile, write_profile
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
-from .shared_masters import refuse_unsharable, share_host_weights
+from .shared_masters import failures_told, refuse_unsharable, share_host_weights
 from .step_timing import StepTiming
 from .streaming import repeated_blocks
 from .text import format_bytes, parse_bytes
@@ -244,27 +244,6 @@ def _same_setup(
     )
 
 
-def _refuse_sharing(
-    previous: PipelineResidency | None, group: ResidencyGroup, host: int | None, modules: Mapping[str, nn.Module]
-) -> None:
-    if previous is not None:
-        raise ValueError(
-            "share_host_masters is given to the first enable_pinned_offload of a pipeline: call "
-            "disable_pinned_offload() on every rank first"
-        )
-    if host is not None:
-        raise ValueError("share_host_masters keeps every master in shared memory, host_budget serves some from files: give one")
-    if group.pin_memory:
-        # Each rank maps the host's copy privately, and page-locking a private mapping in place
-        # writes its pages, which gives the rank copies of its own (see pinning): each rank would
-        # hold the host's copy and a locked one.
-        raise ValueError(
-            "share_host_masters keeps the host's copy pageable: page-locking it would give every rank a copy of its "
-            "own. Pass pin_memory=False (loads then run at the pageable copy rate)"
-        )
-    refuse_unsharable(modules)
-
-
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
     # diffusers keeps these on the device because pipelines may use them without calling them.
     for name in pipe._exclude_from_cpu_offload:
@@ -337,45 +316,47 @@ def enable_pinned_offload(
     arguments are checked before anything changes.
     """
     previous = pipeline_state(pipe)
-    group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
-    modules = _module_components(pipe)
-    ours = [unit.stager for unit in previous.group.units] if previous else []
-    for name, module in modules.items():
-        check_attachable(module, name, previous.group if previous else None)
-        refuse_unstageable_tensors((module,), f"Component {name!r}")
-        refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
-    refuse_shared_quantization_state(modules.values())
-    _refuse_shared_weights(modules)
-    budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
-    host = resolve_host_budget(host_budget)
-    if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
-        raise TypeError(f"offload_folder is a folder's path, not {offload_folder!r}")
-    if share_host_masters:
-        _refuse_sharing(previous, group, host, modules)
-    replan = _planner(pipe, modules, components, budget)
-    plan = replan({}, {})
-    # Served from files at enable, for good: placed from the plan before any call is measured.
-    placement = place_on_host(plan, host)
-    replan = _placing_on_host(replan, placement)
-    plan = replace(plan, host=placement)
-    sequence = [name for name in _offload_sequence(pipe) if name in modules]
-    # A call is told apart from the next only by its first component starting after its last ran:
-    # with one component in the sequence, no call would ever end, so nothing is measured.
-    # A default reserve capped by a small budget is no estimate of what the components need: measure.
-    capped = budget is not None and plan.reserve < default_reserve(budget[0])
-    measuring = (
-        budget is not None
-        and activation_reserve is None
-        and (not plan.keeps_everything or capped)
-        and len(set(sequence)) > 1
-    )
-    profile, profile_file = None, None
-    if measuring:
-        given = {name: Policy.parse(value, name).value for name, value in (components or {}).items()}
-        profile, profile_file = starting_profile(
-            type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
+    # A rank that fails here tells the others, which would otherwise wait for it to share.
+    with failures_told(share_host_masters):
+        group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
+        modules = _module_components(pipe)
+        ours = [unit.stager for unit in previous.group.units] if previous else []
+        for name, module in modules.items():
+            check_attachable(module, name, previous.group if previous else None)
+            refuse_unstageable_tensors((module,), f"Component {name!r}")
+            refuse_staged_elsewhere((module,), f"Component {name!r}", ours)
+        refuse_shared_quantization_state(modules.values())
+        _refuse_shared_weights(modules)
+        budget = _resolve_budget(vram_budget, activation_reserve, group.device, modules)
+        host = resolve_host_budget(host_budget)
+        if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
+            raise TypeError(f"offload_folder is a folder's path, not {offload_folder!r}")
+        if share_host_masters:
+            refuse_unsharable(modules, enabled=previous is not None, pin_memory=group.pin_memory, host_budget=host)
+        replan = _planner(pipe, modules, components, budget)
+        plan = replan({}, {})
+        # Served from files at enable, for good: placed from the plan before any call is measured.
+        placement = place_on_host(plan, host)
+        replan = _placing_on_host(replan, placement)
+        plan = replace(plan, host=placement)
+        sequence = [name for name in _offload_sequence(pipe) if name in modules]
+        # A call is told apart from the next only by its first component starting after its last ran:
+        # with one component in the sequence, no call would ever end, so nothing is measured.
+        # A default reserve capped by a small budget is no estimate of what the components need: measure.
+        capped = budget is not None and plan.reserve < default_reserve(budget[0])
+        measuring = (
+            budget is not None
+            and activation_reserve is None
+            and (not plan.keeps_everything or capped)
+            and len(set(sequence)) > 1
         )
-        plan = replan({}, {}, least=True)
+        profile, profile_file = None, None
+        if measuring:
+            given = {name: Policy.parse(value, name).value for name, value in (components or {}).items()}
+            profile, profile_file = starting_profile(
+                type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
+            )
+            plan = replan({}, {}, least=True)
     wrap_every_pipeline_call()
 
     if share_host_masters:

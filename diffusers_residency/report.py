@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from . import _device
 from .residency import ResidencyGroup, ResidencyUnit
-from .shared_masters import shared_bytes
+from .shared_masters import shared_and_owned_bytes
 from .text import format_bytes, size_unit, text_table
 
 _GB = 1e9
@@ -70,9 +70,9 @@ class ComponentReport:
 
 @dataclass(frozen=True)
 class HostSharing:
-    """This rank's part in a host's shared masters (see :mod:`.shared_masters`): the host bytes
-    mapped from the host's one copy, and those this rank holds alone (masters made since: new
-    LoRA layers, casts, weights written while loaded)."""
+    """This rank's part in a host's shared masters (see :mod:`.shared_masters`): the host bytes it
+    reads from the host's one copy, and those it holds alone (masters made since, for new LoRA
+    layers or casts, and the pages of the host's copy it wrote, which got copies of their own)."""
 
     rank: int
     world_size: int
@@ -177,12 +177,11 @@ def report_for(group: ResidencyGroup) -> ResidencyReport:
 def _host_sharing(group: ResidencyGroup) -> HostSharing | None:
     if group.host_ranks is None:
         return None
-    masters = [master for unit in group.units for master in unit.stager.masters()]
-    shared = shared_bytes(masters)
+    shared, owned = shared_and_owned_bytes(master for unit in group.units for master in unit.stager.masters())
     return HostSharing(
         rank=dist.get_rank() if dist.is_initialized() else 0,
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         host_ranks=group.host_ranks,
         shared_bytes=shared,
-        owned_bytes=sum(master.numel() for master in masters) - shared,
+        owned_bytes=owned,
     )

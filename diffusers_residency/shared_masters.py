@@ -20,12 +20,13 @@ leave one, named ``diffusers_residency-<pid>-...``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +54,27 @@ class _Layout:
     signature: tuple
 
 
-def refuse_unsharable(modules: Mapping[str, nn.Module]) -> None:
+def refuse_unsharable(
+    modules: Mapping[str, nn.Module], *, enabled: bool, pin_memory: bool, host_budget: int | None
+) -> None:
     """Raise, before anything changes, unless the weights can be shared between the host's ranks:
-    ``torch.distributed`` initialised, shared memory to map, every weight on the host."""
+    a first enable, masters in RAM and pageable, ``torch.distributed`` initialised, shared memory to
+    map, every weight on the host."""
+    if enabled:
+        raise ValueError(
+            "share_host_masters is given to the first enable_pinned_offload of a pipeline: call "
+            "disable_pinned_offload() on every rank first"
+        )
+    if host_budget is not None:
+        raise ValueError("share_host_masters keeps every master in shared memory, host_budget serves some from files: give one")
+    if pin_memory:
+        # Each rank maps the host's copy privately, and page-locking a private mapping in place
+        # writes its pages, which gives the rank copies of its own (see pinning): each rank would
+        # hold the host's copy and a locked one.
+        raise ValueError(
+            "share_host_masters keeps the host's copy pageable: page-locking it would give every rank a copy of its "
+            "own. Pass pin_memory=False (loads then run at the pageable copy rate)"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "share_host_masters needs torch.distributed initialised in every rank (torchrun, then "
@@ -75,12 +94,42 @@ def _first_device(module: nn.Module) -> torch.device:
     return next(t.device for t in module_stored_tensors((module,)) if t.device.type != "cpu")
 
 
-def _host_ranks() -> list[int]:
-    """The global ranks on this host, in order (the first one writes the files)."""
-    me = (socket.gethostname(), _boot_id())
+@contextlib.contextmanager
+def failures_told(sharing: bool) -> Iterator[None]:
+    """Around what a rank checks and plans before :func:`share_host_weights`: a failure there is
+    told to every other rank, in the exchange that starts sharing, so that they raise too instead
+    of waiting for this one until the process group times out."""
+    try:
+        yield
+    except Exception as exc:
+        if sharing and dist.is_available() and dist.is_initialized():
+            _exchange((None, f"rank {dist.get_rank()} could not enable ({exc})"))
+        raise
+
+
+def _exchange(value: object) -> list:
+    """``value`` from every rank of the world, in rank order (every rank must call it)."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, me)
-    return [rank for rank, host in enumerate(every) if host == me]
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _raise_any(failures: Iterable[str | None]) -> None:
+    """Raise, on every rank alike, if any rank of the world reported a failure."""
+    failures = [text for text in failures if text is not None]
+    if failures:
+        raise ValueError(
+            f"share_host_masters: {'; '.join(failures)}. Every rank of a host must load the same checkpoint, "
+            "and the host needs room in shared memory for one copy of the weights"
+        )
+
+
+def _host_of_each_rank() -> list[tuple[str, str] | None]:
+    """Each rank's host (name and boot id), or None for a rank that failed before sharing (its
+    failure raised here, see :func:`failures_told`)."""
+    every = _exchange(((socket.gethostname(), _boot_id()), None))
+    _raise_any(failure for _, failure in every)
+    return [host for host, _ in every]
 
 
 def _boot_id() -> str:
@@ -120,19 +169,23 @@ def _layout(wholes: Sequence[torch.Tensor], members: Sequence[Sequence[torch.Ten
 
 def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
     """Rebind every component's weights to one copy per host, mapped by each of its ranks (see the
-    module's docstring). Collective: every rank calls it with the same components, in the same order.
+    module's docstring), and return the ranks of this host. Collective: every rank of the world
+    calls it with the same components, in the same order.
 
-    Raises on every rank, before any weight is rebound, when a rank of the host could not write or
-    map a component's file, or the ranks lay a component out differently or hold different bytes
-    for it (built from another checkpoint, or seeded apart). A failure on one rank is told to the
-    others at the next exchange, so that none waits for it."""
-    host = _host_ranks()
-    shared = []
+    Raises on every rank, before any weight is rebound, when any rank could not write or map a
+    component's file, or the ranks of a host lay a component out differently or hold different
+    bytes for it (another checkpoint). Each rank's failures are exchanged at the next step rather
+    than raised where they happen, so that no rank is left waiting for another."""
+    hosts = _host_of_each_rank()
+    host = [rank for rank, other in enumerate(hosts) if other == hosts[dist.get_rank()]]
+    shared, seen = [], set()
     for name, module in modules.items():
+        if id(module) in seen:
+            continue  # one module under two names: shared once, as it is staged once
+        seen.add(id(module))
         wholes, members = _storages(module)
         layout = _layout(wholes, members)
-        backing = _mapped_copy(name, wholes, layout, host)
-        shared.append((name, wholes, members, layout, backing))
+        shared.append((name, wholes, members, layout, _mapped_copy(name, wholes, layout, hosts)))
     for name, wholes, members, layout, backing in shared:
         for whole, tensors, offset in zip(wholes, members, layout.offsets):
             place = slot(backing, offset, whole.numel())
@@ -142,34 +195,41 @@ def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
     return tuple(host)
 
 
-def _mapped_copy(name: str, wholes: Sequence[torch.Tensor], layout: _Layout, host: list[int]) -> memoryview:
-    """The host's copy of one component, mapped here once every rank of the host has checked it
-    holds the same bytes (the host's first rank writes it)."""
-    writer = dist.get_rank() == host[0]
+def _mapped_copy(name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hosts: list) -> memoryview:
+    """The host's copy of one component, mapped here once every rank of every host has checked it
+    holds the same bytes as its host's first rank, which writes it."""
+    rank = dist.get_rank()
+    writers = {host: hosts.index(host) for host in hosts}
+    writer = writers[hosts[rank]]
     path, failure = None, None
-    if writer:
+    if rank == writer:
         try:
             path = _write(name, wholes, layout)
-        except OSError as exc:
-            failure = f"rank {host[0]} could not write {name!r} to {SHARED_FOLDER} ({exc})"
+        except Exception as exc:
+            failure = f"rank {rank} could not write {name!r} to {SHARED_FOLDER} ({exc})"
+    backing = None
     try:
-        path = _agree(path, failure, layout, host, name)
+        every = _exchange((path, failure, layout.signature))
+        _raise_any(
+            [failure for _, failure, _ in every]
+            + [
+                f"rank {other} lays {name!r} out otherwise than rank {writers[hosts[other]]} (other tensors, shapes or dtypes)"
+                for other in range(len(hosts))
+                if every[other][2] != every[writers[hosts[other]]][2]
+            ]
+        )
+        path = every[writer][0]
         try:
             backing = _map(path, layout.span)
-        except OSError as exc:
-            backing, failure = None, f"rank {dist.get_rank()} could not map {path} ({exc})"
-        else:
             same = all(torch.equal(whole, slot(backing, offset, whole.numel())) for whole, offset in zip(wholes, layout.offsets))
-            failure = None if same else f"rank {dist.get_rank()} holds other weights for {name!r} than rank {host[0]}"
-        failures = [text for text in _gather(failure, host) if text is not None]
+            failure = None if same else f"rank {rank} holds other weights for {name!r} than rank {writer}"
+        except Exception as exc:
+            failure = f"rank {rank} could not map {path} ({exc})"
+        failures = _exchange(failure)
     finally:
-        if writer and path is not None:
-            os.unlink(path)  # every rank of the host has mapped it by now, or failed to (see _gather)
-    if failures:
-        raise ValueError(
-            f"share_host_masters: {'; '.join(failures)}. Every rank of a host must load the same checkpoint, "
-            "and the host needs room in shared memory for one copy of the weights"
-        )
+        if rank == writer and path is not None:
+            os.unlink(path)  # every rank of the host has mapped it by now, failed to, or is gone
+    _raise_any(failures)
     return backing
 
 
@@ -178,7 +238,9 @@ def _write(name: str, wholes: Sequence[torch.Tensor], layout: _Layout) -> str:
     path = os.path.join(SHARED_FOLDER, f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-{name}")
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(descriptor, layout.span)
+        # Reserved here: a tmpfs that runs out of room while its pages are written through a
+        # mapping kills the process (SIGBUS) instead of failing a call.
+        os.posix_fallocate(descriptor, 0, layout.span)
         with mmap.mmap(descriptor, layout.span, flags=mmap.MAP_SHARED) as mapping:
             block = memoryview(mapping)
             for whole, offset in zip(wholes, layout.offsets):
@@ -192,22 +254,6 @@ def _write(name: str, wholes: Sequence[torch.Tensor], layout: _Layout) -> str:
     return path
 
 
-def _agree(path: str | None, failure: str | None, layout: _Layout, host: list[int], name: str) -> str:
-    """The writer's path, once every rank of the host has checked that it lays the component out alike."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (path, failure, layout.signature))
-    path, failure, signature = every[host[0]]
-    if failure is not None:
-        raise ValueError(f"share_host_masters: {failure}")
-    differing = [rank for rank in host if every[rank][2] != signature]
-    if differing:
-        raise ValueError(
-            f"share_host_masters: component {name!r} is laid out differently on ranks {differing} than on rank "
-            f"{host[0]} (other tensors, shapes or dtypes); every rank of a host must build the same pipeline"
-        )
-    return path
-
-
 def _map(path: str, span: int) -> memoryview:
     """The file mapped privately: the host's pages, copied for this rank alone if it writes one. The
     mapping lasts as long as a tensor over it does (each holds a view of the memoryview)."""
@@ -216,12 +262,6 @@ def _map(path: str, span: int) -> memoryview:
         return memoryview(mmap.mmap(descriptor, span, flags=mmap.MAP_PRIVATE))
     finally:
         os.close(descriptor)
-
-
-def _gather(value: str | None, host: list[int]) -> list[str | None]:
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return [every[rank] for rank in host]
 
 
 def _rebind(tensor: torch.Tensor, backing: torch.Tensor) -> None:
@@ -238,18 +278,29 @@ def _rebind(tensor: torch.Tensor, backing: torch.Tensor) -> None:
         tensor.data = binding.view_over(backing)
 
 
-def shared_bytes(masters: Iterable[torch.Tensor]) -> int:
-    """Bytes of ``masters`` that lie in a host's shared copy (this process's mappings of its files,
-    from ``/proc/self/maps``: what a report asks, not a hot path)."""
-    ranges = []
+def shared_and_owned_bytes(masters: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """Bytes of ``masters`` that this rank reads from its host's copy, and bytes it holds alone:
+    masters elsewhere, and the pages of the host's copy it wrote, which got copies of their own
+    (from ``/proc/self/smaps``, as a report asks; not a hot path)."""
+    ranges, written = [], 0
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                if FILE_PREFIX in line:
-                    low, high = line.split(maxsplit=1)[0].split("-")
-                    ranges.append((int(low, 16), int(high, 16)))
+        with open("/proc/self/smaps") as smaps:
+            ours = False
+            for line in smaps:
+                fields = line.split()
+                if not fields[0].endswith(":"):  # a mapping's first line: its address range, ..., its path
+                    ours = FILE_PREFIX in line
+                    if ours:
+                        low, high = fields[0].split("-")
+                        ranges.append((int(low, 16), int(high, 16)))
+                elif ours and fields[0] == "Anonymous:":
+                    written += int(fields[1]) * 1024
     except OSError:
-        return 0
-    return sum(
-        master.numel() for master in masters if any(low <= master.data_ptr() < high for low, high in ranges)
-    )
+        return 0, sum(master.numel() for master in masters)
+    total = in_copy = 0
+    for master in masters:
+        total += master.numel()
+        if any(low <= master.data_ptr() < high for low, high in ranges):
+            in_copy += master.numel()
+    shared = max(0, in_copy - written)
+    return shared, total - shared

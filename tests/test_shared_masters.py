@@ -5,6 +5,7 @@ on one host do."""
 from __future__ import annotations
 
 import datetime
+import errno
 import glob
 import json
 import multiprocessing
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from diffusers_residency import shared_masters
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.shared_masters import FILE_PREFIX, SHARED_FOLDER
 from diffusers_residency.weights import module_stored_tensors
@@ -62,10 +64,9 @@ def _in_mapping(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _pipeline(seed: int) -> PipelineCase:
+def _pipeline() -> PipelineCase:
     """The tiny FLUX pipeline, saved and loaded back, built before the process group is: under one,
     transformers' ``save_pretrained`` writes from rank 0 only."""
-    torch.manual_seed(seed)
     return PipelineCase("flux")
 
 
@@ -73,19 +74,28 @@ def _modules(case: PipelineCase) -> list[torch.nn.Module]:
     return [module for module in case.pipe.components.values() if isinstance(module, torch.nn.Module)]
 
 
-def _serve(rank: int, world: int, store: str, results: str, seed_apart: bool, device: str) -> None:
-    case = _pipeline(1 if seed_apart and rank else 0)
+def _serve(rank: int, world: int, store: str, results: str, mode: str, device: str) -> None:
+    """One rank: enable with shared masters, and write what it saw to ``results/<rank>.txt``.
+    ``mode``: "share"; "apart" (rank 1 holds other weights for the VAE); "refuse" (rank 1 asks
+    for what sharing refuses); "full" (the writer finds no room in shared memory); "die" (rank 1
+    is killed as it maps a file)."""
+    case = _pipeline()
     if device != "cpu":  # the resident reference on the device, then back to the host to share
         case.pipe.to(device)
         case.reference = case.run()
         case.pipe.to("cpu")
-    if seed_apart and rank:
+    if mode == "apart" and rank == 1:
         with torch.no_grad():
             next(case.pipe.vae.parameters()).add_(1.0)
+    if mode == "full" and rank == 0:
+        os.posix_fallocate = lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    if mode == "die" and rank == 1:
+        shared_masters._map = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
     _join(rank, world, store)
+    extra = {"host_budget": "1GB"} if mode == "refuse" and rank == 1 else {}
     try:
-        case.pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=None if device == "cpu" else False)
-    except ValueError as exc:
+        case.pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=None if device == "cpu" else False, **extra)
+    except (ValueError, RuntimeError) as exc:
         moved = any(_in_mapping(t) for module in _modules(case) for t in module_stored_tensors((module,)) if t.numel())
         Path(results, f"{rank}.txt").write_text(f"refused ({'moved' if moved else 'unchanged'}): {exc}")
         return
@@ -107,22 +117,28 @@ def _serve(rank: int, world: int, store: str, results: str, seed_apart: bool, de
             case.pipe.transformer.proj_out.weight.add_(1.0)
     dist.barrier()
     figures["unchanged"] = torch.equal(case.run(), case.reference)
+    figures["owned after"] = case.pipe.residency_report().host_sharing.owned_bytes
     Path(results, f"{rank}.txt").write_text(json.dumps(figures))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path: Path, world: int, *, seed_apart: bool = False, device: str = "cpu") -> list[str]:
+def _run_ranks(tmp_path: Path, world: int, *, mode: str = "share", device: str = "cpu") -> tuple[list[int], list[str]]:
+    """Each rank's exit code, and what each wrote (missing: "")."""
     context = multiprocessing.get_context("spawn")
     store, results = str(tmp_path / "store"), str(tmp_path / "results")
     os.makedirs(results)
-    ranks = [context.Process(target=_serve, args=(rank, world, store, results, seed_apart, device)) for rank in range(world)]
+    ranks = [context.Process(target=_serve, args=(rank, world, store, results, mode, device)) for rank in range(world)]
     for process in ranks:
         process.start()
     for process in ranks:
-        process.join(timeout=300)
-    assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
-    return [Path(results, f"{rank}.txt").read_text() for rank in range(world)]
+        process.join(timeout=240)
+    for process in ranks:
+        if process.is_alive():  # hung in an exchange: a failure someone did not tell
+            process.kill()
+            process.join()
+    written = [Path(results, f"{rank}.txt") for rank in range(world)]
+    return [process.exitcode for process in ranks], [path.read_text() if path.exists() else "" for path in written]
 
 
 def _ours() -> set[str]:
@@ -133,29 +149,57 @@ def _ours() -> set[str]:
 def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: str) -> None:
     # On CUDA, two ranks on one GPU, the host's copy pageable (see share_host_masters).
     before = _ours()
-    for figures in map(json.loads, _run_ranks(tmp_path, 2, device=device)):
+    codes, lines = _run_ranks(tmp_path, 2, device=device)
+    assert codes == [0, 0], lines
+    for figures in map(json.loads, lines):
         assert figures["exact"], "every rank's output equal to its resident output"
         assert figures["inside"], "every master lies in the host's shared copy"
         assert figures["files"] == 4, "one mapping per component"
         assert figures["size"] * 1024 >= figures["weights"]
         assert (figures["shared"], figures["owned"]) == (figures["weights"], 0)
         assert figures["unchanged"] == (figures["rank"] == 0), "a rank's writes are its own"
+        # The pages rank 1 wrote are its own now, and its report says so.
+        assert (figures["owned after"] > 0) == (figures["rank"] == 1), figures
         assert figures["report"].startswith(f"rank {figures['rank']} of 2, host masters shared with ranks [0, 1]: ")
         # Each rank's share of the mapped pages is half of them: the pages are the host's, once.
         assert abs(figures["pss"] - figures["size"] / 2) <= 0.05 * figures["size"], figures
     assert _ours() == before
 
 
-def test_ranks_with_other_weights_are_refused_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "told"),
+    [
+        ("apart", "share_host_masters: rank 1 holds other weights for 'vae' than rank 0"),
+        ("refuse", "share_host_masters: rank 1 could not enable (share_host_masters keeps every master in shared"),
+        ("full", "share_host_masters: rank 0 could not write 'text_encoder' to /dev/shm ([Errno 28]"),
+    ],
+)
+def test_a_failure_on_one_rank_is_raised_on_every_rank_before_anything_changes(
+    tmp_path: Path, mode: str, told: str
+) -> None:
+    # Other weights on one rank (the components before the VAE were fine), a refusal on one rank
+    # only, no room in shared memory for the writer: each rank raises, none waits for the other,
+    # no weight is rebound and no file is left.
     before = _ours()
-    lines = _run_ranks(tmp_path, 2, seed_apart=True)
-    # Refused on both ranks, and no weight was rebound (the components before the VAE were fine).
-    assert all(line.startswith("refused (unchanged): share_host_masters: rank 1 holds other weights for 'vae'") for line in lines), lines
+    codes, lines = _run_ranks(tmp_path, 2, mode=mode)
+    assert codes == [0, 0], lines
+    assert all(line.startswith("refused (unchanged): ") for line in lines), lines
+    assert all(told in line for line in lines) or (mode == "refuse" and told in lines[0]), lines
+    assert _ours() == before
+
+
+def test_a_rank_killed_while_enabling_leaves_no_file_behind(tmp_path: Path) -> None:
+    # Rank 1 dies as it maps the first file; the writer finds it gone at the next exchange,
+    # unlinks the file and raises.
+    before = _ours()
+    codes, lines = _run_ranks(tmp_path, 2, mode="die")
+    assert codes == [0, -signal.SIGKILL], lines
+    assert lines[0].startswith("refused (unchanged): "), lines
     assert _ours() == before
 
 
 def _die_mid_call(rank: int, world: int, store: str) -> None:
-    case = _pipeline(0)
+    case = _pipeline()
     _join(rank, world, store)
     case.pipe.enable_pinned_offload("cpu", share_host_masters=True)
     if rank == 1:
@@ -172,7 +216,7 @@ def test_a_rank_killed_mid_call_leaves_no_file_behind(tmp_path: Path) -> None:
     for process in ranks:
         process.start()
     for process in ranks:
-        process.join(timeout=300)
+        process.join(timeout=240)
     assert [process.exitcode for process in ranks] == [0, -signal.SIGKILL]
     assert _ours() == before
 
