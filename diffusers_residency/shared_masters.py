@@ -103,14 +103,21 @@ def failures_told(sharing: bool) -> Iterator[None]:
         yield
     except Exception as exc:
         if sharing and dist.is_available() and dist.is_initialized():
-            _exchange((None, f"rank {dist.get_rank()} could not enable ({exc})"))
+            _exchange(_exchange_group(), (None, f"rank {dist.get_rank()} could not enable ({exc})"))
         raise
 
 
-def _exchange(value: object) -> list:
+def _exchange_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for the exchanges (collective): host objects, whatever the
+    default backend, and a rank that dies is seen as gone at once, where NCCL would wait for its
+    timeout and then end the process, with a file of the host's copy still in shared memory."""
+    return dist.new_group(backend="gloo")
+
+
+def _exchange(group: dist.ProcessGroup, value: object) -> list:
     """``value`` from every rank of the world, in rank order (every rank must call it)."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
+    dist.all_gather_object(every, value, group=group)
     return every
 
 
@@ -124,12 +131,18 @@ def _raise_any(failures: Iterable[str | None]) -> None:
         )
 
 
-def _host_of_each_rank() -> list[tuple[str, str] | None]:
-    """Each rank's host (name and boot id), or None for a rank that failed before sharing (its
-    failure raised here, see :func:`failures_told`)."""
-    every = _exchange(((socket.gethostname(), _boot_id()), None))
+def _host_of_each_rank(group: dist.ProcessGroup, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Each rank's host (name and boot id), once every rank has said it shares the same components
+    (``names``): each component is one exchange more, which every rank must make. A rank that
+    failed before sharing says so here instead (see :func:`failures_told`)."""
+    every = _exchange(group, ((socket.gethostname(), _boot_id(), names), None))
     _raise_any(failure for _, failure in every)
-    return [host for host, _ in every]
+    _raise_any(
+        f"rank {rank} shares components {list(other[2])} where rank 0 shares {list(names)}"
+        for rank, (other, _) in enumerate(every)
+        if other[2] != every[0][0][2]
+    )
+    return [other[:2] for other, _ in every]
 
 
 def _boot_id() -> str:
@@ -176,16 +189,17 @@ def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
     component's file, or the ranks of a host lay a component out differently or hold different
     bytes for it (another checkpoint). Each rank's failures are exchanged at the next step rather
     than raised where they happen, so that no rank is left waiting for another."""
-    hosts = _host_of_each_rank()
-    host = [rank for rank, other in enumerate(hosts) if other == hosts[dist.get_rank()]]
-    shared, seen = [], set()
+    distinct = {}
     for name, module in modules.items():
-        if id(module) in seen:
-            continue  # one module under two names: shared once, as it is staged once
-        seen.add(id(module))
+        distinct.setdefault(id(module), (name, module))  # one module under two names: shared once
+    group = _exchange_group()
+    hosts = _host_of_each_rank(group, tuple(name for name, _ in distinct.values()))
+    host = [rank for rank, other in enumerate(hosts) if other == hosts[dist.get_rank()]]
+    shared = []
+    for name, module in distinct.values():
         wholes, members = _storages(module)
         layout = _layout(wholes, members)
-        shared.append((name, wholes, members, layout, _mapped_copy(name, wholes, layout, hosts)))
+        shared.append((name, wholes, members, layout, _mapped_copy(group, name, wholes, layout, hosts)))
     for name, wholes, members, layout, backing in shared:
         for whole, tensors, offset in zip(wholes, members, layout.offsets):
             place = slot(backing, offset, whole.numel())
@@ -195,7 +209,9 @@ def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
     return tuple(host)
 
 
-def _mapped_copy(name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hosts: list) -> memoryview:
+def _mapped_copy(
+    group: dist.ProcessGroup, name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hosts: list
+) -> memoryview:
     """The host's copy of one component, mapped here once every rank of every host has checked it
     holds the same bytes as its host's first rank, which writes it."""
     rank = dist.get_rank()
@@ -209,7 +225,7 @@ def _mapped_copy(name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hos
             failure = f"rank {rank} could not write {name!r} to {SHARED_FOLDER} ({exc})"
     backing = None
     try:
-        every = _exchange((path, failure, layout.signature))
+        every = _exchange(group, (path, failure, layout.signature))
         _raise_any(
             [failure for _, failure, _ in every]
             + [
@@ -225,7 +241,7 @@ def _mapped_copy(name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hos
             failure = None if same else f"rank {rank} holds other weights for {name!r} than rank {writer}"
         except Exception as exc:
             failure = f"rank {rank} could not map {path} ({exc})"
-        failures = _exchange(failure)
+        failures = _exchange(group, failure)
     finally:
         if rank == writer and path is not None:
             os.unlink(path)  # every rank of the host has mapped it by now, failed to, or is gone
@@ -280,27 +296,29 @@ def _rebind(tensor: torch.Tensor, backing: torch.Tensor) -> None:
 
 def shared_and_owned_bytes(masters: Iterable[torch.Tensor]) -> tuple[int, int]:
     """Bytes of ``masters`` that this rank reads from its host's copy, and bytes it holds alone:
-    masters elsewhere, and the pages of the host's copy it wrote, which got copies of their own
-    (from ``/proc/self/smaps``, as a report asks; not a hot path)."""
-    ranges, written = [], 0
+    masters elsewhere, and the pages it wrote of the mappings that hold these masters, which got
+    copies of their own (from ``/proc/self/smaps``, as a report asks; not a hot path)."""
+    mappings: dict[tuple[int, int], int] = {}  # address range -> bytes written (copied for this rank)
     try:
         with open("/proc/self/smaps") as smaps:
-            ours = False
+            current = None
             for line in smaps:
                 fields = line.split()
                 if not fields[0].endswith(":"):  # a mapping's first line: its address range, ..., its path
-                    ours = FILE_PREFIX in line
-                    if ours:
-                        low, high = fields[0].split("-")
-                        ranges.append((int(low, 16), int(high, 16)))
-                elif ours and fields[0] == "Anonymous:":
-                    written += int(fields[1]) * 1024
+                    current = tuple(int(end, 16) for end in fields[0].split("-")) if FILE_PREFIX in line else None
+                    if current is not None:
+                        mappings[current] = 0
+                elif current is not None and fields[0] == "Anonymous:":
+                    mappings[current] += int(fields[1]) * 1024
     except OSError:
-        return 0, sum(master.numel() for master in masters)
+        mappings = {}
     total = in_copy = 0
+    holding = set()
     for master in masters:
         total += master.numel()
-        if any(low <= master.data_ptr() < high for low, high in ranges):
+        where = next((span for span in mappings if span[0] <= master.data_ptr() < span[1]), None)
+        if where is not None:
             in_copy += master.numel()
-    shared = max(0, in_copy - written)
+            holding.add(where)
+    shared = max(0, in_copy - sum(mappings[span] for span in holding))
     return shared, total - shared

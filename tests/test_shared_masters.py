@@ -76,7 +76,8 @@ def _modules(case: PipelineCase) -> list[torch.nn.Module]:
 
 def _serve(rank: int, world: int, store: str, results: str, mode: str, device: str) -> None:
     """One rank: enable with shared masters, and write what it saw to ``results/<rank>.txt``.
-    ``mode``: "share"; "apart" (rank 1 holds other weights for the VAE); "refuse" (rank 1 asks
+    ``mode``: "share"; "apart" (rank 1 holds other weights for the VAE); "extra" (rank 1 has one
+    component more, so one exchange more to make); "refuse" (rank 1 asks
     for what sharing refuses); "full" (the writer finds no room in shared memory); "die" (rank 1
     is killed as it maps a file)."""
     case = _pipeline()
@@ -87,6 +88,8 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
     if mode == "apart" and rank == 1:
         with torch.no_grad():
             next(case.pipe.vae.parameters()).add_(1.0)
+    if mode == "extra" and rank == 1:
+        case.pipe.register_modules(image_encoder=torch.nn.Linear(4, 4))
     if mode == "full" and rank == 0:
         os.posix_fallocate = lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
     if mode == "die" and rank == 1:
@@ -170,6 +173,7 @@ def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: s
     ("mode", "told"),
     [
         ("apart", "share_host_masters: rank 1 holds other weights for 'vae' than rank 0"),
+        ("extra", "share_host_masters: rank 1 shares components ['text_encoder', 'text_encoder_2', 'image_encoder',"),
         ("refuse", "share_host_masters: rank 1 could not enable (share_host_masters keeps every master in shared"),
         ("full", "share_host_masters: rank 0 could not write 'text_encoder' to /dev/shm ([Errno 28]"),
     ],
@@ -238,3 +242,20 @@ def test_sharing_that_cannot_be_done_is_refused_before_anything_changes(before: 
         case.pipe.enable_pinned_offload("cpu", share_host_masters=True, **extra)
     assert hooks == {name: getattr(module, "_hf_hook", None) for name, module in case.pipe.components.items()}
     assert torch.equal(case.run(), case.reference)
+
+
+def test_a_report_counts_as_owned_only_the_pages_its_own_pipeline_wrote(tmp_path: Path) -> None:
+    # Two pipelines sharing in one process (a world of one rank): a write into the second one's
+    # host copy is the second one's own, not the first one's.
+    _join(0, 1, str(tmp_path / "store"))
+    try:
+        first, second = _pipeline(), _pipeline()
+        for case in (first, second):
+            case.pipe.enable_pinned_offload("cpu", share_host_masters=True)
+        with torch.no_grad():
+            second.pipe.transformer.proj_out.weight.add_(1.0)  # offloaded: into its master
+        assert first.pipe.residency_report().host_sharing.owned_bytes == 0
+        assert second.pipe.residency_report().host_sharing.owned_bytes > 0
+        assert torch.equal(first.run(), first.reference)
+    finally:
+        dist.destroy_process_group()
