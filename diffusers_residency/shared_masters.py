@@ -103,7 +103,11 @@ def failures_told(sharing: bool) -> Iterator[None]:
         yield
     except Exception as exc:
         if sharing and dist.is_available() and dist.is_initialized():
-            _exchange(_exchange_group(), (None, f"rank {dist.get_rank()} could not enable ({exc})"))
+            group = _exchange_group()
+            try:
+                _exchange(group, (None, f"rank {dist.get_rank()} could not enable ({exc})"))
+            finally:
+                dist.destroy_process_group(group)
         raise
 
 
@@ -193,13 +197,16 @@ def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
     for name, module in modules.items():
         distinct.setdefault(id(module), (name, module))  # one module under two names: shared once
     group = _exchange_group()
-    hosts = _host_of_each_rank(group, tuple(name for name, _ in distinct.values()))
-    host = [rank for rank, other in enumerate(hosts) if other == hosts[dist.get_rank()]]
-    shared = []
-    for name, module in distinct.values():
-        wholes, members = _storages(module)
-        layout = _layout(wholes, members)
-        shared.append((name, wholes, members, layout, _mapped_copy(group, name, wholes, layout, hosts)))
+    try:
+        hosts = _host_of_each_rank(group, tuple(name for name, _ in distinct.values()))
+        host = [rank for rank, other in enumerate(hosts) if other == hosts[dist.get_rank()]]
+        shared = []
+        for name, module in distinct.values():
+            wholes, members = _storages(module)
+            layout = _layout(wholes, members)
+            shared.append((name, wholes, members, layout, _mapped_copy(group, name, wholes, layout, hosts)))
+    finally:
+        dist.destroy_process_group(group)
     for name, wholes, members, layout, backing in shared:
         for whole, tensors, offset in zip(wholes, members, layout.offsets):
             place = slot(backing, offset, whole.numel())
