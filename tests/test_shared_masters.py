@@ -24,6 +24,9 @@ from diffusers_residency.weights import module_stored_tensors
 
 from .helpers import PipelineCase
 
+# Bytes of a weight added to the transformer where the processes' Pss is compared (see _serve).
+BALLAST = 128 << 20
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not os.path.isdir(SHARED_FOLDER), reason=f"needs shared memory at {SHARED_FOLDER}"),
@@ -51,6 +54,12 @@ def _shared_mappings() -> dict[str, tuple[int, int]]:
                 size, pss = found[current]
                 found[current] = (size + int(fields[1]), pss) if fields[0] == "Size:" else (size, pss + int(fields[1]))
     return found
+
+
+def _process_pss() -> int:
+    """This process's proportional share of the memory it maps, in bytes (``/proc/self/smaps_rollup``)."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
 
 
 def _in_mapping(tensor: torch.Tensor) -> bool:
@@ -94,7 +103,15 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
         os.posix_fallocate = lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
     if mode == "die" and rank == 1:
         shared_masters._map = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "share":
+        # The tiny pipeline's 2 MB would be lost in a process's own memory: a weight of BALLAST
+        # bytes, the same on every rank, makes the host's one copy show in the processes' Pss.
+        generator = torch.Generator().manual_seed(0)
+        ballast = torch.randn(BALLAST // 4, generator=generator)
+        case.pipe.transformer.register_buffer("ballast", ballast)
+        del ballast
     _join(rank, world, store)
+    pss_before = _process_pss()
     extra = {"host_budget": "1GB"} if mode == "refuse" and rank == 1 else {}
     try:
         case.pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=None if device == "cpu" else False, **extra)
@@ -109,9 +126,11 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
     dist.barrier()  # every rank has mapped every file before any Pss is read
     mappings = _shared_mappings()
     size, pss = sum(v[0] for v in mappings.values()), sum(v[1] for v in mappings.values())
+    process_pss = (pss_before, _process_pss())
     sharing = case.pipe.residency_report().host_sharing
     figures = {"exact": exact, "inside": inside, "weights": weights, "size": size, "pss": pss, "files": len(mappings)}
     figures |= {"rank": rank, "report": str(sharing), "shared": sharing.shared_bytes, "owned": sharing.owned_bytes}
+    figures["process pss"] = process_pss
     dist.barrier()  # no rank writes before every rank has read its Pss
     if rank == 1:
         # Written in place between calls, while the transformer is off the device: into its master,
@@ -154,7 +173,12 @@ def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: s
     before = _ours()
     codes, lines = _run_ranks(tmp_path, 2, device=device)
     assert codes == [0, 0], lines
-    for figures in map(json.loads, lines):
+    every = [json.loads(line) for line in lines]
+    # Host memory across the ranks: before enabling, each holds its own copy of the ballast; after,
+    # they hold one between them (Pss splits a shared page between the processes that map it).
+    pss_before, pss_after = (sum(figures["process pss"][moment] for figures in every) for moment in (0, 1))
+    assert pss_before - pss_after >= 0.8 * BALLAST, (pss_before, pss_after)
+    for figures in every:
         assert figures["exact"], "every rank's output equal to its resident output"
         assert figures["inside"], "every master lies in the host's shared copy"
         assert figures["files"] == 4, "one mapping per component"
