@@ -106,16 +106,18 @@ def offloaded_first(
     after_writing: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """``method``, run under ``lock`` after ``offload``: a method that writes into weights in place
-    (LoRA fusing) then writes into the host masters, which the next load copies."""
+    (LoRA fusing) then writes into the host masters, which the next load copies. ``after_writing``
+    runs after it, whether it raised or not: what it wrote before raising was written all the same."""
 
     @functools.wraps(method)
     def run_offloaded(*args: Any, **kwargs: Any) -> Any:
         with lock:
             offload()
-            result = method(*args, **kwargs)
-            if after_writing is not None:
-                after_writing()
-            return result
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if after_writing is not None:
+                    after_writing()
 
     return run_offloaded
 
@@ -156,7 +158,8 @@ class StagingHook(ModelHook):
             if hasattr(module, name):
                 # Every unit of the component, its streamed blocks included: loaded again at its next forward.
                 offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
-                setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload))
+                written = functools.partial(self.group.own_copies_of_written, self.unit.component)
+                setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
         return module
 
     @_not_compiled

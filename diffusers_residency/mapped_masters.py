@@ -180,7 +180,9 @@ class FileBackedMasters:
         released = 0
         for (index, source), equal in zip(candidates.items(), same):
             if equal:
-                groups[index] = replace(groups[index], master=source.view, mapped_from=source, pinned=False, pin=None)
+                groups[index] = replace(
+                    groups[index], master=source.view, mapped_from=source, pinned=False, pin=None, read_from=None
+                )
                 released += groups[index].nbytes
         self._swap_masters(tuple(groups))
         return released

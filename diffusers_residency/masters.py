@@ -13,13 +13,16 @@ import logging
 import weakref
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from . import _device, files, pinning
 from .weights import Wrappers, flat_bytes, module_stored_tensors
+
+if TYPE_CHECKING:
+    from .shared_masters import HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +66,22 @@ class StorageGroup:
     alignment: int
     mapped_from: files.MappedBytes | None = None
     pinned: bool = False
-    # The registration that keeps the master page-locked, when this package made it so.
+    # The registration that keeps the master page-locked, when this package made it so (for a master
+    # read from the host's copy, that copy's).
     pin: pinning.HostPin | None = None
+    # Where loads read the master's bytes, when not from the master: its place in the host's copy
+    # that the ranks of a host share, page-locked there (see shared_masters), for as long as this
+    # rank has not written the master.
+    read_from: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return self.master.numel()
+
+    @property
+    def source(self) -> torch.Tensor:
+        """The bytes a load copies."""
+        return self.master if self.read_from is None else self.read_from
 
     @property
     def mapped(self) -> bool:
@@ -122,7 +135,10 @@ def release(owner: Owner, groups: Iterable[StorageGroup]) -> None:
 
 
 def snapshot(
-    tensors: Iterable[torch.Tensor], pin_budget: int | None, previous: tuple[StorageGroup, ...] = ()
+    tensors: Iterable[torch.Tensor],
+    pin_budget: int | None,
+    previous: tuple[StorageGroup, ...] = (),
+    host_copy: HostCopy | None = None,
 ) -> tuple[tuple[StorageGroup, ...], bool]:
     """Group every tensor by storage and take one host master per storage; also say whether a host
     storage was copied into a master (its memory goes back to malloc once the tensors are rebound).
@@ -131,7 +147,8 @@ def snapshot(
     no pinning) allows; a device storage, or a host storage whose pages could not be locked in
     place, is copied once into one host block sized to the copies. Masters of ``previous`` that the
     tensors still live in are kept as they are, registration and alignment included, so a snapshot
-    after a small change (a LoRA layer added) copies and pins only what is new.
+    after a small change (a LoRA layer added) copies and pins only what is new. A host storage in
+    ``host_copy`` is its own master, read by loads from that copy (see shared_masters).
     """
     # A tensor keeps the inference-ness it had when first staged: one replaced under inference mode
     # (a cast inside a call) is an inference tensor now, and rebinding it so would keep it one.
@@ -183,8 +200,14 @@ def snapshot(
             alignment = _device.host_alignment(whole)
         alignments.append(alignment)
         previous_group = kept.get((whole.data_ptr(), whole.numel())) if whole.device.type == "cpu" else None
+        in_copy = host_copy.shared_view(whole) if host_copy is not None and whole.device.type == "cpu" else None
         if previous_group is not None:
             settled[index] = replace(previous_group, bindings=tuple(bindings))
+        elif in_copy is not None:
+            read_from, pin = in_copy
+            settled[index] = StorageGroup(
+                whole.detach(), tuple(bindings), alignment, pinned=pin is not None, pin=pin, read_from=read_from
+            )
     if pin_budget is not None:
         masters = _pinned_masters(wholes, alignments, settled.keys(), pin_budget)
     else:
@@ -289,7 +312,8 @@ class MasterBindings:
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
     ``exclude``, ``_groups`` (the current masters), ``_kept_groups`` (see :mod:`.conversions`),
-    ``_master_views_by``, ``_wrappers`` and ``_loaded_state``."""
+    ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods of its other parts that
+    keep masters apart from a copy that ranks share (see :class:`~.shared_masters.HostCopyReads`)."""
 
     modules: tuple[nn.Module, ...]
     exclude: tuple[nn.Module, ...]
@@ -435,6 +459,9 @@ class MasterBindings:
         """Copy tensors written in place while loaded back into their masters: the one device-to-host
         copy an offload makes, and only of what changed. Returns those whose master is mapped from a
         file, which is not written: they are kept like replaced tensors and get masters of their own."""
+        in_place = {id(target) for target in written}
+        # The host's copy that ranks share is never written: those masters get copies of their own first.
+        self.take_own_copies(lambda group: any(id(binding.target) in in_place for binding in group.bindings))
         mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
         ordinary, _ = self._master_views()
         views = {id(target): view for target, view in ordinary}
@@ -454,3 +481,4 @@ class MasterBindings:
         )
         self._groups = groups
         self._assign(self._master_views(), keep=replaced)
+        self._note_versions_offloaded()

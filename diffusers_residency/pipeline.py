@@ -251,6 +251,12 @@ def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
             state.group.activate(state.hooks[name].unit)
 
 
+def _written(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
+    """After a pipeline method wrote into the weights (every component offloaded for it)."""
+    state.group.own_copies_of_written()
+    _load_excluded(pipe, state)
+
+
 def enable_pinned_offload(
     pipe: DiffusionPipeline,
     device: str | torch.device | None = None,
@@ -332,7 +338,7 @@ def enable_pinned_offload(
         if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
             raise TypeError(f"offload_folder is a folder's path, not {offload_folder!r}")
         if share_host_masters:
-            refuse_unsharable(modules, enabled=previous is not None, pin_memory=group.pin_memory, host_budget=host)
+            refuse_unsharable(modules, enabled=previous is not None, host_budget=host)
         replan = _planner(pipe, modules, components, budget)
         plan = replan({}, {})
         # Served from files at enable, for good: placed from the plan before any call is measured.
@@ -360,7 +366,7 @@ def enable_pinned_offload(
     wrap_every_pipeline_call()
 
     if share_host_masters:
-        group.host_ranks = share_host_weights(modules)
+        group.host_copy = share_host_weights(modules, group.pin_budget if group.pin_memory else None, group.device)
     if previous is not None and _same_setup(previous, group, modules, plan):
         # Only the policies change: keep the masters rather than giving them up and pinning again.
         previous.replan = replan
@@ -434,7 +440,7 @@ def enable_pinned_offload(
         lock=group.call_lock,
         enabled=lambda: pipeline_state(pipe) is not None,
         offload_all=offload_all,
-        after_writing=lambda: _load_excluded(pipe, state),
+        after_writing=lambda: _written(pipe, state),
         hooked_modules=lambda: [unit.module for unit in state.group.units],
         state_attribute=STATE_ATTR,
     )

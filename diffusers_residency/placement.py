@@ -47,7 +47,7 @@ def place_copies(
             return -(-end // _DEVICE_ALIGNMENT) * _DEVICE_ALIGNMENT
         return end + (group.alignment - end) % _device.CPU_ALIGNMENT
 
-    addresses = [group.master.data_ptr() for group in groups]
+    addresses = [group.source.data_ptr() for group in groups]
     offsets: list[int] = []
     runs: list[list[int]] = []
     end = 0
@@ -147,7 +147,7 @@ class DeviceCopies:
         layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
         groups = self._groups if groups is None else groups
-        key = (self._layout(), tuple(group.master.data_ptr() for group in groups))
+        key = (self._layout(), tuple(group.source.data_ptr() for group in groups))
         # Keyed by addresses alone: a read-back's pieces (see _copy_to_device) become the
         # registrations of the same ranges, or stay pageable, where a copy may span groups too.
         # Keyed by sizes and addresses, not the groups: holding those would keep masters let go alive.
@@ -237,7 +237,7 @@ class DeviceCopies:
                 if arriving is not None and arriving[first] is not None:
                     reading.wait_for(arriving[first])
                 begin, end = offsets[first], offsets[last] + groups[last].nbytes
-                master = groups[first].master
+                master = groups[first].source
                 source = master if first == last else pinning.host_span(master.data_ptr(), end - begin)
                 buffer[begin:end].copy_(source, non_blocking=self.pin_memory)
             return
@@ -246,7 +246,7 @@ class DeviceCopies:
                 continue  # copied from the files
             if arriving is not None and arriving[index] is not None:
                 reading.wait_for(arriving[index])
-            storage.copy_(group.master, non_blocking=self.pin_memory)
+            storage.copy_(group.source, non_blocking=self.pin_memory)
 
     def _copy_from_files(
         self,

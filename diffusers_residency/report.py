@@ -175,13 +175,13 @@ def report_for(group: ResidencyGroup) -> ResidencyReport:
 
 
 def _host_sharing(group: ResidencyGroup) -> HostSharing | None:
-    if group.host_ranks is None:
+    if group.host_copy is None:
         return None
     shared, owned = shared_and_owned_bytes(master for unit in group.units for master in unit.stager.masters())
     return HostSharing(
         rank=dist.get_rank() if dist.is_initialized() else 0,
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
-        host_ranks=group.host_ranks,
+        host_ranks=group.host_copy.ranks,
         shared_bytes=shared,
         owned_bytes=owned,
     )

@@ -28,6 +28,7 @@ from .masters import staged_by
 from .placement import DeviceSlots
 from .policy import Policy
 from .retention import RetentionBudget
+from .shared_masters import HostCopy
 from .staging import ModuleStager
 from .streaming import BlockStream
 from .weights import module_stored_tensors, module_tensors
@@ -155,8 +156,9 @@ class ResidencyGroup:
         # budget: set before they are added (see host_budget), so that their weights are never
         # copied or page-locked on the way.
         self.file_backing: dict[int, FileBacking] = {}
-        # The ranks of this host that share the masters' host copy (see shared_masters), if any.
-        self.host_ranks: tuple[int, ...] | None = None
+        # The copy of the weights that the ranks of this host share (see shared_masters), if any:
+        # set before the units are added, which read their masters from it.
+        self.host_copy: HostCopy | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
         # Reached by copying a module this group stages from anywhere but the pipeline that enabled
@@ -234,6 +236,7 @@ class ResidencyGroup:
             exclude=exclude,
             one_buffer=lambda: whole and not casts_layerwise(module),
             file_backing=self.file_backing.get(id(module)),
+            host_copy=self.host_copy,
         )
         unit = ResidencyUnit(
             name=name,
@@ -345,6 +348,16 @@ class ResidencyGroup:
                 unit.stager.offload()
         if self.active_component == component:
             self.active_component = None
+
+    def own_copies_of_written(self, component: str | None = None) -> None:
+        """After a method wrote into the offloaded weights of ``component`` (None: of every one):
+        masters read from the host's copy that this rank wrote get copies of their own (see
+        shared_masters), which the next loads read. Nothing to do without a host copy."""
+        if self.host_copy is None:
+            return
+        for unit in self.units if component is None else self.units_of(component):
+            if unit.stager.own_copies_of_written_pages():
+                unit.stager.rebind_masters()
 
     def sleep(
         self, unit: ResidencyUnit, level: int, sources: Mapping[int, files.MappedBytes] | None = None

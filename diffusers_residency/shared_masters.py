@@ -8,9 +8,16 @@ every rank of the host checks that file against its own weights and maps it, and
 tensors are rebound to the mapping: their private memory goes back to the system, and the
 mapping's pages count once for the host. The masters the stagers then take are those tensors.
 
-Each rank maps the file *privately* (``MAP_PRIVATE``): it reads the host's pages until it writes
-one, which then gets a copy of its own. A rank that fuses a LoRA or loads a state dict changes its
-own weights, never another rank's, whichever way the write comes.
+Each rank maps the file twice. Its tensors are bound to a *private* mapping (``MAP_PRIVATE``): it
+reads the host's pages until it writes one, which then gets a copy of its own, so a rank that fuses
+a LoRA or loads a state dict changes its own weights, never another rank's. Its loads read a
+*shared* mapping of the same pages, which each rank page-locks for its own GPU: locking the private
+one would make the kernel copy every page for that rank first (a write-locked page of a private
+mapping must be the rank's own), and each rank would hold the weights again. The shared mapping is
+never written; a master this rank writes no longer matches it, so it gets a copy of its own, loaded
+from there on (see ``staging.ModuleStager``): the write methods that offload a component first
+(``fuse_lora()``, ``load_lora_weights()``, ...) take those copies before writing, and a tensor
+written in place through itself while offloaded is found by its version counter at the next load.
 
 The file is unlinked as soon as every rank of the host has mapped it: from then on no rank's exit,
 or death, can leave it behind, and its memory goes back with the last mapping. Only a host's first
@@ -20,22 +27,24 @@ leave one, named ``diffusers_residency-<pid>-...``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import mmap
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _device
-from .masters import TensorBinding
-from .pinning import block_bytes, slot
+from . import _device, pinning
+from .masters import StorageGroup, TensorBinding
+from .pages import written_pages
+from .pinning import HostPin, block_bytes, claim_range, register_claimed, slot
 from .weights import flat_bytes, module_stored_tensors
 
 logger = logging.getLogger(__name__)
@@ -54,26 +63,118 @@ class _Layout:
     signature: tuple
 
 
-def refuse_unsharable(
-    modules: Mapping[str, nn.Module], *, enabled: bool, pin_memory: bool, host_budget: int | None
-) -> None:
+@dataclass(frozen=True)
+class _MappedCopy:
+    """One component's file as this rank maps it: privately at ``start`` (where its tensors are
+    bound), and shared (where loads read), page-locked by ``pin`` when the pin budget allowed."""
+
+    start: int
+    span: int
+    shared: memoryview
+    pin: HostPin | None
+
+
+class HostCopy:
+    """The host's copy of a pipeline's weights as this rank maps it (see the module's docstring):
+    the ranks that share it, and where a load reads each master that lies in it."""
+
+    def __init__(self, ranks: tuple[int, ...], copies: Iterable[_MappedCopy]) -> None:
+        self.ranks = ranks
+        self._copies = sorted(copies, key=lambda copy: copy.start)
+        self._starts = [copy.start for copy in self._copies]
+
+    def shared_view(self, master: torch.Tensor) -> tuple[torch.Tensor, HostPin | None] | None:
+        """``master``'s bytes in the shared mapping and its registration, if ``master`` lies in a
+        private mapping of the host's copy; else None."""
+        address = master.data_ptr()
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0 or not master.numel():
+            return None
+        copy = self._copies[index]
+        offset = address - copy.start
+        if offset + master.numel() > copy.span:
+            return None
+        return slot(copy.shared, offset, master.numel()), copy.pin
+
+
+class HostCopyReads:
+    """Part of :class:`~.staging.ModuleStager`: what keeps the masters read from the host's copy
+    (``StorageGroup.read_from``) apart from the writes of this rank. It reads the stager's
+    ``_groups``, ``pin_budget`` and ``_reads_host_copy`` (whether any master is read from the copy)."""
+
+    _groups: tuple[StorageGroup, ...]
+    pin_budget: int | None
+    _reads_host_copy: bool
+    # Each tensor of a master read from the host's copy, with its group and version counter as it
+    # was bound there: a counter moved at the next load is a write (see _own_copies_of_written).
+    _versions_offloaded: tuple[tuple[StorageGroup, torch.Tensor, int], ...] = ()
+
+    def _note_versions_offloaded(self) -> None:
+        """Called as the masters are bound: the version counters a write would move."""
+        self._versions_offloaded = (
+            tuple(
+                (group, binding.target, binding.target._version)
+                for group in self._groups
+                if group.read_from is not None
+                for binding in group.bindings
+                if not binding.inference
+            )
+            if self._reads_host_copy
+            else ()
+        )
+
+    def _own_copies_of_written(self) -> bool:
+        """Before a load: masters read from the host's copy that a tensor was written into in place
+        while offloaded (``load_state_dict``, ``copy_``: its version counter moved) get copies of
+        their own, which the load then reads (see :meth:`take_own_copies`); whether any did, for
+        the caller to bind them. A write through ``.data`` moves no counter, and is not seen
+        (docs/multi-gpu.md)."""
+        written = {id(group) for group, target, version in self._versions_offloaded if target._version != version}
+        return bool(written) and self.take_own_copies(lambda group: id(group) in written)
+
+    def own_copies_of_written_pages(self) -> bool:
+        """After a method that writes into offloaded weights (``fuse_lora()``): masters read from the
+        host's copy whose pages this rank wrote, whichever way (peft merges through ``.data``, which
+        moves no version counter), get copies of their own; whether any did (the caller binds them).
+        Costs a read of this rank's page table over the masters (``pages.written_pages``)."""
+        return self._reads_host_copy and self.take_own_copies(
+            lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes)
+        )
+
+    def take_own_copies(self, chosen: Callable[[StorageGroup], bool]) -> bool:
+        """Copy the ``chosen`` masters among those read from the host's copy into memory of this
+        rank's own (page-locked within the budget), which loads read from then on: this rank is
+        writing them: the host's copy, which the other ranks read, must not change, and loads from
+        it would not see the write. Binds nothing; whether any was copied."""
+        chosen_indices = [i for i, group in enumerate(self._groups) if group.read_from is not None and chosen(group)]
+        if not chosen_indices:
+            return False
+        groups = list(self._groups)
+        copies = pinning.copy_to_host(
+            [groups[i].master for i in chosen_indices],
+            [groups[i].alignment for i in chosen_indices],
+            self.pin_budget or 0,
+            pin=self.pin_budget is not None,
+        )
+        for index, copy in zip(chosen_indices, copies):
+            groups[index] = replace(groups[index], master=copy.data, read_from=None, pinned=copy.pinned, pin=copy.pin)
+        logger.info("%d masters written by this rank: copied out of the host's shared copy", len(chosen_indices))
+        self._groups = tuple(groups)
+        return True
+
+
+def refuse_unsharable(modules: Mapping[str, nn.Module], *, enabled: bool, host_budget: int | None) -> None:
     """Raise, before anything changes, unless the weights can be shared between the host's ranks:
-    a first enable, masters in RAM and pageable, ``torch.distributed`` initialised, shared memory to
-    map, every weight on the host."""
+    a first enable, every master in RAM, ``torch.distributed`` initialised, shared memory to map,
+    every weight on the host."""
     if enabled:
         raise ValueError(
             "share_host_masters is given to the first enable_pinned_offload of a pipeline: call "
             "disable_pinned_offload() on every rank first"
         )
     if host_budget is not None:
-        raise ValueError("share_host_masters keeps every master in shared memory, host_budget serves some from files: give one")
-    if pin_memory:
-        # Each rank maps the host's copy privately, and page-locking a private mapping in place
-        # writes its pages, which gives the rank copies of its own (see pinning): each rank would
-        # hold the host's copy and a locked one.
         raise ValueError(
-            "share_host_masters keeps the host's copy pageable: page-locking it would give every rank a copy of its "
-            "own. Pass pin_memory=False (loads then run at the pageable copy rate)"
+            "share_host_masters keeps every master in shared memory, host_budget serves some from files: give one"
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
@@ -179,14 +280,16 @@ def _layout(wholes: Sequence[torch.Tensor], members: Sequence[Sequence[torch.Ten
     alignments = [_device.host_alignment(whole) for whole in wholes]
     offsets, span = block_bytes(sizes, alignments)
     places = tuple(
-        tuple((str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in tensors) for tensors in members
+        tuple((str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in tensors)
+        for tensors in members
     )
     return _Layout(tuple(offsets), span, (tuple(sizes), tuple(alignments), places))
 
 
-def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
+def share_host_weights(modules: Mapping[str, nn.Module], pin_budget: int | None, device: torch.device) -> HostCopy:
     """Rebind every component's weights to one copy per host, mapped by each of its ranks (see the
-    module's docstring), and return the ranks of this host. Collective: every rank of the world
+    module's docstring), and return that copy as this rank maps it, its shared mappings page-locked
+    for ``device`` within ``pin_budget`` (None: pageable). Collective: every rank of the world
     calls it with the same components, in the same order.
 
     Raises on every rank, before any weight is rebound, when any rank could not write or map a
@@ -207,20 +310,38 @@ def share_host_weights(modules: Mapping[str, nn.Module]) -> tuple[int, ...]:
             shared.append((name, wholes, members, layout, _mapped_copy(group, name, wholes, layout, hosts)))
     finally:
         dist.destroy_process_group(group)
-    for name, wholes, members, layout, backing in shared:
+    copies = []
+    for name, wholes, members, layout, (private, shared_mapping) in shared:
         for whole, tensors, offset in zip(wholes, members, layout.offsets):
-            place = slot(backing, offset, whole.numel())
+            place = slot(private, offset, whole.numel())
             for tensor in tensors:
                 _rebind(tensor, place)
+        copies.append(
+            _MappedCopy(_address(private), layout.span, shared_mapping, _lock(shared_mapping, pin_budget, device))
+        )
         logger.info("%r: %d bytes shared by ranks %s of this host", name, sum(w.numel() for w in wholes), host)
-    return tuple(host)
+    return HostCopy(tuple(host), copies)
+
+
+def _address(mapping: memoryview) -> int:
+    return torch.frombuffer(mapping[:1], dtype=torch.uint8).data_ptr()
+
+
+def _lock(mapping: memoryview, pin_budget: int | None, device: torch.device) -> HostPin | None:
+    """Page-lock a shared mapping for ``device`` if ``pin_budget`` leaves room; None if not (loads
+    from it then run at the pageable rate). The pages are the host's: locking them copies nothing."""
+    start = _address(mapping)
+    end = start + len(mapping)
+    if pin_budget is None or not claim_range(start, end, pin_budget):
+        return None
+    return register_claimed(start, end, (torch.frombuffer(mapping, dtype=torch.uint8),), device)
 
 
 def _mapped_copy(
     group: dist.ProcessGroup, name: str, wholes: Sequence[torch.Tensor], layout: _Layout, hosts: list
-) -> memoryview:
-    """The host's copy of one component, mapped here once every rank of every host has checked it
-    holds the same bytes as its host's first rank, which writes it."""
+) -> tuple[memoryview, memoryview]:
+    """The host's copy of one component, mapped here privately and shared once every rank of every
+    host has checked it holds the same bytes as its host's first rank, which writes it."""
     rank = dist.get_rank()
     writers = {host: hosts.index(host) for host in hosts}
     writer = writers[hosts[rank]]
@@ -230,7 +351,7 @@ def _mapped_copy(
             path = _write(name, wholes, layout)
         except Exception as exc:
             failure = f"rank {rank} could not write {name!r} to {SHARED_FOLDER} ({exc})"
-    backing = None
+    mappings = None
     try:
         every = _exchange(group, (path, failure, layout.signature))
         _raise_any(
@@ -243,8 +364,11 @@ def _mapped_copy(
         )
         path = every[writer][0]
         try:
-            backing = _map(path, layout.span)
-            same = all(torch.equal(whole, slot(backing, offset, whole.numel())) for whole, offset in zip(wholes, layout.offsets))
+            mappings = _map(path, layout.span)
+            same = all(
+                torch.equal(whole, slot(mappings[0], offset, whole.numel()))
+                for whole, offset in zip(wholes, layout.offsets)
+            )
             failure = None if same else f"rank {rank} holds other weights for {name!r} than rank {writer}"
         except Exception as exc:
             failure = f"rank {rank} could not map {path} ({exc})"
@@ -253,7 +377,7 @@ def _mapped_copy(
         if rank == writer and path is not None:
             os.unlink(path)  # every rank of the host has mapped it by now, failed to, or is gone
     _raise_any(failures)
-    return backing
+    return mappings
 
 
 def _write(name: str, wholes: Sequence[torch.Tensor], layout: _Layout) -> str:
@@ -277,12 +401,15 @@ def _write(name: str, wholes: Sequence[torch.Tensor], layout: _Layout) -> str:
     return path
 
 
-def _map(path: str, span: int) -> memoryview:
-    """The file mapped privately: the host's pages, copied for this rank alone if it writes one. The
-    mapping lasts as long as a tensor over it does (each holds a view of the memoryview)."""
+def _map(path: str, span: int) -> tuple[memoryview, memoryview]:
+    """The file mapped privately (the host's pages, copied for this rank alone if it writes one) and
+    shared (the host's pages, which loads read). A mapping lasts as long as a tensor over it does
+    (each holds a view of the memoryview)."""
     descriptor = os.open(path, os.O_RDWR)
     try:
-        return memoryview(mmap.mmap(descriptor, span, flags=mmap.MAP_PRIVATE))
+        return tuple(
+            memoryview(mmap.mmap(descriptor, span, flags=flags)) for flags in (mmap.MAP_PRIVATE, mmap.MAP_SHARED)
+        )
     finally:
         os.close(descriptor)
 

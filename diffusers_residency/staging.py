@@ -35,6 +35,7 @@ from .masters import (
 )
 from .placement import DeviceCopies, DeviceSlots
 from .retention import RetentionBudget
+from .shared_masters import HostCopy, HostCopyReads
 from .weights import (
     Wrappers,
     module_tensors,
@@ -45,7 +46,7 @@ from .weights import (
 logger = logging.getLogger(__name__)
 
 
-class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionReuse):
+class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionReuse, HostCopyReads):
     """Load a module (or a group of modules) onto a device on demand, from immutable host masters.
 
     ``load()`` allocates device storage on the compute stream (or takes it from :class:`DeviceSlots`),
@@ -68,11 +69,13 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         exclude: Iterable[nn.Module] = (),
         one_buffer: bool | Callable[[], bool] = True,
         file_backing: FileBacking | None = None,
+        host_copy: HostCopy | None = None,
     ) -> None:
         """``file_backing``: masters to keep in checkpoint files (see :class:`~.mapped_masters.FileBacking`).
         Their weights are taken as masters where they are, neither copied nor page-locked (locking a
         mapping of a file would copy each page of it into anonymous memory), and then swapped for
-        the views of the files."""
+        the views of the files. ``host_copy``: the copy of the weights that the ranks of this host
+        share, which loads read for the masters in it (see :mod:`.shared_masters`)."""
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError("ModuleStager needs at least one nn.Module")
@@ -125,7 +128,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # Bytes loaded from masters kept in checkpoint files, and the host seconds those loads took.
         self.read_bytes = 0
         self.read_seconds = 0.0
-        self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget)
+        self.host_copy = host_copy
+        self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         self._init_conversions()
@@ -148,6 +152,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # Whether a load has masters to read back from files: found here, where the masters change,
         # and not at every load (a streamed block loads at every step).
         self._maps_files = any(group.mapped for group in groups)
+        self._reads_host_copy = any(group.read_from is not None for group in groups)
         # A read of masters that are no longer the current ones (taken again after a cast) would
         # hold its memory, unused, until the next load: stopped here, where the masters change.
         if self._reading_ahead is not None and self._reading_ahead[0] is not groups:
@@ -160,6 +165,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._assign(self._master_views())
+        self._note_versions_offloaded()
         self._device_storages = []
         self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
@@ -260,6 +266,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             if not ahead:
                 self.ready()
             return
+        if self._versions_offloaded and self._own_copies_of_written():
+            self.rebind_masters()
         if self._conversions_to_forget():
             # No copy still reads the kept masters: the last one that did was queued before the
             # conversion, and the first load after it waited for that copy to end (TimedCopy.running
@@ -362,7 +370,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             refuse_unstageable_tensors(self.modules, "The module")
         old = self._groups
         before = self.weight_bytes
-        self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups)
+        self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)

@@ -23,6 +23,7 @@ from diffusers_residency.shared_masters import FILE_PREFIX, SHARED_FOLDER
 from diffusers_residency.weights import module_stored_tensors
 
 from .helpers import PipelineCase
+from .test_changing_weights import lora_state_dict
 
 # Bytes of a weight added to the transformer where the processes' Pss is compared (see _serve).
 BALLAST = 128 << 20
@@ -83,6 +84,28 @@ def _modules(case: PipelineCase) -> list[torch.nn.Module]:
     return [module for module in case.pipe.components.values() if isinstance(module, torch.nn.Module)]
 
 
+def _write_in_place(rank: int, case: PipelineCase, mirror: PipelineCase, lora: dict | None, step: str) -> None:
+    """Rank 1 writes into its weights, and into the resident ``mirror``'s alike (on the host, where
+    the offloaded pipeline's writes are made too: a LoRA fused on a GPU may round otherwise):
+    "offloaded", in place through a parameter while the transformer is off the device (into its
+    master, this rank's private mapping of the host's copy); "loaded", into the VAE, which a call
+    leaves on the device; "fused", a LoRA fused (peft adds into the base weights through ``.data``)."""
+    if rank != 1:
+        return
+    device = mirror.pipe.device
+    mirror.pipe.to("cpu")
+    for pipe in (case.pipe, mirror.pipe):
+        with torch.no_grad():
+            if step == "offloaded":
+                pipe.transformer.proj_out.weight.add_(1.0)
+            elif step == "loaded":
+                pipe.vae.decoder.conv_out.bias.add_(0.5)
+        if step == "fused":
+            pipe.load_lora_weights(lora, adapter_name="style")
+            pipe.fuse_lora()
+    mirror.pipe.to(device)
+
+
 def _serve(rank: int, world: int, store: str, results: str, mode: str, device: str) -> None:
     """One rank: enable with shared masters, and write what it saw to ``results/<rank>.txt``.
     ``mode``: "share"; "apart" (rank 1 holds other weights for the VAE); "extra" (rank 1 has one
@@ -110,11 +133,18 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
         ballast = torch.randn(BALLAST // 4, generator=generator)
         case.pipe.transformer.register_buffer("ballast", ballast)
         del ballast
+    # Built before the process group is, as _pipeline says: what rank 1 writes is written into
+    # these too, resident, for its output to be compared with.
+    mirror = _pipeline() if mode == "share" else None
+    lora = lora_state_dict(case) if mode == "share" else None
+    if mirror is not None and device != "cpu":
+        mirror.pipe.to(device)
     _join(rank, world, store)
     pss_before = _process_pss()
     extra = {"host_budget": "1GB"} if mode == "refuse" and rank == 1 else {}
     try:
-        case.pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=None if device == "cpu" else False, **extra)
+        # Every component offloaded between calls (no budget), whatever the device's room.
+        case.pipe.enable_pinned_offload(device, vram_budget=None, share_host_masters=True, **extra)
     except (ValueError, RuntimeError) as exc:
         moved = any(_in_mapping(t) for module in _modules(case) for t in module_stored_tensors((module,)) if t.numel())
         Path(results, f"{rank}.txt").write_text(f"refused ({'moved' if moved else 'unchanged'}): {exc}")
@@ -131,14 +161,17 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
     figures = {"exact": exact, "inside": inside, "weights": weights, "size": size, "pss": pss, "files": len(mappings)}
     figures |= {"rank": rank, "report": str(sharing), "shared": sharing.shared_bytes, "owned": sharing.owned_bytes}
     figures["process pss"] = process_pss
+    figures["pinned"] = all(unit.stager.pinned for unit in pipeline_state(case.pipe).group.units)
     dist.barrier()  # no rank writes before every rank has read its Pss
-    if rank == 1:
-        # Written in place between calls, while the transformer is off the device: into its master,
-        # this rank's private mapping of the host's copy. Rank 0 must not see it.
-        with torch.no_grad():
-            case.pipe.transformer.proj_out.weight.add_(1.0)
-    dist.barrier()
-    figures["unchanged"] = torch.equal(case.run(), case.reference)
+    for step in ("offloaded", "loaded", "fused"):
+        # Rank 1 writes; every rank's output must equal its mirror's (rank 0's, untouched), and
+        # rank 1's must have changed (else the comparison shows nothing).
+        _write_in_place(rank, case, mirror, lora, step)
+        dist.barrier()
+        output = case.run()
+        figures[f"{step}: as written"] = torch.equal(output, mirror.run())
+        figures[f"{step}: changed"] = not torch.equal(output, case.reference)
+        dist.barrier()
     figures["owned after"] = case.pipe.residency_report().host_sharing.owned_bytes
     Path(results, f"{rank}.txt").write_text(json.dumps(figures))
     dist.barrier()
@@ -169,7 +202,7 @@ def _ours() -> set[str]:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: str) -> None:
-    # On CUDA, two ranks on one GPU, the host's copy pageable (see share_host_masters).
+    # On CUDA, two ranks on one GPU, each page-locking the host's copy.
     before = _ours()
     codes, lines = _run_ranks(tmp_path, 2, device=device)
     assert codes == [0, 0], lines
@@ -184,12 +217,16 @@ def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: s
         assert figures["files"] == 4, "one mapping per component"
         assert figures["size"] * 1024 >= figures["weights"]
         assert (figures["shared"], figures["owned"]) == (figures["weights"], 0)
-        assert figures["unchanged"] == (figures["rank"] == 0), "a rank's writes are its own"
-        # The pages rank 1 wrote are its own now, and its report says so.
+        assert figures["pinned"] == (device != "cpu"), "on a GPU, loads read the host's copy page-locked"
+        for step in ("offloaded", "loaded", "fused"):
+            assert figures[f"{step}: as written"], f"{step}: each rank's output is its own weights'"
+            assert figures[f"{step}: changed"] == (figures["rank"] == 1), f"{step}: a rank's writes are its own"
+        # The masters rank 1 wrote are its own now, and its report says so.
         assert (figures["owned after"] > 0) == (figures["rank"] == 1), figures
         assert figures["report"].startswith(f"rank {figures['rank']} of 2, host masters shared with ranks [0, 1]: ")
-        # Each rank's share of the mapped pages is half of them: the pages are the host's, once.
-        assert abs(figures["pss"] - figures["size"] / 2) <= 0.05 * figures["size"], figures
+        # Each rank maps each file twice (its tensors' private mapping, and the one loads read), and
+        # its share of the mapped pages is a quarter of both: the pages are the host's, once.
+        assert abs(figures["pss"] - figures["size"] / 4) <= 0.05 * figures["size"], figures
     assert _ours() == before
 
 
