@@ -6,8 +6,9 @@
 Every rank builds the same pipeline on the host (here a real FluxPipeline from a tiny config with
 random weights, so this runs with no download; with a checkpoint, ``FluxPipeline.from_pretrained``)
 and enables pinned offload with ``share_host_masters=True``: the host's first rank writes each
-component's weights to shared memory once, every rank checks them against its own and maps them,
-and its private copy goes. ``vram_budget`` applies to each rank's own GPU.
+component's weights to shared memory once, every rank checks them against its own, maps them and
+page-locks them for its GPU, and its private copy goes. ``vram_budget`` applies to each rank's own
+GPU. ``python -m diffusers_residency.bench.ranks`` measures the same with every call timed.
 """
 
 import argparse
@@ -32,8 +33,8 @@ pipe = build_pipeline("flux", "tiny")
 # The ranks exchange a few small messages while enabling, and nothing while serving: gloo will do.
 dist.init_process_group("gloo")
 
-# The host's copy stays pageable (page-locking a rank's mapping of it would copy it for that rank).
-pipe.enable_pinned_offload(device, share_host_masters=True, pin_memory=False)
+# Each rank page-locks the host's one copy for its own GPU.
+pipe.enable_pinned_offload(device, share_host_masters=True)
 image = pipe(**call_kwargs("flux", "tiny", seed=dist.get_rank())).images[0]  # each rank its own image
 print(f"rank {dist.get_rank()}: image {tuple(image.shape)} on {image.device}")
 print(pipe.residency_report())
