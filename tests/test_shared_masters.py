@@ -111,7 +111,7 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
     ``mode``: "share"; "apart" (rank 1 holds other weights for the VAE); "extra" (rank 1 has one
     component more, so one exchange more to make); "refuse" (rank 1 asks
     for what sharing refuses); "full" (the writer finds no room in shared memory); "die" (rank 1
-    is killed as it maps a file)."""
+    is killed as it maps a file); "sleep" (each rank sleeps and wakes, see _sleep_and_wake)."""
     case = _pipeline()
     if device != "cpu":  # the resident reference on the device, then back to the host to share
         case.pipe.to(device)
@@ -149,6 +149,9 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
         moved = any(_in_mapping(t) for module in _modules(case) for t in module_stored_tensors((module,)) if t.numel())
         Path(results, f"{rank}.txt").write_text(f"refused ({'moved' if moved else 'unchanged'}): {exc}")
         return
+    if mode == "sleep":
+        _sleep_and_wake(rank, case, results)
+        return
     exact = all(torch.equal(case.run(), case.reference) for _ in range(2))
     masters = [group.master for unit in pipeline_state(case.pipe).group.units for group in unit.stager._groups]
     inside = all(_in_mapping(master) for master in masters if master.numel())
@@ -173,6 +176,21 @@ def _serve(rank: int, world: int, store: str, results: str, mode: str, device: s
         figures[f"{step}: changed"] = not torch.equal(output, case.reference)
         dist.barrier()
     figures["owned after"] = case.pipe.residency_report().host_sharing.owned_bytes
+    Path(results, f"{rank}.txt").write_text(json.dumps(figures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sleep_and_wake(rank: int, case: PipelineCase, results: str) -> None:
+    """Each level of sleep and a wake, every output compared with the resident one; a level-2 sleep
+    swaps the masters for views of the checkpoint files, and the wake reads them back into memory of
+    the rank's own (see docs/multi-gpu.md)."""
+    figures = {}
+    for level in (1, 2):
+        case.pipe.sleep(level)
+        case.pipe.wake_up()
+        figures[f"level {level}"] = all(torch.equal(case.run(), case.reference) for _ in range(2))
+        figures[f"owned after level {level}"] = case.pipe.residency_report().host_sharing.owned_bytes
     Path(results, f"{rank}.txt").write_text(json.dumps(figures))
     dist.barrier()
     dist.destroy_process_group()
@@ -228,6 +246,16 @@ def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: s
         # its share of the mapped pages is a quarter of both: the pages are the host's, once.
         assert abs(figures["pss"] - figures["size"] / 4) <= 0.05 * figures["size"], figures
     assert _ours() == before
+
+
+def test_ranks_sharing_sleep_and_wake_exact(tmp_path: Path) -> None:
+    codes, lines = _run_ranks(tmp_path, 2, mode="sleep")
+    assert codes == [0, 0], lines
+    for figures in map(json.loads, lines):
+        assert figures["level 1"] and figures["level 2"], figures
+        # Level 1 keeps the masters where they are, the host's copy; level 2 reads them back into
+        # memory of the rank's own.
+        assert figures["owned after level 1"] == 0 and figures["owned after level 2"] > 0, figures
 
 
 @pytest.mark.parametrize(
