@@ -114,10 +114,18 @@ def offloaded_first(
         with lock:
             offload()
             try:
-                return method(*args, **kwargs)
-            finally:
+                result = method(*args, **kwargs)
+            except BaseException:
                 if after_writing is not None:
-                    after_writing()
+                    try:
+                        after_writing()
+                    except Exception:
+                        # The method's own error is the one to see.
+                        logger.warning("After %s failed, so did what follows it", method.__name__, exc_info=True)
+                raise
+            if after_writing is not None:
+                after_writing()
+            return result
 
     return run_offloaded
 

@@ -461,7 +461,9 @@ class MasterBindings:
         file, which is not written: they are kept like replaced tensors and get masters of their own."""
         in_place = {id(target) for target in written}
         # The host's copy that ranks share is never written: those masters get copies of their own first.
-        self.take_own_copies(lambda group: any(id(binding.target) in in_place for binding in group.bindings))
+        groups = self._own_copies(lambda group: any(id(binding.target) in in_place for binding in group.bindings))
+        if groups is not None:
+            self._groups = groups
         mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
         ordinary, _ = self._master_views()
         views = {id(target): view for target, view in ordinary}
@@ -481,4 +483,3 @@ class MasterBindings:
         )
         self._groups = groups
         self._assign(self._master_views(), keep=replaced)
-        self._note_versions_offloaded()

@@ -104,3 +104,12 @@ def give_back_read_pages(start: int, end: int, mappings: list[tuple[int, int]]) 
             dropped += (run - page) * PAGE
         page = run
     return dropped
+
+
+def drop_pages(start: int, end: int) -> None:
+    """Drop from this process the whole pages between ``start`` and ``end`` of a private mapping of
+    a file, written or not (``MADV_DONTNEED``): a written page goes back to the system, and reads
+    there see the file's bytes again. For bytes that no tensor reads any more."""
+    first, last = align_up(start, PAGE), end - end % PAGE
+    if last > first:
+        _LIBC.madvise(first, last - first, mmap.MADV_DONTNEED)

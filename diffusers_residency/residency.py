@@ -356,8 +356,7 @@ class ResidencyGroup:
         if self.host_copy is None:
             return
         for unit in self.units if component is None else self.units_of(component):
-            if unit.stager.own_copies_of_written_pages():
-                unit.stager.rebind_masters()
+            unit.stager.copy_written_pages()
 
     def sleep(
         self, unit: ResidencyUnit, level: int, sources: Mapping[int, files.MappedBytes] | None = None

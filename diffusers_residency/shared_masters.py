@@ -43,7 +43,7 @@ from torch import nn
 
 from . import _device, pinning
 from .masters import StorageGroup, TensorBinding
-from .pages import written_pages
+from .pages import drop_pages, written_pages
 from .pinning import HostPin, block_bytes, claim_range, register_claimed, slot
 from .weights import flat_bytes, module_stored_tensors
 
@@ -65,13 +65,18 @@ class _Layout:
 
 @dataclass(frozen=True)
 class _MappedCopy:
-    """One component's file as this rank maps it: privately at ``start`` (where its tensors are
-    bound), and shared (where loads read), page-locked by ``pin`` when the pin budget allowed."""
+    """One component's file as this rank maps it: privately (where its tensors are bound), and shared
+    (where loads read), page-locked by ``pin`` when the pin budget allowed. The private mapping is
+    held here, not only by the tensors over it: were they all to leave it, its addresses, which
+    tell a master in the host's copy, could be given to other memory."""
 
-    start: int
-    span: int
+    private: memoryview
     shared: memoryview
     pin: HostPin | None
+
+    @property
+    def start(self) -> int:
+        return _address(self.private)
 
 
 class HostCopy:
@@ -92,7 +97,7 @@ class HostCopy:
             return None
         copy = self._copies[index]
         offset = address - copy.start
-        if offset + master.numel() > copy.span:
+        if offset + master.numel() > len(copy.private):
             return None
         return slot(copy.shared, offset, master.numel()), copy.pin
 
@@ -100,55 +105,67 @@ class HostCopy:
 class HostCopyReads:
     """Part of :class:`~.staging.ModuleStager`: what keeps the masters read from the host's copy
     (``StorageGroup.read_from``) apart from the writes of this rank. It reads the stager's
-    ``_groups``, ``pin_budget`` and ``_reads_host_copy`` (whether any master is read from the copy)."""
+    ``_groups``, ``pin_budget``, ``_reads_host_copy`` (whether any master is read from the copy),
+    ``_shared_versions`` and ``_swap_masters`` (see masters.MasterBindings)."""
 
     _groups: tuple[StorageGroup, ...]
     pin_budget: int | None
     _reads_host_copy: bool
-    # Each tensor of a master read from the host's copy, with its group and version counter as it
-    # was bound there: a counter moved at the next load is a write (see _own_copies_of_written).
-    _versions_offloaded: tuple[tuple[StorageGroup, torch.Tensor, int], ...] = ()
+    # id(tensor) -> the tensor and its version counter when it was first bound to a master read
+    # from the host's copy, whose bytes it then held: a counter moved since is a write of this rank,
+    # whatever the tensor was bound to when it was made and whatever changed the groups since (a
+    # retake, a cast and its way back, a level-2 sleep keep groups as they were).
+    _shared_versions: dict[int, tuple[torch.Tensor, int]]
 
-    def _note_versions_offloaded(self) -> None:
-        """Called as the masters are bound: the version counters a write would move."""
-        self._versions_offloaded = (
-            tuple(
-                (group, binding.target, binding.target._version)
-                for group in self._groups
-                if group.read_from is not None
-                for binding in group.bindings
-                if not binding.inference
-            )
-            if self._reads_host_copy
-            else ()
-        )
+    def _note_shared_versions(self) -> None:
+        """Record the counters of tensors newly bound to masters read from the host's copy."""
+        for group in self._groups:
+            if group.read_from is not None:
+                for binding in group.bindings:
+                    if not binding.inference and id(binding.target) not in self._shared_versions:
+                        self._shared_versions[id(binding.target)] = (binding.target, binding.target._version)
 
-    def _own_copies_of_written(self) -> bool:
-        """Before a load: masters read from the host's copy that a tensor was written into in place
-        while offloaded (``load_state_dict``, ``copy_``: its version counter moved) get copies of
-        their own, which the load then reads (see :meth:`take_own_copies`); whether any did, for
-        the caller to bind them. A write through ``.data`` moves no counter, and is not seen
-        (docs/multi-gpu.md)."""
-        written = {id(group) for group, target, version in self._versions_offloaded if target._version != version}
-        return bool(written) and self.take_own_copies(lambda group: id(group) in written)
+    def _copy_written_in_place(self) -> None:
+        """Before a load (offloaded): masters read from the host's copy that a tensor was written into
+        in place since (``load_state_dict``, ``copy_``: its version counter moved) get copies of
+        their own, which the load then reads (see :meth:`_own_copies`). A write through ``.data``
+        moves no counter, and is not seen (docs/multi-gpu.md)."""
 
-    def own_copies_of_written_pages(self) -> bool:
-        """After a method that writes into offloaded weights (``fuse_lora()``): masters read from the
+        def written(group: StorageGroup) -> bool:
+            for binding in group.bindings:
+                tensor, version = self._shared_versions.get(id(binding.target), (None, None))
+                if tensor is binding.target and binding.target._version != version:
+                    return True
+            return False
+
+        groups = self._own_copies(written)
+        if groups is not None:
+            self._swap_masters(groups)
+
+    def copy_written_pages(self) -> None:
+        """After a method wrote into the offloaded weights (``fuse_lora()``): masters read from the
         host's copy whose pages this rank wrote, whichever way (peft merges through ``.data``, which
-        moves no version counter), get copies of their own; whether any did (the caller binds them).
-        Costs a read of this rank's page table over the masters (``pages.written_pages``)."""
-        return self._reads_host_copy and self.take_own_copies(
-            lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes)
-        )
+        moves no version counter), get copies of their own. Costs a read of this rank's page table
+        over those masters (``pages.written_pages``)."""
+        if not self._reads_host_copy:
+            return
+        groups = self._own_copies(lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes))
+        if groups is not None:
+            self._swap_masters(groups)
 
-    def take_own_copies(self, chosen: Callable[[StorageGroup], bool]) -> bool:
-        """Copy the ``chosen`` masters among those read from the host's copy into memory of this
-        rank's own (page-locked within the budget), which loads read from then on: this rank is
-        writing them: the host's copy, which the other ranks read, must not change, and loads from
-        it would not see the write. Binds nothing; whether any was copied."""
+    def _own_copies(self, chosen: Callable[[StorageGroup], bool]) -> tuple[StorageGroup, ...] | None:
+        """The groups, the ``chosen`` ones among those read from the host's copy over copies of their
+        masters in memory of this rank's own (page-locked within the budget), which loads read from
+        then on: this rank wrote them, the host's copy, which the other ranks read, must not change,
+        and loads from it would not see the write. None if none was chosen. Binds nothing: the
+        caller does, as it may (while loaded, the offload binds them).
+
+        The pages the chosen masters wholly cover in this rank's private mapping are dropped: its
+        written ones would hold the same bytes a second time, and no tensor reads them once bound to
+        the copies (the rest are the host's, mapped again if read)."""
         chosen_indices = [i for i, group in enumerate(self._groups) if group.read_from is not None and chosen(group)]
         if not chosen_indices:
-            return False
+            return None
         groups = list(self._groups)
         copies = pinning.copy_to_host(
             [groups[i].master for i in chosen_indices],
@@ -157,10 +174,11 @@ class HostCopyReads:
             pin=self.pin_budget is not None,
         )
         for index, copy in zip(chosen_indices, copies):
+            master = groups[index].master
+            drop_pages(master.data_ptr(), master.data_ptr() + master.numel())
             groups[index] = replace(groups[index], master=copy.data, read_from=None, pinned=copy.pinned, pin=copy.pin)
         logger.info("%d masters written by this rank: copied out of the host's shared copy", len(chosen_indices))
-        self._groups = tuple(groups)
-        return True
+        return tuple(groups)
 
 
 def refuse_unsharable(modules: Mapping[str, nn.Module], *, enabled: bool, host_budget: int | None) -> None:
@@ -316,9 +334,7 @@ def share_host_weights(modules: Mapping[str, nn.Module], pin_budget: int | None,
             place = slot(private, offset, whole.numel())
             for tensor in tensors:
                 _rebind(tensor, place)
-        copies.append(
-            _MappedCopy(_address(private), layout.span, shared_mapping, _lock(shared_mapping, pin_budget, device))
-        )
+        copies.append(_MappedCopy(private, shared_mapping, _lock(shared_mapping, pin_budget, device)))
         logger.info("%r: %d bytes shared by ranks %s of this host", name, sum(w.numel() for w in wholes), host)
     return HostCopy(tuple(host), copies)
 

@@ -129,6 +129,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.read_bytes = 0
         self.read_seconds = 0.0
         self.host_copy = host_copy
+        self._shared_versions = {}
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
@@ -153,6 +154,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # and not at every load (a streamed block loads at every step).
         self._maps_files = any(group.mapped for group in groups)
         self._reads_host_copy = any(group.read_from is not None for group in groups)
+        if self._reads_host_copy:
+            self._note_shared_versions()
         # A read of masters that are no longer the current ones (taken again after a cast) would
         # hold its memory, unused, until the next load: stopped here, where the masters change.
         if self._reading_ahead is not None and self._reading_ahead[0] is not groups:
@@ -165,7 +168,6 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._assign(self._master_views())
-        self._note_versions_offloaded()
         self._device_storages = []
         self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
@@ -266,8 +268,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             if not ahead:
                 self.ready()
             return
-        if self._versions_offloaded and self._own_copies_of_written():
-            self.rebind_masters()
+        if self._reads_host_copy:
+            self._copy_written_in_place()
         if self._conversions_to_forget():
             # No copy still reads the kept masters: the last one that did was queued before the
             # conversion, and the first load after it waited for that copy to end (TimedCopy.running
