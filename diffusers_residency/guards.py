@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS, offloaded_first
+from .hooks import IN_PLACE_WEIGHT_METHODS, call_then, offloaded_first
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
 # merged by a function, not a component method the hooks could wrap): run with every component
@@ -62,10 +62,8 @@ def guard_pipeline(
     def copy_without_offload(memo: dict[int, Any]) -> DiffusionPipeline:
         with lock:
             offload_all()  # the copy's weights come from the masters, all of them on the host
-            try:
-                return _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)
-            finally:
-                after_writing()
+            copy = lambda: _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)  # noqa: E731
+            return call_then(copy, after_writing, "copying the pipeline")
 
     def reduce(protocol: int) -> Any:
         if enabled():  # once the hooks are gone (remove_all_hooks), this drops the guards too

@@ -113,21 +113,27 @@ def offloaded_first(
     def run_offloaded(*args: Any, **kwargs: Any) -> Any:
         with lock:
             offload()
-            try:
-                result = method(*args, **kwargs)
-            except BaseException:
-                if after_writing is not None:
-                    try:
-                        after_writing()
-                    except Exception:
-                        # The method's own error is the one to see.
-                        logger.warning("After %s failed, so did what follows it", method.__name__, exc_info=True)
-                raise
-            if after_writing is not None:
-                after_writing()
-            return result
+            return call_then(lambda: method(*args, **kwargs), after_writing, method.__name__)
 
     return run_offloaded
+
+
+def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: str) -> Any:
+    """``call()`` (``what``, for the log), then ``after()`` whether it raised or not. When both
+    raise, ``call``'s error is the one raised (it is what the caller asked about), and ``after``'s
+    is logged."""
+    try:
+        result = call()
+    except BaseException:
+        if after is not None:
+            try:
+                after()
+            except Exception:
+                logger.warning("%s failed, and so did what follows it", what, exc_info=True)
+        raise
+    if after is not None:
+        after()
+    return result
 
 
 class StagingHook(ModelHook):

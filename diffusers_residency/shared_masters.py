@@ -34,6 +34,7 @@ import mmap
 import os
 import socket
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -106,63 +107,101 @@ class HostCopyReads:
     """Part of :class:`~.staging.ModuleStager`: what keeps the masters read from the host's copy
     (``StorageGroup.read_from``) apart from the writes of this rank. It reads the stager's
     ``_groups``, ``pin_budget``, ``_reads_host_copy`` (whether any master is read from the copy),
-    ``_shared_versions`` and ``_swap_masters`` (see masters.MasterBindings)."""
+    ``_shared_versions``, ``tensors()`` and ``_swap_masters`` (see masters.MasterBindings)."""
 
     _groups: tuple[StorageGroup, ...]
     pin_budget: int | None
     _reads_host_copy: bool
-    # id(tensor) -> the tensor and its version counter when it was first bound to a master read
-    # from the host's copy, whose bytes it then held: a counter moved since is a write of this rank,
-    # whatever the tensor was bound to when it was made and whatever changed the groups since (a
-    # retake, a cast and its way back, a level-2 sleep keep groups as they were).
-    _shared_versions: dict[int, tuple[torch.Tensor, int]]
+    # id(tensor) -> the tensor (weakly) and its version counter when it was first bound to a master
+    # read from the host's copy: a counter moved since is a write of this rank, whatever the tensor
+    # was bound to meanwhile and whatever changed the groups (a retake, a cast and its way back, a
+    # level-2 sleep keep groups as they were). WRITTEN where the master's pages were written already.
+    # None until the first groups are noted, at enable.
+    _shared_versions: dict[int, tuple[weakref.ref, int]] | None
+    WRITTEN = -1
 
     def _note_shared_versions(self) -> None:
-        """Record the counters of tensors newly bound to masters read from the host's copy."""
+        """Record the counters of tensors newly bound to masters read from the host's copy (called as
+        the groups change), and forget those of tensors gone. A tensor new to a master that this rank
+        wrote already (a parameter made anew over a written weight, a buffer a cast made a new view
+        of) counts as written: its own counter has not moved. Told from the page table, once per
+        such master; not at enable, where nothing was written yet."""
+        check_pages = self._shared_versions is not None
+        if self._shared_versions is None:
+            self._shared_versions = {}
         for group in self._groups:
-            if group.read_from is not None:
-                for binding in group.bindings:
-                    if not binding.inference and id(binding.target) not in self._shared_versions:
-                        self._shared_versions[id(binding.target)] = (binding.target, binding.target._version)
+            if group.read_from is None:
+                continue
+            written = None
+            for binding in group.bindings:
+                target = binding.target
+                entry = self._shared_versions.get(id(target))
+                if binding.inference or (entry is not None and entry[0]() is target):
+                    continue
+                if written is None:
+                    start = group.master.data_ptr()
+                    written = check_pages and written_pages(start, start + group.nbytes)
+                self._shared_versions[id(target)] = (weakref.ref(target), self.WRITTEN if written else target._version)
+        for key in [key for key, (reference, _) in self._shared_versions.items() if reference() is None]:
+            del self._shared_versions[key]
 
     def _copy_written_in_place(self) -> None:
-        """Before a load (offloaded): masters read from the host's copy that a tensor was written into
-        in place since (``load_state_dict``, ``copy_``: its version counter moved) get copies of
-        their own, which the load then reads (see :meth:`_own_copies`). A write through ``.data``
-        moves no counter, and is not seen (docs/multi-gpu.md)."""
+        """Offloaded, before a load reads them: masters read from the host's copy that a tensor was
+        written into in place since (``load_state_dict``, ``copy_``: its version counter moved) get
+        copies of their own (see :meth:`_own_copies`). A write through ``.data`` moves no counter,
+        and is not seen (docs/multi-gpu.md)."""
 
         def written(group: StorageGroup) -> bool:
             for binding in group.bindings:
-                tensor, version = self._shared_versions.get(id(binding.target), (None, None))
-                if tensor is binding.target and binding.target._version != version:
+                reference, version = (self._shared_versions or {}).get(id(binding.target), (None, None))
+                if reference is not None and reference() is binding.target and binding.target._version != version:
                     return True
             return False
 
-        groups = self._own_copies(written)
-        if groups is not None:
-            self._swap_masters(groups)
+        self._bind_own_copies(written)
 
     def copy_written_pages(self) -> None:
-        """After a method wrote into the offloaded weights (``fuse_lora()``): masters read from the
+        """Offloaded, after a method wrote into the weights (``fuse_lora()``): masters read from the
         host's copy whose pages this rank wrote, whichever way (peft merges through ``.data``, which
         moves no version counter), get copies of their own. Costs a read of this rank's page table
         over those masters (``pages.written_pages``)."""
-        if not self._reads_host_copy:
+        if self._reads_host_copy:
+            self._bind_own_copies(
+                lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes)
+            )
+
+    def _bind_own_copies(self, chosen: Callable[[StorageGroup], bool]) -> None:
+        """:meth:`_own_copies` of the ``chosen`` groups, bound (offloaded); then the pages their old
+        masters wholly cover in the private mapping are dropped, those of a master that no tensor
+        lies in any more: the written ones would hold the same bytes a second time (the rest are
+        the host's, mapped again if read). A tensor the swap left where it was (replaced while
+        offloaded by one over the same bytes) keeps its master's pages."""
+        old = {id(group.master): group.master for group in self._groups}
+        groups = self._own_copies(chosen)
+        if groups is None:
             return
-        groups = self._own_copies(lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes))
-        if groups is not None:
-            self._swap_masters(groups)
+        self._swap_masters(groups)
+        left = sorted(
+            (master.data_ptr(), master.data_ptr() + master.numel())
+            for key, master in old.items()
+            if key not in {id(group.master) for group in groups}
+        )
+        starts = [start for start, _ in left]
+        still_read = set()
+        for tensor in self.tensors():
+            index = bisect.bisect_right(starts, tensor.data_ptr()) - 1
+            if index >= 0 and tensor.data_ptr() < left[index][1]:
+                still_read.add(index)
+        for index, (start, end) in enumerate(left):
+            if index not in still_read:
+                drop_pages(start, end)
 
     def _own_copies(self, chosen: Callable[[StorageGroup], bool]) -> tuple[StorageGroup, ...] | None:
         """The groups, the ``chosen`` ones among those read from the host's copy over copies of their
         masters in memory of this rank's own (page-locked within the budget), which loads read from
         then on: this rank wrote them, the host's copy, which the other ranks read, must not change,
         and loads from it would not see the write. None if none was chosen. Binds nothing: the
-        caller does, as it may (while loaded, the offload binds them).
-
-        The pages the chosen masters wholly cover in this rank's private mapping are dropped: its
-        written ones would hold the same bytes a second time, and no tensor reads them once bound to
-        the copies (the rest are the host's, mapped again if read)."""
+        caller does, as it may (while loaded, the offload binds them)."""
         chosen_indices = [i for i, group in enumerate(self._groups) if group.read_from is not None and chosen(group)]
         if not chosen_indices:
             return None
@@ -174,8 +213,6 @@ class HostCopyReads:
             pin=self.pin_budget is not None,
         )
         for index, copy in zip(chosen_indices, copies):
-            master = groups[index].master
-            drop_pages(master.data_ptr(), master.data_ptr() + master.numel())
             groups[index] = replace(groups[index], master=copy.data, read_from=None, pinned=copy.pinned, pin=copy.pin)
         logger.info("%d masters written by this rank: copied out of the host's shared copy", len(chosen_indices))
         return tuple(groups)

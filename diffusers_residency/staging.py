@@ -129,7 +129,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.read_bytes = 0
         self.read_seconds = 0.0
         self.host_copy = host_copy
-        self._shared_versions = {}
+        self._shared_versions = None
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
@@ -379,6 +379,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         try:
             claim(self, self._groups)
             self.rebind_masters()
+            if self._reads_host_copy:
+                # A tensor newly bound over pages this rank wrote (see _note_shared_versions), before
+                # the load this retake is part of reads the host's copy.
+                self._copy_written_in_place()
             if copied_host:
                 # A trim walks all of malloc's heap (milliseconds): only when copies into masters
                 # freed the originals. (Conversion results dropped for kept masters leave holes too,

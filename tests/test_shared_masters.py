@@ -99,6 +99,9 @@ WRITES = {
     "written and replaced": ("x_embedder.weight", "x_embedder.bias"),
     # Written, then cast to float64 and back (the masters of before taken back by their bits).
     "written then cast": ("norm_out.linear.weight",),
+    # A parameter made anew over the same bytes (sharing its version counter), then written in
+    # place, while offloaded: the new one is taken over pages already written.
+    "made anew then written": ("time_text_embed.timestep_embedder.linear_1.weight",),
     # A LoRA loaded and fused (peft adds into the base weights through .data).
     "fused": ("transformer_blocks.0.attn.to_q.base_layer.weight",),
     # Written, then a level-2 sleep and a wake: masters mapped from the files, and read back into
@@ -123,6 +126,10 @@ def _write(pipe, step: str, lora: dict, enabled: bool) -> None:
             transformer.context_embedder.weight.add_(0.25)
         elif step == "written then cast":
             transformer.norm_out.linear.weight.add_(0.125)
+        elif step == "made anew then written":
+            linear = transformer.time_text_embed.timestep_embedder.linear_1
+            linear.weight = torch.nn.Parameter(linear.weight.detach())
+            linear.weight.add_(0.5)
     if step == "written then asleep" and enabled:
         pipe.sleep(2)
         pipe.wake_up()
