@@ -46,7 +46,7 @@ from . import _device, pinning
 from .masters import StorageGroup, TensorBinding
 from .pages import drop_pages, written_pages
 from .pinning import HostPin, block_bytes, claim_range, register_claimed, slot
-from .weights import flat_bytes, module_stored_tensors
+from .weights import Wrappers, flat_bytes, module_stored_tensors, stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -110,51 +110,78 @@ class HostCopyReads:
     ``_shared_versions``, ``tensors()`` and ``_swap_masters`` (see masters.MasterBindings)."""
 
     _groups: tuple[StorageGroup, ...]
+    _wrappers: Wrappers
     pin_budget: int | None
     _reads_host_copy: bool
-    # id(tensor) -> the tensor (weakly) and its version counter when it was first bound to a master
-    # read from the host's copy: a counter moved since is a write of this rank, whatever the tensor
-    # was bound to meanwhile and whatever changed the groups (a retake, a cast and its way back, a
-    # level-2 sleep keep groups as they were). WRITTEN where the master's pages were written already.
-    # None until the first groups are noted, at enable.
-    _shared_versions: dict[int, tuple[weakref.ref, int]] | None
+    # id(tensor) -> the tensor (weakly), its version counter when it was bound to a master read from
+    # the host's copy, and that master's address: a counter moved since is a write of this rank,
+    # whatever the tensor was bound to meanwhile and whatever changed the groups (a retake, a cast
+    # and its way back, a level-2 sleep keep groups as they were). WRITTEN where the master's pages
+    # were written already. None until the first groups are noted, at enable.
+    _shared_versions: dict[int, tuple[weakref.ref, int, int]] | None
+    # id(wrapper) -> the wrapper subclass tensor (weakly) and its version counter when first seen:
+    # a write into one (torchao's copy_) moves its counter, not its inner tensors' (see Wrappers).
+    _wrapper_versions: dict[int, tuple[weakref.ref, int]]
     WRITTEN = -1
 
     def _note_shared_versions(self) -> None:
         """Record the counters of tensors newly bound to masters read from the host's copy (called as
-        the groups change), and forget those of tensors gone. A tensor new to a master that this rank
-        wrote already (a parameter made anew over a written weight, a buffer a cast made a new view
-        of) counts as written: its own counter has not moved. Told from the page table, once per
-        such master; not at enable, where nothing was written yet."""
+        the groups change), and forget those of tensors gone. A tensor bound anew, to a master this
+        rank wrote already (a parameter made anew over a written weight, a buffer a cast made a new
+        view of, ``b.data = a.data``), counts as written: its own counter has not moved. Told from
+        the page table, once per such master; not at enable, where nothing was written yet."""
         check_pages = self._shared_versions is not None
         if self._shared_versions is None:
             self._shared_versions = {}
         for group in self._groups:
             if group.read_from is None:
                 continue
+            start = group.master.data_ptr()
             written = None
             for binding in group.bindings:
                 target = binding.target
                 entry = self._shared_versions.get(id(target))
-                if binding.inference or (entry is not None and entry[0]() is target):
+                if binding.inference or (entry is not None and entry[0]() is target and entry[2] == start):
                     continue
                 if written is None:
-                    start = group.master.data_ptr()
                     written = check_pages and written_pages(start, start + group.nbytes)
-                self._shared_versions[id(target)] = (weakref.ref(target), self.WRITTEN if written else target._version)
-        for key in [key for key, (reference, _) in self._shared_versions.items() if reference() is None]:
+                version = self.WRITTEN if written else target._version
+                self._shared_versions[id(target)] = (weakref.ref(target), version, start)
+        for key in [key for key, (reference, _, _) in self._shared_versions.items() if reference() is None]:
             del self._shared_versions[key]
+
+    def _note_wrapper_versions(self) -> None:
+        """Record the counters of wrapper subclasses first seen (called as the wrappers are found)."""
+        for wrapper, version in zip(self._wrappers.tensors, self._wrappers.versions()):
+            entry = self._wrapper_versions.get(id(wrapper))
+            if version is not None and (entry is None or entry[0]() is not wrapper):
+                self._wrapper_versions[id(wrapper)] = (weakref.ref(wrapper), version)
 
     def _copy_written_in_place(self) -> None:
         """Offloaded, before a load reads them: masters read from the host's copy that a tensor was
-        written into in place since (``load_state_dict``, ``copy_``: its version counter moved) get
-        copies of their own (see :meth:`_own_copies`). A write through ``.data`` moves no counter,
-        and is not seen (docs/multi-gpu.md)."""
+        written into in place since (``load_state_dict``, ``copy_``: its version counter moved, or
+        its wrapper's) get copies of their own (see :meth:`_own_copies`); so do those of inference
+        tensors, which have no counter, if their pages were written (the page table, at every
+        load: models built under inference mode are rare). A write through ``.data`` moves no
+        counter, and is not seen (docs/multi-gpu.md)."""
+        versions = self._shared_versions or {}
+        in_written_wrappers = set()
+        if self._wrappers.tensors:
+            for wrapper, now in zip(self._wrappers.tensors, self._wrappers.versions()):
+                reference, then = self._wrapper_versions.get(id(wrapper), (None, None))
+                if reference is not None and reference() is wrapper and now != then:
+                    in_written_wrappers.update(id(inner) for inner in stored_tensors(wrapper))
 
         def written(group: StorageGroup) -> bool:
             for binding in group.bindings:
-                reference, version = (self._shared_versions or {}).get(id(binding.target), (None, None))
-                if reference is not None and reference() is binding.target and binding.target._version != version:
+                target = binding.target
+                if binding.inference:
+                    start = group.master.data_ptr()
+                    return written_pages(start, start + group.nbytes)
+                reference, version, _ = versions.get(id(target), (None, None, None))
+                if id(target) in in_written_wrappers or (
+                    reference is not None and reference() is target and target._version != version
+                ):
                     return True
             return False
 
@@ -181,10 +208,9 @@ class HostCopyReads:
         if groups is None:
             return
         self._swap_masters(groups)
+        kept = {id(group.master) for group in groups}
         left = sorted(
-            (master.data_ptr(), master.data_ptr() + master.numel())
-            for key, master in old.items()
-            if key not in {id(group.master) for group in groups}
+            (master.data_ptr(), master.data_ptr() + master.numel()) for key, master in old.items() if key not in kept
         )
         starts = [start for start, _ in left]
         still_read = set()

@@ -130,9 +130,12 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.read_seconds = 0.0
         self.host_copy = host_copy
         self._shared_versions = None
+        self._wrapper_versions = {}
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
         # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
+        if self._reads_host_copy:
+            self._note_wrapper_versions()
         self._init_conversions()
         claim(self, self._groups)
         self.rebind_masters()
@@ -374,6 +377,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         before = self.weight_bytes
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
+        if self._reads_host_copy:
+            self._note_wrapper_versions()
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         try:

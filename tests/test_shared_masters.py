@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from diffusers_residency import shared_masters
+from diffusers_residency import ModuleStager, shared_masters
 from diffusers_residency.pages import PAGE
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.shared_masters import FILE_PREFIX, SHARED_FOLDER
@@ -102,6 +102,12 @@ WRITES = {
     # A parameter made anew over the same bytes (sharing its version counter), then written in
     # place, while offloaded: the new one is taken over pages already written.
     "made anew then written": ("time_text_embed.timestep_embedder.linear_1.weight",),
+    # One weight written in place, and another moved onto its bytes through .data, while offloaded:
+    # the one moved is bound there anew, over pages already written.
+    "written and moved": (
+        "time_text_embed.timestep_embedder.linear_2.weight",
+        "time_text_embed.text_embedder.linear_2.weight",
+    ),
     # A LoRA loaded and fused (peft adds into the base weights through .data).
     "fused": ("transformer_blocks.0.attn.to_q.base_layer.weight",),
     # Written, then a level-2 sleep and a wake: masters mapped from the files, and read back into
@@ -126,6 +132,10 @@ def _write(pipe, step: str, lora: dict, enabled: bool) -> None:
             transformer.context_embedder.weight.add_(0.25)
         elif step == "written then cast":
             transformer.norm_out.linear.weight.add_(0.125)
+        elif step == "written and moved":
+            embedders = transformer.time_text_embed
+            embedders.timestep_embedder.linear_2.weight.add_(0.5)
+            embedders.text_embedder.linear_2.weight.data = embedders.timestep_embedder.linear_2.weight.data
         elif step == "made anew then written":
             linear = transformer.time_text_embed.timestep_embedder.linear_1
             linear.weight = torch.nn.Parameter(linear.weight.detach())
@@ -180,7 +190,9 @@ def _loads_read_shared_mappings(case: PipelineCase) -> bool:
                 shared.append(tuple(int(value, 16) for value in fields[0].split("-")))
     groups = [group for unit in pipeline_state(case.pipe).group.units for group in unit.stager._groups]
     return all(
-        any(low <= group.source.data_ptr() < high for low, high in shared) for group in groups if group.read_from is not None
+        any(low <= group.source.data_ptr() < high for low, high in shared)
+        for group in groups
+        if group.read_from is not None
     )
 
 
@@ -441,5 +453,43 @@ def test_a_report_counts_as_owned_only_the_pages_its_own_pipeline_wrote(tmp_path
         assert first.pipe.residency_report().host_sharing.owned_bytes == 0
         assert second.pipe.residency_report().host_sharing.owned_bytes > 0
         assert torch.equal(first.run(), first.reference)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_writes_no_tensor_counter_shows_still_leave_the_host_copy(tmp_path: Path) -> None:
+    # A world of one rank. A quantized weight written through its wrapper (torchao's copy_ moves
+    # the wrapper's counter, not its inner tensors') and a layer built under inference mode (no
+    # counters at all), each written in place while offloaded: the next load reads the writes.
+    quantization = pytest.importorskip("torchao.quantization")
+    torch.manual_seed(0)
+    quantized, reference = (torch.nn.Sequential(torch.nn.Linear(256, 256)).eval() for _ in range(2))
+    reference.load_state_dict(quantized.state_dict())
+    for module in (quantized, reference):
+        quantization.quantize_(module, quantization.Int8WeightOnlyConfig())
+    with torch.inference_mode():
+        inference = torch.nn.Linear(256, 256)
+    other = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    quantization.quantize_(other, quantization.Int8WeightOnlyConfig())
+    _join(0, 1, str(tmp_path / "store"))
+    try:
+        host_copy = shared_masters.share_host_weights(
+            {"quantized": quantized, "inference": inference}, None, torch.device("cpu")
+        )
+        stagers = [
+            ModuleStager(module, torch.device("cpu"), pin_memory=False, host_copy=host_copy)
+            for module in (quantized, inference)
+        ]
+        assert all(group.read_from is not None for stager in stagers for group in stager._groups if group.nbytes)
+        with torch.no_grad():
+            quantized.load_state_dict(other.state_dict())
+            reference.load_state_dict(other.state_dict())
+        with torch.inference_mode():
+            inference.weight.fill_(0.5)
+            x = torch.randn(4, 256)
+            for stager in stagers:
+                stager.load()
+            assert torch.equal(quantized(x), reference(x))
+            assert torch.equal(inference.weight, torch.full_like(inference.weight, 0.5))
     finally:
         dist.destroy_process_group()
