@@ -22,7 +22,7 @@ from . import _device, files, pinning
 from .weights import Wrappers, flat_bytes, module_stored_tensors
 
 if TYPE_CHECKING:
-    from .shared_masters import HostCopy
+    from .host_copy import HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class MasterBindings:
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
     ``exclude``, ``_groups`` (the current masters), ``_kept_groups`` (see :mod:`.conversions`),
     ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods of its other parts that
-    keep masters apart from a copy that ranks share (see :class:`~.shared_masters.HostCopyReads`)."""
+    keep masters apart from a copy that ranks share (see :class:`~.host_copy.HostCopyReads`)."""
 
     modules: tuple[nn.Module, ...]
     exclude: tuple[nn.Module, ...]

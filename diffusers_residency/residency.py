@@ -23,12 +23,12 @@ from torch import nn
 
 from . import _device, files, pinning
 from .budget_watch import BudgetWatch
+from .host_copy import HostCopy
 from .mapped_masters import FileBacking
 from .masters import staged_by
 from .placement import DeviceSlots
 from .policy import Policy
 from .retention import RetentionBudget
-from .shared_masters import HostCopy
 from .staging import ModuleStager
 from .streaming import BlockStream
 from .weights import module_stored_tensors, module_tensors

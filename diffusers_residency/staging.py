@@ -7,8 +7,9 @@ rebinds the tensors to the device copy.
 
 :class:`ModuleStager` is the load path (load, ready, offload, retake). What it stands on lives
 beside it: the masters and their bindings (:mod:`.masters`), where copies go on the device
-(:mod:`.placement`), masters mapped from checkpoint files (:mod:`.mapped_masters`) and dtype
-conversions over the masters (:mod:`.conversions`).
+(:mod:`.placement`), masters mapped from checkpoint files (:mod:`.mapped_masters`), dtype
+conversions over the masters (:mod:`.conversions`) and masters read from a copy that the ranks of a
+host share (:mod:`.host_copy`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from . import _device, file_reads, pinning
 from .conversions import ConversionReuse
+from .host_copy import HostCopy, HostCopyReads
 from .mapped_masters import FileBackedMasters, FileBacking
 from .masters import (
     MasterBindings,
@@ -35,7 +37,6 @@ from .masters import (
 )
 from .placement import DeviceCopies, DeviceSlots
 from .retention import RetentionBudget
-from .shared_masters import HostCopy, HostCopyReads
 from .weights import (
     Wrappers,
     module_tensors,
