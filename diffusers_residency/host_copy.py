@@ -59,7 +59,7 @@ class HostCopy:
         if index < 0 or not master.numel():
             return None
         copy = self._copies[index]
-        offset = address - copy.start
+        offset = address - self._starts[index]
         if offset + master.numel() > len(copy.private):
             return None
         return slot(copy.shared, offset, master.numel()), copy.pin
@@ -68,8 +68,9 @@ class HostCopy:
 class HostCopyReads:
     """Part of :class:`~.staging.ModuleStager`: what keeps the masters read from the host's copy
     (``StorageGroup.read_from``) apart from the writes of this rank. It reads the stager's
-    ``_groups``, ``pin_budget``, ``_reads_host_copy`` (whether any master is read from the copy),
-    ``_shared_versions``, ``tensors()`` and ``_swap_masters`` (see masters.MasterBindings)."""
+    ``_groups``, ``_wrappers``, ``pin_budget``, ``_reads_host_copy`` (whether any master is read from
+    the copy), ``_shared_versions``, ``_wrapper_versions``, ``tensors()`` and ``_swap_masters`` (see
+    masters.MasterBindings)."""
 
     _groups: tuple[StorageGroup, ...]
     _wrappers: Wrappers
