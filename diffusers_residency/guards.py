@@ -40,13 +40,15 @@ def guard_pipeline(
     enabled: Callable[[], bool],
     offload_all: Callable[[], None],
     after_writing: Callable[[], None],
+    reload: Callable[[], None],
     hooked_modules: Callable[[], Iterable[nn.Module]],
     state_attribute: str,
 ) -> None:
     """Put the guards on ``pipe``. ``lock`` is held by pipeline calls (see calls._wrap_call):
     what writes the weights or copies them takes it too. ``enabled`` tells whether pinned offload is
     still on (its hooks may have been removed by other means); ``offload_all`` offloads every
-    component for writing, ``after_writing`` reloads what must stay on the device; ``hooked_modules``
+    component for writing, ``after_writing`` follows a method that wrote into the weights, and
+    ``reload`` (part of it) loads what must stay on the device again after a copy; ``hooked_modules``
     are the modules that carry staging hooks, and ``state_attribute`` the instance attribute holding
     the setup."""
     original_to = pipe.to
@@ -62,8 +64,8 @@ def guard_pipeline(
     def copy_without_offload(memo: dict[int, Any]) -> DiffusionPipeline:
         with lock:
             offload_all()  # the copy's weights come from the masters, all of them on the host
-            copy = lambda: _copy_without_offload(pipe, memo, hooked_modules(), state_attribute)  # noqa: E731
-            return call_then(copy, after_writing, "copying the pipeline")
+            copying = functools.partial(_copy_without_offload, pipe, memo, hooked_modules(), state_attribute)
+            return call_then(copying, reload, "copying the pipeline")
 
     def reduce(protocol: int) -> Any:
         if enabled():  # once the hooks are gone (remove_all_hooks), this drops the guards too

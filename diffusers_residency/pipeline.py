@@ -441,6 +441,7 @@ def enable_pinned_offload(
         enabled=lambda: pipeline_state(pipe) is not None,
         offload_all=offload_all,
         after_writing=lambda: _written(pipe, state),
+        reload=lambda: _load_excluded(pipe, state),
         hooked_modules=lambda: [unit.module for unit in state.group.units],
         state_attribute=STATE_ATTR,
     )

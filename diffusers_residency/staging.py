@@ -76,7 +76,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         Their weights are taken as masters where they are, neither copied nor page-locked (locking a
         mapping of a file would copy each page of it into anonymous memory), and then swapped for
         the views of the files. ``host_copy``: the copy of the weights that the ranks of this host
-        share, which loads read for the masters in it (see :mod:`.shared_masters`)."""
+        share, which loads read for the masters in it (see :mod:`.host_copy`)."""
         self.modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError("ModuleStager needs at least one nn.Module")
@@ -133,10 +133,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._shared_versions = None
         self._wrapper_versions = {}
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
-        # Wrapper subclasses (quantized weights) whose device follows their bound inner tensors.
-        self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
-        if self._reads_host_copy:
-            self._note_wrapper_versions()
+        self._find_wrappers()
         self._init_conversions()
         claim(self, self._groups)
         self.rebind_masters()
@@ -168,6 +165,13 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     @property
     def load_seconds(self) -> float:
         return self._copy.seconds
+
+    def _find_wrappers(self) -> None:
+        """The wrapper subclasses among the modules' tensors (quantized weights): their device
+        follows their bound inner tensors, and a write into one moves its own counter only."""
+        self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
+        if self._reads_host_copy:
+            self._note_wrapper_versions()
 
     def rebind_masters(self) -> None:
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
@@ -377,9 +381,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         old = self._groups
         before = self.weight_bytes
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
-        self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
-        if self._reads_host_copy:
-            self._note_wrapper_versions()
+        self._find_wrappers()
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         try:
