@@ -33,7 +33,7 @@ from .mapped_masters import FileBacking
 from .pinning import physical_memory_bytes
 from .planner import ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
-from .ring import new_ring, ring_bytes
+from .ring import new_ring, ring_bytes, ring_shape
 from .streaming import repeated_blocks
 from .text import format_bytes, parse_bytes
 
@@ -99,8 +99,8 @@ class HostPlacement:
     ram_bytes: int = 0
     file_bytes: int = 0
     ring_bytes: int = 0
-    # The most one load served from files moves: what the ring is sized for.
-    largest_load: int = 0
+    # The ring's slot bytes and slot count (see ring_shape).
+    ring_shape: tuple[int, int] = (1, 0)
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -183,12 +183,14 @@ def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
     )
     chosen: list[_Candidate] = []
     file_bytes = ring = 0
+    shape = ring_shape([])
     for candidate in candidates:
         if total - file_bytes + ring <= budget:
             break
         chosen.append(candidate)
         file_bytes += candidate.nbytes
-        ring = ring_bytes(max(c.largest_load for c in chosen))
+        shape = ring_shape([(c.largest_load, c.loads == 2) for c in chosen])
+        ring = ring_bytes(shape)
     if total - file_bytes + ring > budget:
         raise HostBudgetTooSmallError(
             f"host_budget ({format_bytes(budget)}) is less than the masters that must stay in RAM: "
@@ -224,7 +226,7 @@ def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
         ram_bytes=total - file_bytes + ring,
         file_bytes=file_bytes,
         ring_bytes=ring,
-        largest_load=max(c.largest_load for c in chosen),
+        ring_shape=shape,
         reasons=reasons,
     )
     return placement
@@ -321,5 +323,5 @@ def file_backing(
     if it does not stage them after all."""
     if not sources:
         return {}
-    ring = new_ring(placement.largest_load, budget, pin=pin, device=device)
+    ring = new_ring(placement.ring_shape, budget, pin=pin, device=device)
     return {module: FileBacking(views, ring) for module, views in sources.items()}

@@ -133,14 +133,14 @@ class Ring:
             self._pins[k] = register_claimed(*self._spans[k], (self._mapping,), self.device)
         return from_file
 
-    def _read_ahead(self, sources: Sequence[MappedBytes], start: int) -> None:
-        """Start filling the slots from ``start`` on with the first chunks of ``sources``, the copy
-        that followed the one just queued last time (see :meth:`copy`)."""
+    def _read_ahead(self, sources: Sequence[MappedBytes], start: int, slots: int) -> None:
+        """Start filling at most ``slots`` slots from ``start`` on with the first chunks of
+        ``sources``, the copy that followed the one being queued last time (see :meth:`copy`)."""
         chunks = _ring_chunks(sources, self.slot_bytes)
         count = len(self._slots)
         fills = [
             _ring_pool().submit(self._fill, chunk, (start + index) % count, sources)
-            for index, chunk in enumerate(chunks[:count])
+            for index, chunk in enumerate(chunks[:slots])
         ]
         self._ahead = (list(sources), chunks, start, fills)
 
@@ -163,9 +163,10 @@ class Ring:
         were mapped, before or while it is read (see :meth:`OpenFile.refuse_if_changed`).
 
         The ring learns which copy follows which (a streamed block's loads come in the same order
-        at every step) and, once a copy's chunks are all read, starts reading the next one's into
-        the slots its copies free: the next load finds its first chunks read while this one's
-        copies ran, where it would otherwise wait for a chunk's read before its first copy. A chunk
+        at every step) and starts reading the next one's first chunks ahead: as this copy starts,
+        into the slots it leaves free, else once its chunks are all read, into the slots its copies
+        free. The next load finds its first chunks read, where it would otherwise wait for a
+        chunk's read before its first copy, and the bus with it. A chunk
         read ahead is taken only where it came from the file and its pages are still the file's;
         one copied from written views, or whose pages were written since, is copied again."""
         files = files_of(sources)
@@ -178,9 +179,16 @@ class Ring:
         count = len(self._slots)
         readers = _ring_pool()
         fills: dict[int, Future[bool]] = dict(enumerate(ahead))
+        following = self._following.get(key)
+        room = count - len(chunks)
         try:
             for index in range(len(fills), min(count, len(chunks))):
                 fills[index] = readers.submit(self._fill, chunks[index], (start + index) % count, sources)
+            if following is not None and room > 0:
+                # The next copy's reads start now, in the slots this one leaves free, queued behind
+                # this one's on the reader threads: its first chunks are read by the time this
+                # copy's last one is on the bus, which would otherwise idle for a read at each load.
+                self._read_ahead(following, (start + len(chunks)) % count, room)
             for index, chunk in enumerate(chunks):
                 k = (start + index) % count
                 from_file = fills[index].result()
@@ -206,9 +214,8 @@ class Ring:
             wait(fills.values())
         self._cursor = (start + len(chunks)) % count
         self._last = key
-        following = self._following.get(key)
-        if following is not None:
-            self._read_ahead(following, self._cursor)
+        if following is not None and room <= 0:
+            self._read_ahead(following, self._cursor, count)
 
     def close(self) -> None:
         """Stop reading ahead, wait for every copy out of the slots, then unlock them (the mapping
@@ -232,20 +239,30 @@ def _slot_size(nbytes: int) -> int:
     return align_up(nbytes, HUGE_PAGE if nbytes >= HUGE_PAGE else PAGE)
 
 
-def _ring_shape(largest: int) -> tuple[int, int]:
-    """Slot bytes and count of a ring for loads of at most ``largest`` bytes: 1 GiB at most."""
-    return max(1, min(largest, _RING_SLOT_BYTES)), min(_RING_SLOTS, max(1, -(-largest // _RING_SLOT_BYTES)))
+def ring_shape(loads: Sequence[tuple[int, bool]]) -> tuple[int, int]:
+    """Slot bytes and slot count of a kept ring for ``loads``, each ``(bytes, at every step)``.
+
+    A load that comes at every step gets room for two (1 GiB each at most): holding one, the next
+    load's reads began only as the copies of the one before freed its slots, and the bus idled for
+    a chunk's read at every load; holding two, they run while this one's copies do (see
+    :meth:`Ring.copy`). Slots are sized by those loads where there are any, so that a small
+    streamed block does not make the ring as large as two of the largest load read once."""
+    if not loads:
+        return 1, 0
+    stepping = [nbytes for nbytes, every_step in loads if every_step]
+    slot_bytes = max(1, min(max(stepping or [nbytes for nbytes, _ in loads]), _RING_SLOT_BYTES))
+    most = -(-(_RING_SLOTS * _RING_SLOT_BYTES) // slot_bytes)
+    return slot_bytes, max(min(most, -(-nbytes // slot_bytes)) * (2 if every_step else 1) for nbytes, every_step in loads)
 
 
-def ring_bytes(largest: int) -> int:
-    """The host memory of a ring for loads of at most ``largest`` bytes (see :func:`new_ring`)."""
-    slot_bytes, slot_count = _ring_shape(largest)
-    return _slot_size(slot_bytes) * slot_count
+def ring_bytes(shape: tuple[int, int]) -> int:
+    """The host memory of a kept ring of this shape (see :func:`ring_shape`)."""
+    return _slot_size(shape[0]) * shape[1]
 
 
-def new_ring(largest: int, budget: int, *, pin: bool, device: torch.device | None = None) -> Ring:
-    """A ring for loads of at most ``largest`` bytes, to be shared by them (see :class:`Ring`)."""
-    return Ring(*_ring_shape(largest), budget, pin=pin, device=device)
+def new_ring(shape: tuple[int, int], budget: int, *, pin: bool, device: torch.device | None = None) -> Ring:
+    """A kept ring of this shape (see :func:`ring_shape`), shared by the loads it was made for."""
+    return Ring(*shape, budget, pin=pin, device=device)
 
 
 def copy_from_files(

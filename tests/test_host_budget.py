@@ -114,21 +114,29 @@ def test_placement_serves_the_least_loaded_first_and_never_the_denoisers_residen
     )  # fmt: skip
     total = 15 * GB + GB // 2
     assert not place_on_host(plan, total).serves_files
-    ring_bytes = ring.ring_bytes(2 * GB)
-    assert ring_bytes == ring.ring_bytes(3 * GB) == 1 << 30, "the ring is 1 GiB at most"
+    # A ring of 1 GiB at most for loads read once or once a call, of two loads (2 GiB at most) where
+    # blocks stream at every step, so that the next one is read while this one is copied.
+    once = ring.ring_bytes(ring.ring_shape([(2 * GB, False), (3 * GB, False)]))
+    again = ring.ring_bytes(ring.ring_shape([(2 * GB, False), (3 * GB, False), (GB, True)]))
+    assert once == 1 << 30 and again == 2 * -(-GB // (32 << 20)) * (32 << 20)
+    assert ring.ring_bytes(ring.ring_shape([(3 * GB, True)])) == 2 << 30
+    # Slots sized by the streamed blocks: a ring of two small blocks is not two of the largest load.
+    assert ring.ring_shape([(1 << 20, True), (100 << 20, False)]) == (1 << 20, 100)
+    assert ring.ring_shape([(1 << 20, True), (3 << 20, True)]) == (3 << 20, 2)
     # Kept on the device first, then loaded once per call, then the staged block, then streamed
     # blocks, the later first.
     steps = [
-        (2, {"image_encoder"}, set()),
-        (5, {"image_encoder", "text_encoder"}, set()),
-        (6, {"image_encoder", "text_encoder"}, {3}),
-        (7, {"image_encoder", "text_encoder"}, {3, 9}),
+        (2, {"image_encoder"}, set(), once),
+        (5, {"image_encoder", "text_encoder"}, set(), once),
+        (6, {"image_encoder", "text_encoder"}, {3}, once),
+        (7, {"image_encoder", "text_encoder"}, {3, 9}, again),
     ]
-    for served_gb, components, positions in steps:
+    for served_gb, components, positions, ring_bytes in steps:
         placement = place_on_host(plan, total - served_gb * GB + ring_bytes)
         assert placement.components == components and placement.blocks.get("transformer", frozenset()) == positions
         assert placement.file_bytes == served_gb * GB and placement.ram_bytes == total - served_gb * GB + ring_bytes
-    placement = place_on_host(plan, 4 * GB)
+        assert placement.ring_bytes == ring_bytes
+    placement = place_on_host(plan, 5 * GB)
     assert not placement.blocks["transformer"] & {0, 5}, "resident blocks stay in RAM"
     with pytest.raises(HostBudgetTooSmallError, match="lower vram_budget"):
         place_on_host(plan, 3 * GB)  # the trunk and two resident blocks are 2.5 GB, and the ring

@@ -732,6 +732,43 @@ def test_a_weight_copied_out_of_a_file_mapping_gives_back_the_pages_it_only_read
     assert torch.equal(weight, expected), "read again, the file's pages hold the same bytes"
 
 
+def test_a_ring_with_room_reads_the_next_copy_while_this_one_is_read(tmp_path, monkeypatch) -> None:
+    """Where a copy leaves slots free, the next copy's reads start with its own: here this copy's
+    last chunk is held until a chunk of the next one has been read, which a read-ahead started
+    only once this copy's chunks were all read would never do."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(2)))
+    views = _mapped_checkpoint(tmp_path, module)
+    first, second = ([views[id(layer.weight)]] for layer in module)
+    kept = ring.Ring(100 << 10, 6, 0, pin=False, device=CPU)  # room for two weights of 3 chunks
+    real_fill = ring.Ring._fill
+    next_read = threading.Event()
+    held: list[bool] = []
+
+    def fill(self: ring.Ring, chunk, k: int, sources) -> bool:
+        if sources[0] is second[0]:
+            next_read.set()
+        elif not held and chunk.parts[-1][1] + chunk.parts[-1][2] == first[0].view.numel():
+            held.append(next_read.wait(timeout=10))
+        return real_fill(self, chunk, k, sources)
+
+    def copied(sources: list[MappedBytes]) -> torch.Tensor:
+        target = torch.empty(sources[0].view.numel(), dtype=torch.uint8)
+        kept.copy(sources, [target])
+        return target
+
+    try:
+        assert torch.equal(copied(first), first[0].view) and torch.equal(copied(second), second[0].view)
+        monkeypatch.setattr(ring.Ring, "_fill", fill)
+        next_read.clear()
+        assert torch.equal(copied(first), first[0].view)
+        assert held == [True], "the next copy was read while this one's last chunk waited"
+        assert kept._ahead is not None and kept._ahead[0] == second
+        assert torch.equal(copied(second), second[0].view)
+    finally:
+        kept.close()
+
+
 def test_a_kept_ring_reads_the_copy_that_followed_last_time_ahead_and_never_serves_stale_bytes(tmp_path) -> None:
     torch.manual_seed(0)
     module = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3)))
