@@ -107,7 +107,7 @@ class HostCopyReads:
                 if binding.inference or (entry is not None and entry[0]() is target and entry[2] == start):
                     continue
                 if written is None:
-                    written = check_pages and written_pages(start, start + group.nbytes)
+                    written = check_pages and self._wrote(group)
                 version = self.WRITTEN if written else target._version
                 self._shared_versions[id(target)] = (weakref.ref(target), version, start)
         for key in [key for key, (reference, _, _) in self._shared_versions.items() if reference() is None]:
@@ -139,8 +139,7 @@ class HostCopyReads:
             for binding in group.bindings:
                 target = binding.target
                 if binding.inference:
-                    start = group.master.data_ptr()
-                    return written_pages(start, start + group.nbytes)
+                    return self._wrote(group)
                 reference, version, _ = versions.get(id(target), (None, None, None))
                 if id(target) in in_written_wrappers or (
                     reference is not None and reference() is target and target._version != version
@@ -156,9 +155,19 @@ class HostCopyReads:
         moves no version counter), get copies of their own. Costs a read of this rank's page table
         over those masters (``pages.written_pages``)."""
         if self._reads_host_copy:
-            self._bind_own_copies(
-                lambda group: written_pages(group.master.data_ptr(), group.master.data_ptr() + group.nbytes)
-            )
+            self._bind_own_copies(self._wrote)
+
+    @staticmethod
+    def _wrote(group: StorageGroup) -> bool:
+        """Whether this rank wrote into ``group``'s master, read from the host's copy: a page of it
+        is this rank's own (the page table) and its bytes differ from the copy's. The page table
+        alone cannot tell: a page the master shares with a neighbour in the file becomes this
+        rank's own when the neighbour is written, the master's bytes in it unchanged (a 128 MB
+        weight next to one written in place was taken for written on the GPU)."""
+        start = group.master.data_ptr()
+        if not written_pages(start, start + group.nbytes):
+            return False
+        return group.read_from is None or not torch.equal(group.master, group.read_from)
 
     def _bind_own_copies(self, chosen: Callable[[StorageGroup], bool]) -> None:
         """:meth:`_own_copies` of the ``chosen`` groups, bound (offloaded); then the pages their old

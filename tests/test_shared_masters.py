@@ -167,17 +167,23 @@ def _write_on_rank_1(rank: int, case: PipelineCase, mirror: PipelineCase, lora: 
 
 
 def _own_masters(case: PipelineCase) -> tuple[set[str], int]:
-    """The names of the weights whose masters left the host's copy (``vae.`` before the VAE's), and
-    the bytes of every master outside it, those a cast keeps included (see conversions)."""
+    """The names of the weights whose masters left the host's copy (the component's name before
+    those of components other than the transformer), and the bytes of every master outside it,
+    those a cast keeps included (see conversions)."""
     names = {
-        id(tensor): (f"vae.{name}" if component == "vae" else name)
-        for component in ("transformer", "vae")
-        for name, tensor in getattr(case.pipe, component).named_parameters()
+        id(tensor): (name if component == "transformer" else f"{component}.{name}")
+        for component, module in case.pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
     }
     stagers = [unit.stager for unit in pipeline_state(case.pipe).group.units]
     own = [group for stager in stagers for group in stager._groups if group.read_from is None and group.nbytes]
     kept = [group for stager in stagers for group in stager._kept_groups if group.read_from is None]
-    return {names.get(id(b.target), "?") for group in own for b in group.bindings}, sum(g.nbytes for g in own + kept)
+    unnamed = "a tensor of no component: {} {}".format
+    return (
+        {names.get(id(b.target), unnamed(tuple(b.target.shape), b.target.dtype)) for group in own for b in group.bindings},
+        sum(g.nbytes for g in own + kept),
+    )
 
 
 def _loads_read_shared_mappings(case: PipelineCase) -> bool:
@@ -335,15 +341,15 @@ def test_ranks_of_a_host_share_one_copy_and_stay_exact(tmp_path: Path, device: s
         assert figures["pinned"] == (device != "cpu"), "on a GPU, loads read the host's copy page-locked"
         assert figures["read shared"], "loads read the host's copy through a shared mapping"
         written: set[str] = set()
-        loose = False  # from the LoRA's fusing on, neighbours in its pages may go too
+        loose = False  # from the LoRA's fusing on: the table names one of the weights it fuses
         for step, names in WRITES.items():
             seen = figures[step]
             assert seen["as written"], f"{step}: each rank's output is its own weights'"
             assert seen["changed"] == (figures["rank"] == 1), f"{step}: a rank's writes are its own"
             written |= set(names) if figures["rank"] == 1 else set()
-            # The masters rank 1 wrote, and no others (but page neighbours of a fused LoRA's, and
-            # after a level-2 sleep all), are its own now; its report counts them, and no more
-            # than a page at each end of each.
+            # The masters rank 1 wrote, and no others (neighbours in their pages included; but the
+            # LoRA's other weights, and after a level-2 sleep all), are its own now; its report
+            # counts them, and no more than a page at each end of each.
             own = set(seen["own"])
             loose = loose or step == "fused"
             assert own >= written if loose else own == written, (step, own, written)
@@ -491,5 +497,35 @@ def test_writes_no_tensor_counter_shows_still_leave_the_host_copy(tmp_path: Path
                 stager.load()
             assert torch.equal(quantized(x), reference(x))
             assert torch.equal(inference.weight, torch.full_like(inference.weight, 0.5))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_weight_sharing_a_page_with_one_written_stays_in_the_host_copy(tmp_path: Path) -> None:
+    # A world of one rank. Small weights lie back to back in the host copy's file, several to a
+    # page: writing one makes the page this rank's own, and its neighbours' bytes there are still
+    # the copy's. Neither after a write found through the page table (fuse_lora's way) nor when a
+    # cast binds the buffer anew over that page does a neighbour get a copy of its own.
+    torch.manual_seed(0)
+    module = torch.nn.Linear(100, 7)
+    module.register_buffer("scale", torch.randn(500))
+    _join(0, 1, str(tmp_path / "store"))
+    try:
+        host_copy = shared_masters.share_host_weights({"module": module}, None, torch.device("cpu"))
+        stager = ModuleStager(module, torch.device("cpu"), pin_memory=False, host_copy=host_copy)
+        pages = {group.master.data_ptr() // PAGE for group in stager._groups}
+        assert len(pages) == 1, "the three weights share one page of the file"
+        expected = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+        with torch.no_grad():
+            module.weight.data.add_(1.0)  # through .data: only the page table can tell
+            expected["weight"] += 1.0
+        stager.copy_written_pages()
+        for dtype in (torch.float64, torch.float32):  # as the pipeline's hooks cast: through the masters
+            stager.convert(module._apply, lambda tensor, dtype=dtype: tensor.to(dtype))
+        stager.load()  # the buffer was bound anew by the cast, over the page written
+        reading = {id(b.target): group.read_from is not None for group in stager._groups for b in group.bindings}
+        assert reading == {id(module.weight): False, id(module.bias): True, id(module.scale): True}
+        for name, tensor in module.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
     finally:
         dist.destroy_process_group()
