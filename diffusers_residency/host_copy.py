@@ -19,7 +19,7 @@ import torch
 
 from . import pinning
 from .masters import StorageGroup
-from .pages import drop_pages, written_pages
+from .pages import drop_pages, written_spans
 from .pinning import HostPin, slot
 from .weights import Wrappers, stored_tensors
 
@@ -124,7 +124,7 @@ class HostCopyReads:
         """Offloaded, before a load reads them: masters read from the host's copy that a tensor was
         written into in place since (``load_state_dict``, ``copy_``: its version counter moved, or
         its wrapper's) get copies of their own (see :meth:`_own_copies`); so do those of inference
-        tensors, which have no counter, if their pages were written (the page table, at every
+        tensors, which have no counter, if their bytes changed (see :meth:`_wrote`, at every
         load: models built under inference mode are rare). A write through ``.data`` moves no
         counter, and is not seen (docs/multi-gpu.md)."""
         versions = self._shared_versions or {}
@@ -153,21 +153,27 @@ class HostCopyReads:
         """Offloaded, after a method wrote into the weights (``fuse_lora()``): masters read from the
         host's copy whose pages this rank wrote, whichever way (peft merges through ``.data``, which
         moves no version counter), get copies of their own. Costs a read of this rank's page table
-        over those masters (``pages.written_pages``)."""
+        over those masters (``pages.written_spans``)."""
         if self._reads_host_copy:
             self._bind_own_copies(self._wrote)
 
     @staticmethod
     def _wrote(group: StorageGroup) -> bool:
-        """Whether this rank wrote into ``group``'s master, read from the host's copy: a page of it
-        is this rank's own (the page table) and its bytes differ from the copy's. The page table
-        alone cannot tell: a page the master shares with a neighbour in the file becomes this
-        rank's own when the neighbour is written, the master's bytes in it unchanged (a 128 MB
-        weight next to one written in place was taken for written on the GPU)."""
+        """Whether this rank wrote into ``group``'s master, read from the host's copy: its bytes
+        differ from the copy's in the pages of it that are this rank's own (the page table). The
+        page table alone cannot tell: a page the master shares with a neighbour in the file becomes
+        this rank's own when the neighbour is written, the master's bytes in it unchanged (a 128 MB
+        weight next to one written in place was taken for written on the GPU). Only those pages
+        are compared: a master of inference tensors is asked at every load."""
         start = group.master.data_ptr()
-        if not written_pages(start, start + group.nbytes):
-            return False
-        return group.read_from is None or not torch.equal(group.master, group.read_from)
+        spans = written_spans(start, start + group.nbytes)
+        if spans is None:  # the page table cannot be read: every byte
+            spans = [(start, start + group.nbytes)]
+        copy = group.read_from
+        return any(
+            copy is None or not torch.equal(group.master[low - start : high - start], copy[low - start : high - start])
+            for low, high in spans
+        )
 
     def _bind_own_copies(self, chosen: Callable[[StorageGroup], bool]) -> None:
         """:meth:`_own_copies` of the ``chosen`` groups, bound (offloaded); then the pages their old

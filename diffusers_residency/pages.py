@@ -56,6 +56,26 @@ def written_pages(start: int, end: int) -> bool:
     return flags is None or 1 in flags
 
 
+def written_spans(start: int, end: int) -> list[tuple[int, int]] | None:
+    """The runs of pages between addresses ``start`` and ``end`` that this process wrote to (see
+    :func:`written_pages`), as address ranges clipped to ``start`` and ``end``; None where it
+    cannot be told."""
+    low, high = start - start % PAGE, align_up(end, PAGE)
+    if high <= low:
+        return []
+    flags = _written_flags(low, high)
+    if flags is None:
+        return None
+    spans = []
+    first = flags.find(1)
+    while first != -1:
+        after = flags.find(0, first)
+        after = len(flags) if after == -1 else after
+        spans.append((max(start, low + first * PAGE), min(end, low + after * PAGE)))
+        first = flags.find(1, after)
+    return spans
+
+
 def private_file_mappings() -> list[tuple[int, int]]:
     """The address ranges of this process's private mappings of files (``/proc/self/maps``)."""
     ranges = []

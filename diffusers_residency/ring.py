@@ -23,6 +23,8 @@ from .pinning import LOCKED, HostPin, claim_range, new_block, register_claimed, 
 # ran about as fast (docs/measurements.md).
 _RING_SLOT_BYTES = 32 << 20
 _RING_SLOTS = 32
+# A kept ring's slots are at least this fraction of the largest load it serves (see ring_shape).
+_MOST_CHUNKS = 64
 
 
 def _ring_pool() -> ThreadPoolExecutor:
@@ -242,17 +244,25 @@ def _slot_size(nbytes: int) -> int:
 def ring_shape(loads: Sequence[tuple[int, bool]]) -> tuple[int, int]:
     """Slot bytes and slot count of a kept ring for ``loads``, each ``(bytes, at every step)``.
 
-    A load that comes at every step gets room for two (1 GiB each at most): holding one, the next
+    A load that comes at every step gets room for two (1 GiB each at most, and a slot): holding one, the next
     load's reads began only as the copies of the one before freed its slots, and the bus idled for
     a chunk's read at every load; holding two, they run while this one's copies do (see
-    :meth:`Ring.copy`). Slots are sized by those loads where there are any, so that a small
-    streamed block does not make the ring as large as two of the largest load read once."""
+    :meth:`Ring.copy`). The slot more: a load whose weights lie in two runs of its file (a block of
+    two dtypes) is cut into a chunk more than its bytes need, which would leave no room. Slots are sized by those loads,
+    so that a small streamed block does not make the ring as large as two of the largest load read
+    once, but at least a ``_MOST_CHUNKS``-th of the largest, so that one is not read in thousands
+    of chunks (each a read, a copy and an event)."""
+    loads = [(nbytes, every_step) for nbytes, every_step in loads if nbytes > 0]
     if not loads:
         return 1, 0
+    largest = max(nbytes for nbytes, _ in loads)
     stepping = [nbytes for nbytes, every_step in loads if every_step]
-    slot_bytes = max(1, min(max(stepping or [nbytes for nbytes, _ in loads]), _RING_SLOT_BYTES))
-    most = -(-(_RING_SLOTS * _RING_SLOT_BYTES) // slot_bytes)
-    return slot_bytes, max(min(most, -(-nbytes // slot_bytes)) * (2 if every_step else 1) for nbytes, every_step in loads)
+    slot_bytes = min(max(max(stepping or [largest]), -(-largest // _MOST_CHUNKS)), _RING_SLOT_BYTES)
+    most = max(1, (_RING_SLOTS * _RING_SLOT_BYTES) // _slot_size(slot_bytes))
+    return slot_bytes, max(
+        2 * (min(most, -(-nbytes // slot_bytes)) + 1) if every_step else min(most, -(-nbytes // slot_bytes))
+        for nbytes, every_step in loads
+    )
 
 
 def ring_bytes(shape: tuple[int, int]) -> int:

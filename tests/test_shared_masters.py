@@ -529,3 +529,25 @@ def test_a_weight_sharing_a_page_with_one_written_stays_in_the_host_copy(tmp_pat
             assert torch.equal(tensor, expected[name]), name
     finally:
         dist.destroy_process_group()
+
+
+def test_an_inference_weight_sharing_a_page_with_one_written_stays_in_the_host_copy(tmp_path: Path) -> None:
+    # A world of one rank. Tensors made under inference mode have no version counter: their
+    # masters are checked against the page table at every load, and a neighbour's write in their
+    # page leaves them in the host's copy.
+    with torch.inference_mode():
+        module = torch.nn.Linear(100, 7)
+    _join(0, 1, str(tmp_path / "store"))
+    try:
+        host_copy = shared_masters.share_host_weights({"module": module}, None, torch.device("cpu"))
+        stager = ModuleStager(module, torch.device("cpu"), pin_memory=False, host_copy=host_copy)
+        assert len({group.master.data_ptr() // PAGE for group in stager._groups}) == 1, "one page for both"
+        with torch.inference_mode():
+            expected = module.bias.clone(), module.weight + 1.0
+            module.weight.add_(1.0)
+            stager.load()
+        reading = {id(b.target): group.read_from is not None for group in stager._groups for b in group.bindings}
+        assert reading == {id(module.weight): False, id(module.bias): True}
+        assert torch.equal(module.bias, expected[0]) and torch.equal(module.weight, expected[1])
+    finally:
+        dist.destroy_process_group()
