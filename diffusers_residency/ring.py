@@ -244,14 +244,14 @@ def _slot_size(nbytes: int) -> int:
 def ring_shape(loads: Sequence[tuple[int, bool]]) -> tuple[int, int]:
     """Slot bytes and slot count of a kept ring for ``loads``, each ``(bytes, at every step)``.
 
-    A load that comes at every step gets room for two (1 GiB each at most, and a slot): holding one, the next
-    load's reads began only as the copies of the one before freed its slots, and the bus idled for
-    a chunk's read at every load; holding two, they run while this one's copies do (see
-    :meth:`Ring.copy`). The slot more: a load whose weights lie in two runs of its file (a block of
-    two dtypes) is cut into a chunk more than its bytes need, which would leave no room. Slots are sized by those loads,
-    so that a small streamed block does not make the ring as large as two of the largest load read
-    once, but at least a ``_MOST_CHUNKS``-th of the largest, so that one is not read in thousands
-    of chunks (each a read, a copy and an event)."""
+    A load that comes at every step gets room for two (1 GiB each at most), and a slot more each:
+    holding one, the next load's reads began only as the copies of the one before freed its slots,
+    and the bus idled for a chunk's read at every load; holding two, they run while this one's
+    copies do (see :meth:`Ring.copy`). The slot more: a load whose weights lie in two runs of its
+    file (a block of two dtypes) is cut into a chunk more than its bytes need, which would leave no
+    room. Slots are sized by those loads, so that a small streamed block does not make the ring as
+    large as two of the largest load read once, but are at least a ``_MOST_CHUNKS``-th of the
+    largest, so that one is not read in thousands of chunks (each a read, a copy and an event)."""
     loads = [(nbytes, every_step) for nbytes, every_step in loads if nbytes > 0]
     if not loads:
         return 1, 0
