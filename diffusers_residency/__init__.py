@@ -21,7 +21,8 @@ from .pipeline import (
     residency_report,
     save_residency_profile,
 )
-from .planner import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan, plan_residency
+from .planner import plan_residency
+from .plans import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .profile import ResidencyProfile
 from .report import ComponentReport, ResidencyReport

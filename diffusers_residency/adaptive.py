@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .budget_watch import BudgetWatch
 from .hooks import StagingHook
-from .planner import BudgetTooSmallError, ComponentPlan, ResidencyPlan
+from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
 from .profile import CallFigures, ResidencyProfile, write_profile
 from .report import report_for

@@ -27,7 +27,7 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from . import _device
-from .planner import PREFETCH_BLOCKS
+from .plans import PREFETCH_BLOCKS
 from .policy import Policy
 from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, ResidencyUnit
 from .streaming import BlockStream, repeated_blocks

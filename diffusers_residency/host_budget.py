@@ -31,7 +31,7 @@ from .checkpoints import checkpoint_views, component_folder, equal_views, saved_
 from .files import MappedBytes
 from .mapped_masters import FileBacking
 from .pinning import physical_memory_bytes
-from .planner import ComponentPlan, ComponentSizes, ResidencyPlan
+from .plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .ring import new_ring, ring_bytes, ring_shape
 from .streaming import repeated_blocks

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import _device
-from .planner import ComponentPlan
+from .plans import ComponentPlan
 from .policy import Policy
 from .step_timing import StepTiming
 

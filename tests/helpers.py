@@ -9,7 +9,7 @@ import torch
 
 from diffusers_residency import BudgetTooSmallError, StagingHook, _device
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
-from diffusers_residency.pipeline import _component_sizes, _module_components
+from diffusers_residency.components import component_sizes, module_components
 from diffusers_residency.planner import plan_residency
 from diffusers_residency.policy import Policy
 from diffusers_residency.weights import stored_tensors
@@ -85,7 +85,7 @@ RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
 def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:
     """The largest budget under which the transformer streams with some blocks resident."""
-    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
     fixed = {name: Policy(policy) for name, policy in (fixed or {}).items()}
     total = sum(s.nbytes for s in sizes)
     blocks = len(next(s for s in sizes if s.name == "transformer").block_bytes)

@@ -461,14 +461,13 @@ def test_a_streamed_step_is_timed_with_cuda_events() -> None:
 
 @pytest.mark.parametrize("kind", ["flux", "sdxl"])
 def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_budget(kind: str) -> None:
+    from diffusers_residency.components import component_sizes, module_components
     from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
-
-    from .test_streaming import _component_sizes, _module_components
 
     case = PipelineCase(kind, device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
     # The default reserve (3 GiB) and room for the measuring plan's weights and half the rest.
-    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    sizes = component_sizes(case.pipe, module_components(case.pipe))
     least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
     budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
     case.pipe.enable_pinned_offload(vram_budget=budget)  # resets the peak
@@ -489,14 +488,13 @@ def _trunks(plan) -> int:
 
 
 def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved_on_cuda() -> None:
+    from diffusers_residency.components import component_sizes, module_components
     from diffusers_residency.pipeline import pipeline_state
     from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
 
-    from .test_streaming import _component_sizes, _module_components
-
     first = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     first.pipe.to("cpu")
-    sizes = _component_sizes(first.pipe, _module_components(first.pipe))
+    sizes = component_sizes(first.pipe, module_components(first.pipe))
     least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
     budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
     first.pipe.enable_pinned_offload(vram_budget=budget)

@@ -12,7 +12,7 @@ from diffusers_residency import host_budget, ring
 from diffusers_residency.checkpoints import checkpoint_views
 from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
 from diffusers_residency.pipeline import pipeline_state
-from diffusers_residency.planner import ComponentPlan, ComponentSizes, ResidencyPlan
+from diffusers_residency.plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from diffusers_residency.policy import Policy
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal

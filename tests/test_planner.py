@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from diffusers_residency import BudgetTooSmallError, ComponentSizes, plan_residency
-from diffusers_residency.planner import PREFETCH_BLOCKS, default_reserve
+from diffusers_residency.planner import default_reserve
+from diffusers_residency.plans import PREFETCH_BLOCKS
 from diffusers_residency.policy import Policy
 from diffusers_residency.step_timing import StepTiming, simulated_step_seconds
 from diffusers_residency.text import parse_bytes

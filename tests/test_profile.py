@@ -15,20 +15,16 @@ import torch
 
 from diffusers_residency import (
     _device,
+    components,
     load_residency_profile,
-    pipeline,
     residency_profile,
     save_residency_profile,
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
-from diffusers_residency.pipeline import _component_sizes, _default_reserve, _module_components, pipeline_state
-from diffusers_residency.planner import (
-    BudgetTooSmallError,
-    ComponentPlan,
-    ComponentSizes,
-    default_reserve,
-    plan_residency,
-)
+from diffusers_residency.components import component_sizes, default_reserve_for, module_components
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.planner import default_reserve, plan_residency
+from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes
 from diffusers_residency.policy import Policy
 from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 from diffusers_residency.step_timing import StepTiming
@@ -41,7 +37,7 @@ MB = 10**6
 def _budget(case: PipelineCase) -> int:
     """A budget under which the tiny pipeline cannot keep everything with the default reserve, so
     its calls are measured: the least plan's weights plus 3 GiB."""
-    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    sizes = component_sizes(case.pipe, module_components(case.pipe))
     least = plan_residency(sizes, 10**12, 3 << 30, least=True)
     return least.peak_weight_bytes + (3 << 30)
 
@@ -87,8 +83,8 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     second = PipelineCase("flux")  # built and loaded the same way: what a new process would hold
     # The plan kept is handed to the planner, to be taken as it is (see the planner's own test).
     handed = []
-    real = pipeline.plan_residency
-    monkeypatch.setattr(pipeline, "plan_residency", lambda *a, **kw: handed.append(kw.get("chosen")) or real(*a, **kw))
+    real = components.plan_residency
+    monkeypatch.setattr(components, "plan_residency", lambda *a, **kw: handed.append(kw.get("chosen")) or real(*a, **kw))
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     # Planned as enabled, before any call, and what the plan keeps resident is loaded then.
     planned = second.pipe.residency_plan()
@@ -102,7 +98,7 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     measuring = _measured_calls(second)
     handed.clear()
     assert torch.equal(second.run(), second.reference)
-    monkeypatch.setattr(pipeline, "plan_residency", real)
+    monkeypatch.setattr(components, "plan_residency", real)
     assert measuring == [False], "no measuring call"
     assert handed == [], "the first call, of the shape planned for, plans nothing"
     assert second.pipe.residency_plan() is planned
@@ -306,7 +302,7 @@ def test_sd15_on_a_4gb_card_is_planned_with_the_room_its_weights_leave() -> None
     budget = sum(s.nbytes for s in sd15) + 10**9
     with pytest.raises(BudgetTooSmallError):  # the uncapped default reserve leaves no room for weights
         plan_residency(sd15, budget, default_reserve(budget))
-    reserve = _default_reserve(list(sd15), budget, {})
+    reserve = default_reserve_for(list(sd15), budget, {})
     assert 10**9 < reserve < budget
     plan = plan_residency(sd15, budget, reserve)  # the plan enable starts from
     assert plan.peak_bytes <= budget and plan["unet"].policy is Policy.STREAMED, str(plan)

@@ -13,7 +13,8 @@ from torch import nn
 
 from diffusers_residency import Policy
 from diffusers_residency.bench.builders import call_kwargs
-from diffusers_residency.pipeline import _component_sizes, _module_components, pipeline_state
+from diffusers_residency.components import component_sizes, module_components
+from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.weights import module_tensors, storage_bytes, stored_tensors
 
 from .helpers import (
@@ -119,7 +120,7 @@ def test_quantized_transformer_streamed_under_a_budget_is_exact(quantized: Pipel
     quantized.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
     plan = quantized.pipe.residency_plan()
     assert plan["transformer"].policy is Policy.STREAMED, str(plan)
-    sizes = {s.name: s for s in _component_sizes(quantized.pipe, _module_components(quantized.pipe))}
+    sizes = {s.name: s for s in component_sizes(quantized.pipe, module_components(quantized.pipe))}
     assert sizes["transformer"].nbytes == storage_bytes(module_tensors((quantized.pipe.transformer,))), "planned on quantized bytes"
 
     assert torch.equal(quantized.run(), quantized.reference)

@@ -20,12 +20,10 @@ from diffusers_residency import (
 from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.budget_watch import BudgetWatch
-from diffusers_residency.pipeline import (
-    _component_sizes,
-    _module_components,
-    pipeline_state,
-)
-from diffusers_residency.planner import MIN_RESERVE_BYTES, PREFETCH_BLOCKS, plan_residency
+from diffusers_residency.components import component_sizes, module_components
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
+from diffusers_residency.plans import PREFETCH_BLOCKS
 from diffusers_residency.policy import Policy
 from diffusers_residency.step_timing import StepTiming
 from diffusers_residency.streaming import STEPS_TIMED, repeated_blocks
@@ -560,7 +558,7 @@ def test_a_pipeline_of_one_component_in_its_sequence_is_not_measured(flux: Pipel
 def test_every_streamable_component_of_other_pipelines_streams_exactly(kind: str) -> None:
     case = PipelineCase(kind)
     before = case.state()
-    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    sizes = component_sizes(case.pipe, module_components(case.pipe))
     streamed = {s.name: "streamed" for s in sizes if s.streamable}
     assert any(s.per_step for s in sizes if s.name in streamed), "the denoiser streams"
     case.pipe.enable_pinned_offload("cpu", components=streamed, vram_budget=None)
@@ -599,7 +597,7 @@ def test_lora_loaded_and_fused_into_a_streamed_transformer_matches_resident(flux
 
 @pytest.mark.parametrize("staged", ["text_encoder", "text_encoder_2", "vae"])
 def test_loading_ahead_never_takes_the_room_of_a_streaming_component(flux: PipelineCase, staged: str) -> None:
-    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
     total = sum(s.nbytes for s in sizes)
     checked = 0
     for budget in range(total, total // 4, -total // 40):  # fine steps: overshoots show at a few budgets only
@@ -650,7 +648,7 @@ def test_enabling_again_after_one_component_was_detached(flux: PipelineCase) -> 
 def test_an_overshoot_never_streams_a_component_that_has_no_block_hooks(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
     budget = sum(s.nbytes for s in sizes) + RESERVE  # everything resident, just
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
     before = flux.pipe.residency_plan()
@@ -772,7 +770,7 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
     the UNet keeps across calls only what fits beside the VAE's decode, and keeps the rest of its
     blocks while it runs (loaded once per call, not once per step)."""
     case = PipelineCase("sdxl")
-    sizes = _component_sizes(case.pipe, _module_components(case.pipe))
+    sizes = component_sizes(case.pipe, module_components(case.pipe))
     least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True)
     budget = MIN_RESERVE_BYTES + least.peak_weight_bytes  # the measuring plan just fits the default reserve
     case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
@@ -858,7 +856,7 @@ def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: Pipeline
 def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: PipelineCase) -> None:
     """A bus-bound step (loads slower than compute) may be planned with one block in flight (see
     planner.PREFETCH_CHOICES); the stream in place takes that depth when the plan is applied."""
-    sizes = _component_sizes(flux.pipe, _module_components(flux.pipe))
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
     transformer = next(s for s in sizes if s.name == "transformer")
     bus_bound = {"transformer": StepTiming(compute_per_byte=1e-12, load_per_byte=1e-9)}
 
