@@ -28,9 +28,10 @@ from diffusers_residency.bench.modes import (
 )
 from diffusers_residency.bench.tables import (
     format_calls,
-    format_shape_calls,
     format_compile_table,
+    format_host_memory,
     format_round_ratios,
+    format_shape_calls,
     format_table,
     judged_by_compile_spread,
 )
@@ -332,6 +333,20 @@ def test_rounds_repeat_the_modes_in_turn_and_take_each_ratio_within_its_round() 
     assert rows[3][0] == "| pinned (round 2)"
     assert format_round_ratios(results) == "- pinned @ 8.00 GB: 1.20, 1.10 (median 1.15)"
     assert format_round_ratios(results[:2]) == "", "nothing to add for one round"
+
+
+def test_the_host_memory_table_takes_each_peak_against_the_resident_peak_of_its_round() -> None:
+    GB = 10**9
+    results = [
+        ModeResult("resident", 1.0, 1, 1.0, None, round=1, peak_host_rss_bytes=40 * GB),
+        ModeResult("pinned", 1.0, 1, 1.0, True, round=1, peak_host_rss_bytes=42 * GB),
+        ModeResult("resident", 1.0, 1, 1.0, True, round=2, peak_host_rss_bytes=20 * GB),
+        ModeResult("pinned", 1.0, 1, 1.0, True, round=2, peak_host_rss_bytes=30 * GB),
+        ModeResult("pinned", 1.0, 1, 1.0, True, round=3),  # no resident run in round 3, no peak read
+    ]
+    rows = [row.split(" | ") for row in format_host_memory(results, weight_bytes=GB).splitlines()]
+    column = rows[0].index("peak RSS x resident")
+    assert [row[column] for row in rows[2:]] == ["1.00", "1.05", "1.00", "1.50", "-"]
     with pytest.raises(SystemExit, match="--rounds must be 1 or more"):
         _runs("resident", "unlimited", None, rounds=0)
 

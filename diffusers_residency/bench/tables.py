@@ -30,12 +30,15 @@ def _agreement(result: ModeResult) -> str:
     return f"{verdict}, {detail}"
 
 
-def _resident_by_round(results: list[ModeResult]) -> dict[int, float]:
-    """The first resident time of each round: what that round's ratios are taken against."""
+def _resident_by_round(
+    results: list[ModeResult], figure: Callable[[ModeResult], float | None] = lambda r: r.seconds_per_call
+) -> dict[int, float]:
+    """``figure`` of the first resident run of each round (its time by default): what that round's
+    ratios are taken against."""
     resident: dict[int, float] = {}
     for r in results:
-        if r.mode == "resident" and not r.error:
-            resident.setdefault(r.round, r.seconds_per_call)
+        if r.mode == "resident" and not r.error and figure(r):
+            resident.setdefault(r.round, figure(r))
     return resident
 
 
@@ -100,10 +103,12 @@ def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios:
 def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> str:
     """Each run's host memory in GB: its resident set after setup and at the process's peak, its
     anonymous part (see .host_memory) after setup and at its peak from setup to the last call; and
-    how fast loads from masters in RAM and from files went."""
+    how fast loads from masters in RAM and from files went. The peak's ratio is to the resident
+    run's of the same round, as a user comparing the two would take it."""
+    resident_peaks = _resident_by_round(results, lambda r: r.peak_host_rss_bytes)
     header = (
-        "mode", "budget GB", "steady s/call", "host RSS GB", "peak RSS GB (VmHWM)", "anonymous GB after setup",
-        "anonymous GB peak", "anonymous peak x weights", "load GB/s", "file GB/s",
+        "mode", "budget GB", "steady s/call", "host RSS GB", "peak RSS GB (VmHWM)", "peak RSS x resident",
+        "anonymous GB after setup", "anonymous GB peak", "anonymous peak x weights", "load GB/s", "file GB/s",
     )  # fmt: skip
     rows = [
         (
@@ -112,6 +117,9 @@ def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> s
             f"{r.seconds_per_call:.3f}",
             gb(r.host_rss_bytes),
             gb(r.peak_host_rss_bytes),
+            "-"
+            if r.peak_host_rss_bytes is None or r.round not in resident_peaks
+            else f"{r.peak_host_rss_bytes / resident_peaks[r.round]:.2f}",
             gb(r.host_anonymous_bytes),
             gb(r.peak_host_anonymous_bytes),
             "-" if not weight_bytes or r.peak_host_anonymous_bytes is None else f"{r.peak_host_anonymous_bytes / weight_bytes:.2f}",
