@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,6 +189,106 @@ def empty_cache(device: torch.device) -> None:
     """Give the caching allocator's unused blocks back to the driver; nothing to give back on the CPU."""
     if is_accelerator(device):
         torch.accelerator.empty_cache()
+
+
+# Where the CUDA caching allocator reads its settings when torch cannot say which it read (before
+# 2.13); which of the two wins when both are set has changed between versions.
+_ALLOCATOR_SETTINGS_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# Free memory the cache may hold and a kept load still take segments of its own: the free ends of
+# the segments that hold weights (a large allocation is rounded up to 2 MiB, an expandable
+# segment's pieces are 20 MiB).
+_CACHED_SLACK = 64 << 20
+
+
+def without_expandable_segments(settings: str) -> str | None:
+    """``settings`` (an allocator settings string) with ``expandable_segments`` switched off, every
+    other option as it was; None where they are not switched on."""
+    entries = [entry.strip() for entry in settings.split(",") if entry.strip()]
+    keys = [entry.partition(":")[0].strip() for entry in entries]
+    if "expandable_segments" not in keys:
+        return None
+    at = keys.index("expandable_segments")
+    if entries[at].partition(":")[2].strip().lower() != "true":
+        return None
+    entries[at] = "expandable_segments:False"
+    return ",".join(entries)
+
+
+def _allocator_settings() -> str | None:
+    """The allocator's settings string: as it is now where torch can read it back, else from the
+    environment (None where both variables are set and differ)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return getter()
+    found = {os.environ.get(name) for name in _ALLOCATOR_SETTINGS_VARIABLES} - {None, ""}
+    return found.pop() if len(found) == 1 else (None if found else "")
+
+
+def _set_allocator_settings(settings: str) -> None:
+    # The accelerator-generic setter where this torch has it (2.10 on, where torch.cuda's warns
+    # that it is deprecated); torch.cuda's before.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
+@contextlib.contextmanager
+def segments_of_their_own(device: torch.device) -> Iterator[None]:
+    """Device memory allocated inside comes from segments of its own (``cudaMalloc``), not from
+    expandable segments, where the process runs with ``expandable_segments:True`` and the cache holds
+    no free memory a load could reuse.
+
+    For weights kept on the device until a sleep, a replan or a disable, loaded together (a wake, or
+    the resident units a plan loads ahead): the allocator maps and unmaps an expandable segment in
+    20 MiB pieces, one driver call each way per piece, so a level-1 sleep of FLUX.1-dev's 33.7 GB
+    spent most of its time giving them back, and its wake mapping them. Other loads keep the
+    expandable segments, which spare fragmentation under a tight cap. With expandable segments off
+    the allocator does not reuse cached expandable memory, so a cache holding some is left as it is
+    (a wake into the memory another pipeline left, see AwakeRotation): new segments beside it could
+    overrun a cap. vLLM's sleep allocator switches them off around its pool the same way, rewriting
+    the whole settings string (the allocator resets every option the string leaves out). The switch
+    is process-wide: another thread allocating meanwhile gets segments of its own too.
+    """
+    if device.type != "cuda" or not _switch.open(device):
+        yield
+        return
+    try:
+        yield
+    finally:
+        _switch.close()
+
+
+class _SettingsSwitch:
+    """The expandable segments switched off for :func:`segments_of_their_own`, process-wide: a
+    thread that opens one while another's is open joins it, and the last to close switches them
+    back, so that neither loads its weights half in expandable segments."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._settings = ""
+
+    def open(self, device: torch.device) -> bool:
+        """Switch them off, or join the switch already made; False where there is nothing to switch."""
+        with self._lock:
+            if not self._open:
+                settings = _allocator_settings()
+                switched_off = without_expandable_segments(settings) if settings else None
+                memory = read_memory_telemetry(device) if switched_off else None
+                if memory is None or memory.reserved - memory.allocated > _CACHED_SLACK:
+                    return False
+                _set_allocator_settings(switched_off)
+                self._settings = settings
+            self._open += 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if not self._open:
+                _set_allocator_settings(self._settings)
+
+
+_switch = _SettingsSwitch()
 
 
 def synchronize(device: torch.device) -> None:

@@ -190,9 +190,10 @@ class ResidencyGroup:
                 unit.stager.offload()
         self.active_component = None
         _device.empty_cache(self.device)
-        for unit in self.units:
-            if unit.policy is Policy.RESIDENT and not unit.stager.loaded and not unit.sleep_level:
-                unit.load(ahead=True)
+        with _device.segments_of_their_own(self.device):
+            for unit in self.units:
+                if unit.policy is Policy.RESIDENT and not unit.stager.loaded and not unit.sleep_level:
+                    unit.load(ahead=True)
         if self.budget_watch is not None:
             self.budget_watch.forget_retries()  # allocations that retried here are no component's shortfall
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from . import _device
 from .adaptive import PipelineResidency
 from .checkpoints import checkpoint_views, component_folder
 from .pipeline import enable_pinned_offload, pipeline_state
@@ -146,8 +147,13 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     # next unit is copied, they would take the host memory bandwidth that copy runs on.
     for unit in order:
         unit.stager.reads_back_after_loading = False
+    kept = sum(len(units) for units in by_size)
     try:
-        for unit in order:
+        # The resident ones are kept on the device until the next sleep: see _device.segments_of_their_own.
+        with _device.segments_of_their_own(state.group.device):
+            for unit in order[:kept]:
+                state.group.wake(unit)
+        for unit in order[kept:]:
             state.group.wake(unit)
     finally:
         for unit in order:

@@ -549,3 +549,52 @@ def test_a_host_budget_is_refused_for_weights_on_the_device_before_anything_chan
     assert pipeline_state(case.pipe) is None
     assert all(devices == {CUDA} for devices in param_devices(case.pipe).values())
     assert torch.equal(case.run(), case.reference)
+
+
+_KEPT_SEGMENTS_SCRIPT = """
+import json, torch
+from diffusers_residency import sleep, wake_up
+from tests.helpers import PipelineCase
+
+def segments_of(pipe):
+    segments = torch.cuda.memory_snapshot()
+    found = set()
+    for module in pipe.components.values():
+        for tensor in module.parameters() if isinstance(module, torch.nn.Module) else ():
+            address = tensor.data_ptr()
+            found |= {s["is_expandable"] for s in segments if s["address"] <= address < s["address"] + s["total_size"]}
+    return sorted(found)
+
+case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+case.pipe.to("cpu")
+case.pipe.enable_pinned_offload(components={name: "resident" for name in ("text_encoder", "text_encoder_2", "transformer", "vae")})
+equal = [torch.equal(case.run(), case.reference)]
+sleep(case.pipe)
+wake_up(case.pipe)
+woken = segments_of(case.pipe)
+equal.append(torch.equal(case.run(), case.reference))
+probe = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+other = sorted({s["is_expandable"] for s in torch.cuda.memory_snapshot() if s["address"] <= probe.data_ptr() < s["address"] + s["total_size"]})
+print(json.dumps({"equal": equal, "woken": woken, "other": other}))
+"""
+
+
+def test_kept_weights_take_segments_of_their_own_under_expandable_segments() -> None:
+    """Resident weights woken after a sleep come from segments of their own, which the next level-1
+    sleep gives back in one driver call each (see _device.segments_of_their_own); everything else
+    keeps the expandable segments the process asked for. Its own process: the allocator reads its
+    settings from the environment once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    done = subprocess.run([sys.executable, "-c", _KEPT_SEGMENTS_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["equal"] == [True, True]
+    assert result["woken"] == [False], result
+    assert result["other"] == [True], "an allocation of the process's own stays in an expandable segment"
