@@ -59,6 +59,7 @@ def test_the_settings_are_switched_back_even_when_the_load_fails(monkeypatch: py
     with _device.segments_of_their_own(torch.device("cuda", 0)):
         pass
     assert set_to == [], "a cache holding free memory is reused, in its expandable segments"
+    set_to = _no_cuda_allocator(monkeypatch, cached_free=0)
     settings = "max_split_size_mb:512"
     with _device.segments_of_their_own(torch.device("cuda", 0)):
         pass
