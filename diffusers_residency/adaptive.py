@@ -19,7 +19,7 @@ from .budget_watch import BudgetWatch
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
-from .profile import CallFigures, ResidencyProfile, write_profile
+from .profile import CallFigures, ResidencyProfile, covering_shape, write_profile
 from .report import report_for
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
@@ -280,8 +280,9 @@ def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, re
 
 
 def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
-    """The first call ran with the least on the device and measured what each component needed
-    above the weights, and how long a step of a streamed per-step component computes and loads.
+    """The first call of a shape ran with the least on the device (or under a plan estimated from a
+    larger shape's figures) and measured what each component needed above the weights, and how long
+    a step of a streamed per-step component computes and loads.
     Plan for those figures, each need with a margin, and apply the plan.
 
     Measured, not guessed: what a call needs varies across components far more than across calls
@@ -292,11 +293,14 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
     needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
     try:
-        new_plan = replan_in_place(state, activations, _step_timings(state))
+        # A step not timed in this call (none streams under an estimated plan that keeps every
+        # block) keeps the timing the plan had.
+        new_plan = replan_in_place(state, activations, {**plan.timings, **_step_timings(state)})
     except BudgetTooSmallError:
         logger.warning(
-            "The first call measured %s above the weights; with margins no plan fits vram_budget %s, so the "
-            "measuring plan stays (the least on the device). Raise vram_budget.",
+            "%s measured %s above the weights; with margins no plan fits vram_budget %s, so the plan it "
+            "ran under stays. Raise vram_budget.",
+            _first_call(state),
             needs,
             format_bytes(plan.budget),
         )
@@ -306,13 +310,18 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     if new_plan.timings:
         _time_steps_again(state, new_plan)
     logger.info(
-        "The first call measured, above the weights: %s. Plan for vram_budget %s: %s",
+        "%s measured, above the weights: %s. Plan for vram_budget %s: %s",
+        _first_call(state),
         needs,
         format_bytes(plan.budget),
         _plan_summary(new_plan),
     )
 
 
+
+
+def _first_call(state: PipelineResidency) -> str:
+    return f"The first call of {state.shape}" if state.shape else "The first call"
 
 
 def learn_first_step(state: PipelineResidency, component: str, need: int) -> None:
@@ -344,41 +353,58 @@ def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
 
 def begin_call(state: PipelineResidency, shape: str) -> None:
     """A pipeline call of ``shape`` starts. A shape measured before (in this process, or in the
-    profile) gets the plan for its figures, and nothing is measured; a new one is measured as the
-    first call was, with the least on the device. A call of the shape in place changes nothing.
+    profile) gets the plan for its figures, and nothing is measured. A new one smaller than one
+    measured before (see ``profile.covering_shape``) gets the plan for the larger one's figures,
+    which fit it, and is measured under that plan; any other new one is measured as the first call
+    was, with the least on the device. A call of the shape in place changes nothing.
 
     What was learned for one shape stays with it: a measurement armed for another shape (one that
     never ran whole, returning latents) starts over, and what retries taught is learned anew."""
     if state.profile is None or shape == state.shape:
         return
     state.shape = shape
-    group = state.group
     state.retry_replans.clear()
     state.retries_left_alone.clear()
-    figures = state.profile.shapes.get(shape)
-    if figures is not None:
-        try:
-            plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
-        except BudgetTooSmallError:  # figures saved for other policies given (components=)
-            logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", shape)
-        else:
-            source = "measured" if shape in state.measured_shapes else "from the residency profile"
-            if group.budget_watch is not None:
-                group.budget_watch.stop_measuring()
-            group.retention.release_over_limit_before = set(figures.release_before)
-            plan = replace(plan, source=source, shape=shape)
-            apply_plan(state, plan)
-            if figures.timings and not figures.retimed:
-                # Saved before its step was timed again under its plan: time it now.
-                _time_steps_again(state, plan)
-            group.load_resident_ahead()
-            logger.info("Planned for calls of %s from figures %s: %s", shape, source, _plan_summary(plan))
+    shapes = state.profile.shapes
+    if shape in shapes:
+        source = "measured" if shape in state.measured_shapes else "from the residency profile"
+        if _plan_from_figures(state, shapes[shape], source):
             return
-    group.retention.release_over_limit_before.clear()
+    covering = covering_shape(shapes, shape)
+    if covering is not None and _plan_from_figures(state, shapes[covering], f"estimated from calls of {covering}"):
+        return
+    state.group.retention.release_over_limit_before.clear()
     streaming, whole = _hooked(state)
     apply_plan(state, state.replan({}, streaming, whole, least=True))
     _watch(state, measure=True)
-    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", shape)
+    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", state.shape)
+
+
+def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str) -> bool:
+    """Plan the call under way (of ``state.shape``) from ``figures``: those measured for its shape,
+    or (``source`` saying so) an estimate, those of a larger shape, under which the call is
+    measured for a plan of its own. False when they fit no plan with the policies in place."""
+    estimated = figures is not state.profile.shapes.get(state.shape)
+    try:
+        plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
+    except BudgetTooSmallError:  # figures saved for other policies given (components=)
+        logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", state.shape)
+        return False
+    group = state.group
+    group.retention.release_over_limit_before = set(figures.release_before)
+    plan = replace(plan, source=source, shape=state.shape)
+    apply_plan(state, plan)
+    if estimated:
+        _watch(state, measure=True)
+    else:
+        if group.budget_watch is not None:
+            group.budget_watch.stop_measuring()
+        if figures.timings and not figures.retimed:
+            # Saved before its step was timed again under its plan: time it now.
+            _time_steps_again(state, plan)
+    group.load_resident_ahead()
+    logger.info("Planned for calls of %s from figures %s: %s", state.shape, source, _plan_summary(plan))
+    return True
 
 
 def plan_ahead(state: PipelineResidency) -> None:
@@ -408,6 +434,8 @@ def end_call(state: PipelineResidency) -> None:
         watch.end_call()
     if state.profile is None or state.shape is None or not state.plan.source:
         return
+    if watch is not None and watch.measures_next_call:
+        return  # a call measured under an estimate that never ran whole: its shape is still unmeasured
     figures = CallFigures(
         dict(state.plan.activations),
         dict(state.plan.timings),

@@ -22,7 +22,7 @@ import numbers
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,9 @@ _SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "m
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
 _IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image")
 _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
+# The arguments of a shape signature that measure a call's size: a call smaller in these (and the
+# same in the others) needs no more room than the larger one (see covering_shape).
+SIZE_ARGUMENTS = ("height", "width", "num_frames", "max_sequence_length", "num_images_per_prompt", "batch")
 
 
 def cache_folder() -> Path | None:
@@ -110,6 +113,55 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
         if bound.get(name) is not None:
             parts[name] = _describe(bound[name])
     return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
+
+
+def shape_parts(shape: str) -> dict[str, Any] | None:
+    """The arguments of a shape signature (see :func:`call_shape`) as data, or None for a string
+    that is not one (a profile written by hand, say)."""
+    parts: dict[str, Any] = {}
+    decoder = json.JSONDecoder()
+    position = 0
+    try:
+        while position < len(shape):
+            equals = shape.index("=", position)
+            parts[shape[position:equals]], end = decoder.raw_decode(shape, equals + 1)
+            if end < len(shape) and shape[end] != " ":
+                return None
+            position = end + 1
+    except ValueError:
+        return None
+    return parts
+
+
+def covering_shape(shapes: Collection[str], shape: str) -> str | None:
+    """Among ``shapes``, the smallest one whose calls are at least as large as calls of ``shape`` in
+    every size (:data:`SIZE_ARGUMENTS`) and the same in every other argument; None if none is.
+
+    What a call needs above the weights does not grow as its latents, its prompt or its batch
+    shrink, so the figures measured for such a shape are an upper bound for ``shape``'s: a plan
+    made from them fits its calls."""
+    wanted = shape_parts(shape)
+    if wanted is None:
+        return None
+    covering = []
+    for known in shapes:
+        parts = shape_parts(known)
+        if known == shape or parts is None or parts.keys() != wanted.keys():
+            continue
+        if all(_covers(name, parts[name], wanted[name]) for name in wanted):
+            volume = 1.0
+            for name in SIZE_ARGUMENTS:
+                volume *= parts.get(name) or 1
+            covering.append((volume, known))
+    return min(covering)[1] if covering else None
+
+
+def _covers(name: str, known: Any, wanted: Any) -> bool:
+    """Whether ``known``, a value of argument ``name``, makes calls at least as large as ``wanted``."""
+    # Booleans are numbers to Python (True == 1), not sizes; None (left to the default) is no size.
+    if type(known) is not type(wanted) or name not in SIZE_ARGUMENTS or known == wanted:
+        return type(known) is type(wanted) and known == wanted
+    return isinstance(known, (int, float)) and not isinstance(known, bool) and known >= wanted
 
 
 @dataclass(frozen=True)

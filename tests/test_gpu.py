@@ -517,6 +517,30 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     assert torch.cuda.max_memory_allocated() <= budget
 
 
+def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_within_budget() -> None:
+    from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+    from diffusers_residency.components import component_sizes, module_components
+    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    small = pipeline_output(case.pipe, call_kwargs("flux", height=32, width=32))
+    case.pipe.to("cpu")
+    sizes = component_sizes(case.pipe, module_components(case.pipe))
+    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
+    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
+    case.pipe.enable_pinned_offload(vram_budget=budget)
+    state = pipeline_state(case.pipe)
+    sources: list[str] = []
+    case.pipe.text_encoder.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    pipeline_output(case.pipe, call_kwargs("flux", height=64, width=64))
+    large = case.pipe.residency_plan()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", height=32, width=32)), small)
+    assert sources == ["", f"estimated from calls of {large.shape}", "measured"], sources
+    assert torch.cuda.max_memory_allocated() <= budget
+
+
 def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on_disable(tmp_path) -> None:
     from diffusers_residency import pinning
 

@@ -368,6 +368,113 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
     assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
 
 
+@pytest.mark.parametrize(
+    ("known", "new", "covering"),
+    [
+        ({"height": 1024, "width": 1024}, {"height": 768, "width": 768}, True),
+        ({"height": 1024, "width": 1024}, {"height": 1024, "width": 768}, True),
+        ({"height": 1024, "width": 1024}, {"height": 1280, "width": 768}, False),  # taller: larger somewhere
+        ({"height": 1024, "width": 1024, "num_images_per_prompt": 2}, {"height": 768, "width": 768}, True),
+        ({"height": 1024, "width": 1024, "prompt": ["a", "b"]}, {"height": 768, "width": 768, "prompt": ["a"]}, True),
+        ({"height": 1024, "width": 1024}, {}, False),  # left to the pipeline's default: no size to compare
+        ({"height": 1024, "width": 1024}, {"height": 768, "width": 768, "guidance_scale": 1.0}, False),
+        ({"height": 1024, "width": 1024}, {"height": 768, "width": 768, "negative_prompt": "x"}, False),
+        ({"height": 1024, "image": np.zeros((8, 8, 3))}, {"height": 768, "image": np.zeros((4, 4, 3))}, False),
+    ],
+)
+def test_a_shape_is_covered_by_a_larger_one_alike_in_everything_else(known: dict, new: dict, covering: bool) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    from diffusers_residency.profile import call_shape, covering_shape, shape_parts
+
+    signature = inspect.signature(StableDiffusionXLPipeline.__call__)
+    known_shape, new_shape = call_shape(signature, (), known), call_shape(signature, (), new)
+    assert shape_parts(known_shape) is not None and shape_parts(new_shape) is not None
+    assert (covering_shape([known_shape], new_shape) == known_shape) == covering
+    assert covering_shape([new_shape], known_shape) is None or known_shape == new_shape, "never a smaller one"
+
+
+def test_the_smallest_covering_shape_is_taken_and_strings_that_are_no_shapes_are_skipped() -> None:
+    from diffusers_residency.profile import covering_shape
+
+    shapes = ["height=1280 width=1280 batch=1", "not a shape", "height=1024 width=1024 batch=1", 'height="x" width=1 batch=1']
+    assert covering_shape(shapes, "height=768 width=768 batch=1") == "height=1024 width=1024 batch=1"
+    assert covering_shape(shapes, "height=768 width=768 batch=true") is None, "a flag is no size"
+    assert covering_shape(shapes, "garbage") is None
+
+
+def _plans_at_call_start(case: PipelineCase) -> list[str]:
+    """Per call of ``case.pipe`` from now on, the source of the plan its first component ran under
+    (empty: a measuring call's plan, the least on the device); the plans themselves in ``.plans``."""
+    state = pipeline_state(case.pipe)
+    sources = _Sources()
+    case.pipe.text_encoder.register_forward_pre_hook(lambda *_: sources.seen(state.plan))
+    return sources
+
+
+class _Sources(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans = []
+
+    def seen(self, plan) -> None:
+        self.append(plan.source)
+        self.plans.append(plan)
+
+
+def test_a_new_shape_smaller_than_one_measured_is_planned_from_its_figures_then_measured(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    references = {size: _run(flux, size) for size in (32, 48, 64)}
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    needs = {32: 1000, 48: 9000, 64: 20_000}
+    size = [48]
+    monkeypatch.setattr(
+        _device, "peak_allocated", lambda device: pipeline_state(flux.pipe).group.loaded_bytes() + needs[size[0]]
+    )
+    sources = _plans_at_call_start(flux)
+    assert torch.equal(_run(flux, 48), references[48])
+    large = flux.pipe.residency_plan()
+    assert large.source == "measured" and large["transformer"].resident_blocks, str(large)
+
+    # 32x32 is new, and smaller: planned from 48x48's figures, which fit it, not measured with the
+    # least on the device; measured under that plan all the same, and planned for what it needed.
+    size[0] = 32
+    assert torch.equal(_run(flux, 32), references[32])
+    assert sources[-1] == f"estimated from calls of {large.shape}"
+    assert sources.plans[-1].components == large.components, "the larger shape's plan, blocks kept and all"
+    small = flux.pipe.residency_plan()
+    margin = int(budget * 0.02)
+    assert small.source == "measured" and small.shape != large.shape
+    assert set(small.activations.values()) == {1000 + margin}, str(small)
+    assert residency_profile(flux.pipe).shapes[small.shape].activations == small.activations
+    assert torch.equal(_run(flux, 32), references[32])
+    assert sources[-1] == "measured" and flux.pipe.residency_plan() is small, "measured once: planned for from then on"
+
+    # 64x64 is larger than any measured: no figures bound it, so it is measured with the least.
+    size[0] = 64
+    assert torch.equal(_run(flux, 64), references[64])
+    assert sources[-1] == ""
+    assert set(flux.pipe.residency_plan().activations.values()) == {20_000 + margin}
+
+
+def test_a_call_under_an_estimate_that_never_runs_whole_keeps_no_figures(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(flux, monkeypatch)
+    _run(flux, 48)
+    large = flux.pipe.residency_plan().shape
+    sources = _plans_at_call_start(flux)
+    pipeline_output(flux.pipe, {**call_kwargs("flux", height=32, width=32), "output_type": "latent"})
+    assert sources == [f"estimated from calls of {large}"]
+    assert len(residency_profile(flux.pipe).shapes) == 1, "an estimate is not kept as figures of the smaller shape"
+    assert torch.equal(_run(flux, 32), flux.reference)
+    assert len(residency_profile(flux.pipe).shapes) == 2 and flux.pipe.residency_plan().source == "measured"
+
+
 def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() -> None:
     sizes = (
         ComponentSizes("text_encoder", 300 * MB, (100 * MB,) * 3),
