@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 # Kept on top of what a component was measured to need above its weights, as a fraction of the
 # budget: the next call's activations may differ a little (another prompt length, say).
 RESERVE_MARGIN = 0.02
+# How a plan made from a larger call shape's figures (see begin_call) says where they come from.
+ESTIMATED = "estimated from calls of"
 # How far a step timed under the plan may be from the one the plan was made for before it is planned
 # for again (see _Retime), as a fraction of the latter's compute or load time per byte.
 RETIME_TOLERANCE = 0.1
@@ -67,6 +69,8 @@ class PipelineResidency:
     # figures this process measured (the others came from the profile).
     shape: str | None = None
     measured_shapes: set[str] = field(default_factory=set)
+    # Shapes whose call under an estimate raised: measured with the least on the device from then on.
+    estimates_failed: set[str] = field(default_factory=set)
     # Set while a pipeline call is under way (see calls._wrap_call): calls within it are not
     # planned for on their own. Pipelines are not thread-safe, and neither is this.
     in_call: bool = False
@@ -111,8 +115,9 @@ def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
         _watch(state, measure=state.measuring)
 
 
-def _watch(state: PipelineResidency, *, measure: bool) -> None:
-    """Watch the budget for overshoots and retries and, with ``measure``, measure the next whole call."""
+def _watch(state: PipelineResidency, *, measure: bool, estimated: bool = False) -> None:
+    """Watch the budget for overshoots and retries and, with ``measure``, measure the next whole call
+    (``estimated``: under a plan from a larger shape's figures, see begin_call)."""
     group = state.group
     group.budget_watch = BudgetWatch(
         group.device,
@@ -124,6 +129,9 @@ def _watch(state: PipelineResidency, *, measure: bool) -> None:
         on_first_step=(lambda component, need: learn_first_step(state, component, need)) if measure else None,
         call_start=state.call_start,
         call_end=state.call_end,
+        # Under an estimate a component is not given the most room, and under a cap a retry is
+        # all that shows it was short: told after the call, as in any call not measured.
+        retries_while_measuring=estimated,
     )
 
 
@@ -293,8 +301,8 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
     needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
     try:
-        # A step not timed in this call (none streams under an estimated plan that keeps every
-        # block) keeps the timing the plan had.
+        # A component whose step this call did not time (a call of fewer than three steps) keeps
+        # the timing the plan had.
         new_plan = replan_in_place(state, activations, {**plan.timings, **_step_timings(state)})
     except BudgetTooSmallError:
         logger.warning(
@@ -304,6 +312,11 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
             needs,
             format_bytes(plan.budget),
         )
+        if plan.source.startswith(ESTIMATED):
+            # The estimate did not bound this shape's needs: the least on the device from here on,
+            # as a measuring call leaves it, and nothing kept as this shape's figures.
+            streaming, whole = _hooked(state)
+            apply_plan(state, state.replan({}, streaming, whole, least=True))
         return
     apply_plan(state, new_plan)
     state.group.load_resident_ahead()
@@ -368,10 +381,10 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     shapes = state.profile.shapes
     if shape in shapes:
         source = "measured" if shape in state.measured_shapes else "from the residency profile"
-        if _plan_from_figures(state, shapes[shape], source):
+        if _plan_from_figures(state, shapes[shape], source, estimated=False):
             return
-    covering = covering_shape(shapes, shape)
-    if covering is not None and _plan_from_figures(state, shapes[covering], f"estimated from calls of {covering}"):
+    covering = None if shape in state.estimates_failed else covering_shape(shapes, shape)
+    if covering is not None and _plan_from_figures(state, shapes[covering], f"{ESTIMATED} {covering}", estimated=True):
         return
     state.group.retention.release_over_limit_before.clear()
     streaming, whole = _hooked(state)
@@ -380,11 +393,10 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", state.shape)
 
 
-def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str) -> bool:
+def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str, *, estimated: bool) -> bool:
     """Plan the call under way (of ``state.shape``) from ``figures``: those measured for its shape,
-    or (``source`` saying so) an estimate, those of a larger shape, under which the call is
-    measured for a plan of its own. False when they fit no plan with the policies in place."""
-    estimated = figures is not state.profile.shapes.get(state.shape)
+    or (``estimated``) those of a larger shape, under which the call is measured for a plan of its
+    own. False when they fit no plan with the policies in place."""
     try:
         plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
     except BudgetTooSmallError:  # figures saved for other policies given (components=)
@@ -395,7 +407,7 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
     plan = replace(plan, source=source, shape=state.shape)
     apply_plan(state, plan)
     if estimated:
-        _watch(state, measure=True)
+        _watch(state, measure=True, estimated=True)
     else:
         if group.budget_watch is not None:
             group.budget_watch.stop_measuring()
@@ -420,9 +432,12 @@ def plan_ahead(state: PipelineResidency) -> None:
 
 def abort_call(state: PipelineResidency) -> None:
     """The pipeline call raised: nothing it measured is kept, and the next call plans for its shape
-    again (measuring it afresh if it is still new)."""
+    again (measuring it afresh if it is still new, with the least on the device if this call ran
+    under an estimate: it may have run out of room)."""
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
+    if state.shape is not None and state.plan.source.startswith(ESTIMATED):
+        state.estimates_failed.add(state.shape)  # the next call of it gets the most room instead
     state.shape = None
 
 

@@ -41,7 +41,8 @@ class BudgetWatch:
     ``on_first_call({component: bytes})``, when the next call starts (or as the pipeline call
     returns, see :meth:`end_call`). A call that never reaches ``call_end`` (latents as output)
     does not count. While measuring, a peak over the budget is measured, not
-    told, and retries are not told either; ``on_first_step(component, bytes)`` is told what a
+    told, and retries are not told either (with ``retries_while_measuring``, they are, once the
+    measured call is over, as in a call not measured); ``on_first_step(component, bytes)`` is told what a
     streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
 
     def __init__(
@@ -56,6 +57,7 @@ class BudgetWatch:
         on_first_step: Callable[[str, int], None] | None = None,
         call_start: str | None = None,
         call_end: str | None = None,
+        retries_while_measuring: bool = False,
     ) -> None:
         """``loaded_bytes()``: the weight bytes on the device now (what a peak holds besides a
         component's needs); ``retention``: the budget whose cache kept over its limit a retry may
@@ -76,6 +78,7 @@ class BudgetWatch:
         self.running: str | None = None
         self._call_start = call_start
         self._call_end = call_end
+        self.retries_while_measuring = retries_while_measuring
         self._call_started = self._call_end_ran = False
         if on_first_call is not None:
             # Cache an earlier workload left behind would take room the call is measured to need.
@@ -164,6 +167,8 @@ class BudgetWatch:
                     self.on_call_start = on_call_start
             return False
         # While measuring, a peak over the budget is measured like any other.
+        if self.retries_while_measuring and retries is not None and seen is not None and retries > seen:
+            self._retried[ran or component] = None
         if component == ran:
             return False
         if ran is not None:

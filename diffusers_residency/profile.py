@@ -40,18 +40,25 @@ logger = logging.getLogger(__name__)
 CACHE_VARIABLE = "DIFFUSERS_RESIDENCY_CACHE"
 NO_PROFILES_VARIABLE = "DIFFUSERS_RESIDENCY_NO_PROFILES"
 # Bumped when what a profile holds changes meaning: an older file is then refused as stale.
-# 2: plans kept with their figures, and the policies given keyed.
-FORMAT = 2
+# 2: plans kept with their figures, and the policies given keyed. 3: videos per prompt and the
+# prompt embeddings' shape in call shapes (a shape may stand for a smaller one's calls).
+FORMAT = 3
 
 # Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
-_SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "max_sequence_length")
+_SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
-_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image")
+# Tensors given, by their size: images, latents, and prompt embeddings (whose sequence length, not
+# ``max_sequence_length``, is what the denoiser then attends over).
+_TENSOR_ARGUMENTS = (
+    "image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image", "prompt_embeds"
+)  # fmt: skip
 _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
 # The arguments of a shape signature that measure a call's size: a call smaller in these (and the
 # same in the others) needs no more room than the larger one (see covering_shape).
-SIZE_ARGUMENTS = ("height", "width", "num_frames", "max_sequence_length", "num_images_per_prompt", "batch")
+SIZE_ARGUMENTS = (
+    "height", "width", "num_frames", "max_sequence_length", "num_images_per_prompt", "num_videos_per_prompt", "batch"
+)  # fmt: skip
 
 
 def cache_folder() -> Path | None:
@@ -109,7 +116,7 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
             parts[f"{name}>1"] = bool(_describe(bound[name]) > 1)
     if bound.get("negative_prompt") is not None or bound.get("negative_prompt_embeds") is not None:
         parts["negative"] = True
-    for name in _IMAGE_ARGUMENTS:
+    for name in _TENSOR_ARGUMENTS:
         if bound.get(name) is not None:
             parts[name] = _describe(bound[name])
     return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
@@ -151,17 +158,22 @@ def covering_shape(shapes: Collection[str], shape: str) -> str | None:
         if all(_covers(name, parts[name], wanted[name]) for name in wanted):
             volume = 1.0
             for name in SIZE_ARGUMENTS:
-                volume *= parts.get(name) or 1
+                volume *= parts[name] if _is_size(parts.get(name)) else 1
             covering.append((volume, known))
     return min(covering)[1] if covering else None
 
 
 def _covers(name: str, known: Any, wanted: Any) -> bool:
     """Whether ``known``, a value of argument ``name``, makes calls at least as large as ``wanted``."""
-    # Booleans are numbers to Python (True == 1), not sizes; None (left to the default) is no size.
+    # Of another type (True == 1 to Python), or None (left to the default): not comparable as sizes.
     if type(known) is not type(wanted) or name not in SIZE_ARGUMENTS or known == wanted:
         return type(known) is type(wanted) and known == wanted
-    return isinstance(known, (int, float)) and not isinstance(known, bool) and known >= wanted
+    return _is_size(known) and known >= wanted
+
+
+def _is_size(value: Any) -> bool:
+    # Booleans are numbers to Python, not sizes.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

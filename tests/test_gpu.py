@@ -482,12 +482,26 @@ def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_bu
     assert torch.cuda.max_memory_allocated() <= budget
 
 
+def record_peaks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The device's allocated peak before each reset the package makes (budget watches reset it at
+    component switches), with the peak now appended by the caller: the peak over every call."""
+    peaks: list[int] = []
+    reset = _device.reset_peak_allocated
+
+    def recording(device: torch.device) -> None:
+        peaks.append(torch.cuda.max_memory_allocated(device))
+        reset(device)
+
+    monkeypatch.setattr(_device, "reset_peak_allocated", recording)
+    return peaks
+
+
 def _trunks(plan) -> int:
     by_name = {s.name: s for s in plan.sizes}
     return sum(by_name[p.name].trunk_bytes for p in plan.components if p.policy.value == "streamed")
 
 
-def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved_on_cuda() -> None:
+def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved_on_cuda(monkeypatch) -> None:
     from diffusers_residency.components import component_sizes, module_components
     from diffusers_residency.pipeline import pipeline_state
     from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
@@ -505,6 +519,7 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
 
     second = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     second.pipe.to("cpu")
+    peaks = record_peaks(monkeypatch)
     second.pipe.enable_pinned_offload(vram_budget=budget)
     group = pipeline_state(second.pipe).group
     measured: list[bool] = []
@@ -514,10 +529,10 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     assert measured == [False, False], "planned from the profile: no measuring call"
     plan = second.pipe.residency_plan()
     assert plan.source == "from the residency profile" and plan.components == learned.components, str(plan)
-    assert torch.cuda.max_memory_allocated() <= budget
+    assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
 
 
-def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_within_budget() -> None:
+def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_within_budget(monkeypatch) -> None:
     from diffusers_residency.bench.builders import call_kwargs, pipeline_output
     from diffusers_residency.components import component_sizes, module_components
     from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
@@ -535,10 +550,11 @@ def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_
     pipeline_output(case.pipe, call_kwargs("flux", height=64, width=64))
     large = case.pipe.residency_plan()
     torch.cuda.reset_peak_memory_stats()
+    peaks = record_peaks(monkeypatch)
     for _ in range(2):
         assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", height=32, width=32)), small)
     assert sources == ["", f"estimated from calls of {large.shape}", "measured"], sources
-    assert torch.cuda.max_memory_allocated() <= budget
+    assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
 
 
 def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on_disable(tmp_path) -> None:
@@ -616,7 +632,7 @@ def test_kept_weights_take_segments_of_their_own_under_expandable_segments() -> 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("PYTORCH_ALLOC_CONF", None)
-    done = subprocess.run([sys.executable, "-c", _KEPT_SEGMENTS_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _KEPT_SEGMENTS_SCRIPT], check=False, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["equal"] == [True, True]

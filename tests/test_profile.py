@@ -26,7 +26,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
 from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes
 from diffusers_residency.policy import Policy
-from diffusers_residency.profile import CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
+from diffusers_residency.profile import FORMAT, CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 from diffusers_residency.step_timing import StepTiming
 
 from .helpers import PipelineCase
@@ -207,7 +207,7 @@ def test_a_profile_measured_for_another_setup_is_refused_and_the_log_says_why(
 
 
 @pytest.mark.parametrize(
-    "content", [b"{not json", b'{"format": 2, "key": {}}', b'{"format": 1, "key": {}, "shapes": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
+    "content", [b"{not json", f'{{"format": {FORMAT}, "key": {{}}}}'.encode(), b'{"format": 1, "key": {}, "shapes": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
@@ -380,14 +380,23 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
         ({"height": 1024, "width": 1024}, {"height": 768, "width": 768, "guidance_scale": 1.0}, False),
         ({"height": 1024, "width": 1024}, {"height": 768, "width": 768, "negative_prompt": "x"}, False),
         ({"height": 1024, "image": np.zeros((8, 8, 3))}, {"height": 768, "image": np.zeros((4, 4, 3))}, False),
+        # Embeddings given: their sequence length counts, not max_sequence_length (which the pipeline ignores).
+        (
+            {"height": 1024, "max_sequence_length": 512, "prompt_embeds": torch.zeros(1, 77, 8)},
+            {"height": 768, "max_sequence_length": 256, "prompt_embeds": torch.zeros(1, 512, 8)},
+            False,
+        ),
+        ({"height": 1024, "num_videos_per_prompt": 1}, {"height": 768, "num_videos_per_prompt": 2}, False),
+        ({"height": 1024, "num_videos_per_prompt": 2}, {"height": 768, "num_videos_per_prompt": 1}, True),
     ],
 )
 def test_a_shape_is_covered_by_a_larger_one_alike_in_everything_else(known: dict, new: dict, covering: bool) -> None:
-    from diffusers import StableDiffusionXLPipeline
+    from diffusers import FluxPipeline, StableDiffusionXLPipeline, WanPipeline
 
     from diffusers_residency.profile import call_shape, covering_shape, shape_parts
 
-    signature = inspect.signature(StableDiffusionXLPipeline.__call__)
+    pipeline = WanPipeline if "num_videos_per_prompt" in known else FluxPipeline if "max_sequence_length" in known else StableDiffusionXLPipeline
+    signature = inspect.signature(pipeline.__call__)
     known_shape, new_shape = call_shape(signature, (), known), call_shape(signature, (), new)
     assert shape_parts(known_shape) is not None and shape_parts(new_shape) is not None
     assert (covering_shape([known_shape], new_shape) == known_shape) == covering
@@ -401,6 +410,8 @@ def test_the_smallest_covering_shape_is_taken_and_strings_that_are_no_shapes_are
     assert covering_shape(shapes, "height=768 width=768 batch=1") == "height=1024 width=1024 batch=1"
     assert covering_shape(shapes, "height=768 width=768 batch=true") is None, "a flag is no size"
     assert covering_shape(shapes, "garbage") is None
+    # A size that is no number, the same in both: compared as equal, not multiplied.
+    assert covering_shape(['height="x" width=1024 batch=1'], 'height="x" width=768 batch=1') == 'height="x" width=1024 batch=1'
 
 
 def _plans_at_call_start(case: PipelineCase) -> list[str]:
@@ -475,6 +486,81 @@ def test_a_call_under_an_estimate_that_never_runs_whole_keeps_no_figures(
     assert len(residency_profile(flux.pipe).shapes) == 2 and flux.pipe.residency_plan().source == "measured"
 
 
+def test_an_estimate_its_call_disproves_is_not_kept_and_the_shape_gets_the_most_room(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    references = {size: _run(flux, size) for size in (32, 48)}
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    needs = {48: 1000, 32: 10 * budget}  # the smaller call needs more than the budget has: no plan fits
+    size = [48]
+    monkeypatch.setattr(
+        _device, "peak_allocated", lambda device: pipeline_state(flux.pipe).group.loaded_bytes() + needs[size[0]]
+    )
+    sources = _plans_at_call_start(flux)
+    assert torch.equal(_run(flux, 48), references[48])
+    large = flux.pipe.residency_plan()
+    size[0] = 32
+    with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
+        assert torch.equal(_run(flux, 32), references[32])
+    assert sources[-1].startswith("estimated from calls of") and "no plan fits" in caplog.text
+    after = flux.pipe.residency_plan()
+    assert after.source == "" and not after.resident_weight_bytes - _least(flux).resident_weight_bytes, str(after)
+    assert set(residency_profile(flux.pipe).shapes) == {large.shape}, "the larger shape's figures are not the smaller's"
+    assert torch.equal(_run(flux, 32), references[32])
+    assert sources[-1] == "" and set(residency_profile(flux.pipe).shapes) == {large.shape}
+
+
+def _least(case: PipelineCase):
+    state = pipeline_state(case.pipe)
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    return state.replan({}, streaming, [n for n in (p.name for p in state.plan.components) if n not in streaming], least=True)
+
+
+def test_a_call_under_an_estimate_that_raises_leaves_its_shape_to_a_measuring_call(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(flux, monkeypatch)
+    _run(flux, 48)
+    sources = _plans_at_call_start(flux)
+    hook = flux.pipe.transformer.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("short")))
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(flux, 32)
+    hook.remove()
+    assert sources[-1].startswith("estimated from calls of")
+    assert torch.equal(_run(flux, 32), flux.reference)
+    assert sources[-1] == "", "measured with the least on the device, not estimated again"
+    assert flux.pipe.residency_plan().source == "measured"
+
+
+def test_retries_under_an_estimate_are_told_once_its_call_is_over(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(flux, monkeypatch)
+    retries = [0]
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    _run(flux, 48)
+    estimating = [True]
+
+    def retry(*_) -> None:
+        retries[0] += estimating[0]  # the allocator retrying as the transformer runs, under its cap
+
+    flux.pipe.transformer.register_forward_pre_hook(retry)
+    assert torch.equal(_run(flux, 32), flux.reference)
+    measured = flux.pipe.residency_plan()
+    assert measured.source == "measured", str(measured)
+    estimating[0] = False
+    with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
+        assert torch.equal(_run(flux, 32), flux.reference)
+    assert "retried while 'transformer' ran" in caplog.text
+    margin = int(budget * 0.02)
+    assert flux.pipe.residency_plan().activations["transformer"] == measured.activations["transformer"] + margin
+
+
 def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() -> None:
     sizes = (
         ComponentSizes("text_encoder", 300 * MB, (100 * MB,) * 3),
@@ -527,4 +613,4 @@ def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
     data = json.loads(path.read_text())
     del data["shapes"]["s"]["plan"]
     path.write_text(json.dumps({**data, "format": 1}))
-    assert read_profile(path, key) is None and "format 1, this version reads 2" in caplog.text
+    assert read_profile(path, key) is None and f"format 1, this version reads {FORMAT}" in caplog.text
