@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from .budget_watch import BudgetWatch
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
@@ -69,7 +71,8 @@ class PipelineResidency:
     # figures this process measured (the others came from the profile).
     shape: str | None = None
     measured_shapes: set[str] = field(default_factory=set)
-    # Shapes whose call under an estimate raised: measured with the least on the device from then on.
+    # Shapes an estimate failed (its call ran out of memory, or measured needs that fit no plan): the
+    # least on the device for them from then on.
     estimates_failed: set[str] = field(default_factory=set)
     # Set while a pipeline call is under way (see calls._wrap_call): calls within it are not
     # planned for on their own. Pipelines are not thread-safe, and neither is this.
@@ -314,9 +317,12 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
         )
         if plan.source.startswith(ESTIMATED):
             # The estimate did not bound this shape's needs: the least on the device from here on,
-            # as a measuring call leaves it, and nothing kept as this shape's figures.
+            # as a measuring call leaves it, and nothing kept as this shape's figures (nor learned
+            # from retries under the estimate).
+            state.estimates_failed.add(state.shape)
             streaming, whole = _hooked(state)
             apply_plan(state, state.replan({}, streaming, whole, least=True))
+            state.group.budget_watch.drop_retries()
         return
     apply_plan(state, new_plan)
     state.group.load_resident_ahead()
@@ -430,14 +436,14 @@ def plan_ahead(state: PipelineResidency) -> None:
         begin_call(state, next(iter(state.profile.shapes)))
 
 
-def abort_call(state: PipelineResidency) -> None:
-    """The pipeline call raised: nothing it measured is kept, and the next call plans for its shape
-    again (measuring it afresh if it is still new, with the least on the device if this call ran
-    under an estimate: it may have run out of room)."""
+def abort_call(state: PipelineResidency, error: BaseException) -> None:
+    """The pipeline call raised ``error``: nothing it measured is kept, and the next call plans for
+    its shape again (measuring it afresh if it is still new, with the least on the device if this
+    call ran out of memory under an estimate)."""
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
-    if state.shape is not None and state.plan.source.startswith(ESTIMATED):
-        state.estimates_failed.add(state.shape)  # the next call of it gets the most room instead
+    if isinstance(error, torch.OutOfMemoryError) and state.shape is not None and state.plan.source.startswith(ESTIMATED):
+        state.estimates_failed.add(state.shape)
     state.shape = None
 
 

@@ -41,8 +41,8 @@ class BudgetWatch:
     ``on_first_call({component: bytes})``, when the next call starts (or as the pipeline call
     returns, see :meth:`end_call`). A call that never reaches ``call_end`` (latents as output)
     does not count. While measuring, a peak over the budget is measured, not
-    told, and retries are not told either (with ``retries_while_measuring``, they are, once the
-    measured call is over, as in a call not measured); ``on_first_step(component, bytes)`` is told what a
+    told, and retries are not told either (with ``retries_while_measuring``, they are, right after
+    ``on_first_call``, unless it calls :meth:`drop_retries`); ``on_first_step(component, bytes)`` is told what a
     streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
 
     def __init__(
@@ -209,8 +209,19 @@ class BudgetWatch:
                 return
             on_first_call, self.on_first_call = self.on_first_call, None
             on_first_call(self._measured)
+            # Told now, against the plan just made for the measured call's shape: told as the
+            # next call starts, they would go to that call's plan, which may be another shape's.
+            retried, self._retried = self._retried, {}
+            for short in retried:
+                self.on_over_budget(short, 0, True)
         elif component == self._call_end and self._call_started:
             self._call_end_ran = True
+
+    def drop_retries(self) -> None:
+        """Retries seen so far are nobody's shortfall: the plan they happened under is given up (an
+        estimate its own call disproved, see ``adaptive.learn_activations``)."""
+        self._retried = {}
+        self.forget_retries()
 
     def forget_retries(self) -> None:
         """Allocations that retried until now are no component's shortfall (loads made at once

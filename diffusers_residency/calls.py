@@ -62,8 +62,8 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
             try:
                 begin_call(state, call_shape(signature(), args, kwargs))
                 result = original(self, *args, **kwargs)
-            except BaseException:
-                abort_call(state)
+            except BaseException as error:
+                abort_call(state, error)
                 raise
             finally:
                 state.in_call = False

@@ -214,6 +214,7 @@ def enable_pinned_offload(
         previous.measuring = measuring
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
         previous.measured_shapes.clear()
+        previous.estimates_failed.clear()
         # What retries taught was for the budget and plan before: learned again for these.
         previous.retry_replans.clear()
         previous.retries_left_alone.clear()
