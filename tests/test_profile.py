@@ -470,15 +470,20 @@ def test_a_new_shape_smaller_than_one_measured_is_planned_from_its_figures_then_
     assert set(flux.pipe.residency_plan().activations.values()) == {20_000 + margin}
 
 
+def _measured_at_48(case: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, list[str]]:
+    """``case`` enabled under a measuring budget, after one measured call of 48x48: the budget, that
+    call's shape, and the sources of the plans the calls from now on start under."""
+    budget = _budget(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(case, monkeypatch)
+    _run(case, 48)
+    return budget, case.pipe.residency_plan().shape, _plans_at_call_start(case)
+
+
 def test_a_call_under_an_estimate_that_never_runs_whole_keeps_no_figures(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    budget = _budget(flux)
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(flux, monkeypatch)
-    _run(flux, 48)
-    large = flux.pipe.residency_plan().shape
-    sources = _plans_at_call_start(flux)
+    _, large, sources = _measured_at_48(flux, monkeypatch)
     pipeline_output(flux.pipe, {**call_kwargs("flux", height=32, width=32), "output_type": "latent"})
     assert sources == [f"estimated from calls of {large}"]
     assert len(residency_profile(flux.pipe).shapes) == 1, "an estimate is not kept as figures of the smaller shape"
@@ -544,12 +549,7 @@ def _least(case: PipelineCase):
 def test_a_call_under_an_estimate_that_runs_out_of_memory_leaves_its_shape_to_a_measuring_call(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, error: type[BaseException], estimated_again: bool
 ) -> None:
-    budget = _budget(flux)
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(flux, monkeypatch)
-    _run(flux, 48)
-    large = flux.pipe.residency_plan().shape
-    sources = _plans_at_call_start(flux)
+    budget, large, sources = _measured_at_48(flux, monkeypatch)
     hook = flux.pipe.transformer.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(error("short")))
     with pytest.raises(error):
         _run(flux, 32)
