@@ -133,7 +133,7 @@ def _watch(state: PipelineResidency, *, measure: bool, estimated: bool = False) 
         call_start=state.call_start,
         call_end=state.call_end,
         # Under an estimate a component is not given the most room, and under a cap a retry is
-        # all that shows it was short: told after the call, as in any call not measured.
+        # all that shows it was short: told as the call returns, for the plan of its shape.
         retries_while_measuring=estimated,
     )
 
