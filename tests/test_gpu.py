@@ -415,7 +415,7 @@ def test_auto_budget_keeps_everything_resident_and_moves_nothing_after_the_first
     assert sum(c.loads for c in case.pipe.residency_report().components) == loads
 
 
-def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory() -> None:
+def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     from .helpers import RESERVE, streaming_budget
     from .test_streaming import _record_loaded_bytes
 
@@ -427,6 +427,7 @@ def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    peaks = record_peaks(monkeypatch)
     case.pipe.enable_pinned_offload(vram_budget=budget, activation_reserve=reserve)
     plan = case.pipe.residency_plan()
     assert plan["transformer"].policy.value == "streamed" and len(plan["transformer"].resident_blocks) > 0, str(plan)
@@ -437,7 +438,7 @@ def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory
     assert torch.equal(case.run(), case.reference)
     assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs, "a warm call allocated new device memory"
     assert max(seen) <= budget - reserve, str(plan)
-    assert torch.cuda.max_memory_allocated() - baseline <= budget
+    assert max(peaks + [torch.cuda.max_memory_allocated()]) - baseline <= budget
     group = pipeline_state(case.pipe).group
     streamed = [u for u in group.units_of("transformer") if u.policy.value == "streamed" and u.stream is not None]
     assert all(u.stager.loads >= 3 for u in streamed)
@@ -460,16 +461,13 @@ def test_a_streamed_step_is_timed_with_cuda_events() -> None:
 
 
 @pytest.mark.parametrize("kind", ["flux", "sdxl"])
-def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_budget(kind: str) -> None:
-    from diffusers_residency.components import component_sizes, module_components
-    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
-
+def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_budget(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     case = PipelineCase(kind, device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
-    # The default reserve (3 GiB) and room for the measuring plan's weights and half the rest.
-    sizes = component_sizes(case.pipe, module_components(case.pipe))
-    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
-    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
+    budget = half_way_budget(case.pipe)
+    peaks = record_peaks(monkeypatch)
     case.pipe.enable_pinned_offload(vram_budget=budget)  # resets the peak
     before = case.pipe.residency_plan()
     assert not before.activations and not before.resident_weight_bytes - _trunks(before), str(before)
@@ -479,7 +477,17 @@ def test_the_first_call_measures_each_component_on_cuda_and_the_plan_stays_in_bu
     assert set(after.activations) == {p.name for p in after.components}, str(after)
     assert after.resident_weight_bytes > before.resident_weight_bytes, str(after)
     assert after.peak_bytes <= budget, str(after)
-    assert torch.cuda.max_memory_allocated() <= budget
+    assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
+
+
+def half_way_budget(pipe) -> int:
+    """The default reserve (3 GiB) and room for the measuring plan's weights and half the rest."""
+    from diffusers_residency.components import component_sizes, module_components
+    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
+
+    sizes = component_sizes(pipe, module_components(pipe))
+    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
+    return MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
 
 
 def record_peaks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -502,15 +510,9 @@ def _trunks(plan) -> int:
 
 
 def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved_on_cuda(monkeypatch) -> None:
-    from diffusers_residency.components import component_sizes, module_components
-    from diffusers_residency.pipeline import pipeline_state
-    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
-
     first = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     first.pipe.to("cpu")
-    sizes = component_sizes(first.pipe, module_components(first.pipe))
-    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
-    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
+    budget = half_way_budget(first.pipe)
     first.pipe.enable_pinned_offload(vram_budget=budget)
     assert torch.equal(first.run(), first.reference)
     learned = first.pipe.residency_plan()
@@ -534,15 +536,11 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
 
 def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_within_budget(monkeypatch) -> None:
     from diffusers_residency.bench.builders import call_kwargs, pipeline_output
-    from diffusers_residency.components import component_sizes, module_components
-    from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     small = pipeline_output(case.pipe, call_kwargs("flux", height=32, width=32))
     case.pipe.to("cpu")
-    sizes = component_sizes(case.pipe, module_components(case.pipe))
-    least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True).peak_weight_bytes
-    budget = MIN_RESERVE_BYTES + least + (sum(s.nbytes for s in sizes) - least) // 2
+    budget = half_way_budget(case.pipe)
     case.pipe.enable_pinned_offload(vram_budget=budget)
     state = pipeline_state(case.pipe)
     sources: list[str] = []
