@@ -381,8 +381,6 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     never ran whole, returning latents) starts over, and what retries taught is learned anew."""
     if state.profile is None or shape == state.shape:
         return
-    # Loaded ahead for a call of the shape before, under its plan: this one's may have no room for it.
-    state.group.offload_loaded_ahead()
     state.shape = shape
     state.retry_replans.clear()
     state.retries_left_alone.clear()

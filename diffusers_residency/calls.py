@@ -27,8 +27,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
     class): a pipeline whose components pinned offload stages holds its groups' call locks for the
     call, so that pipelines sharing components (``from_pipe``) called from several threads run one
     call at a time; a pipeline with its calls measured also tells the plan its shape before the
-    call and that it ended after; the first component of the next call starts loading as it
-    returns. A pipeline with no staged component only pays the look for one.
+    call and that it ended after. A pipeline with no staged component only pays the look for one.
     A ``__call__`` that is no plain function (a generator's would return before its work) is left
     as it is."""
     cls = next((owner for owner in cls.__mro__ if "__call__" in owner.__dict__), None)  # where it is defined
@@ -55,26 +54,20 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
             for group in groups:
                 locks.enter_context(group.call_lock)
                 group.calls += 1
-            if state is None or state.in_call:
-                # Not enabled on this pipeline, or a call inside one (a subclass's __call__ calling
-                # its parent's): the outermost call is the one planned for.
+            if state is None or state.profile is None or state.in_call:
+                # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
+                # the outermost call is the one planned for.
                 return original(self, *args, **kwargs)
-            measured = state.profile is not None
             state.in_call = True
             try:
-                if measured:
-                    begin_call(state, call_shape(signature(), args, kwargs))
+                begin_call(state, call_shape(signature(), args, kwargs))
                 result = original(self, *args, **kwargs)
             except BaseException as error:
-                if measured:
-                    abort_call(state, error)
+                abort_call(state, error)
                 raise
             finally:
                 state.in_call = False
-            if measured:
-                end_call(state)
-            if not state.group.measures_next_call:  # a measured call starts with the least loaded
-                state.group.load_next_call_ahead()
+            end_call(state)
             return result
 
     call._residency_wrapper = True

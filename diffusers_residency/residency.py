@@ -323,63 +323,21 @@ class ResidencyGroup:
         return sum(unit.stager.weight_bytes for unit in self.units if unit.stager.loaded)
 
     def _load_ahead(self, component: str) -> None:
-        """Start loading the component after ``component`` in call order while ``component`` computes,
-        if the room for weights holds it (see :meth:`_load_component_ahead`): its copies then run
-        behind this component's compute rather than in front of its own. Only once ``component`` has
-        nothing left to load: copies queued ahead of its own loads (a streamed text encoder's next
-        blocks) would delay them."""
+        """Start loading the component after ``component`` in call order, whole, if the room for weights
+        while ``component`` runs holds it beside what is loaded: its copy then runs behind this
+        component's compute."""
         if self.weight_room is None or component not in self.call_order:
             return
-        if not all(u.stager.loaded for u in self.units_of(component) if not u.sleep_level):
-            return
+        if any(u.stream is not None for u in self.units_of(component)):
+            return  # a streaming component's next blocks need the room the plan gave its window
         order = self.call_order
         following = order[(order.index(component) + 1) % len(order)]
-        if following != component:
-            self._load_component_ahead(following, self.weight_room(component))
-
-    def load_next_call_ahead(self) -> None:
-        """Start loading the first component of the next call, as a call returns: its copies run
-        while the caller takes the result and comes back, rather than in front of its first forward
-        (SDXL's streamed text encoders, which compute too little to hide their loads)."""
-        if self.weight_room is not None and self.call_order:
-            first = self.call_order[0]
-            self._load_component_ahead(first, self.weight_room(first))
-
-    def _load_component_ahead(self, component: str, room: int) -> None:
-        """Load ``component``'s units that are not on the device, in the order they run, within
-        ``room`` (the most weight bytes the device may hold until ``component`` starts).
-
-        All of them if they also fit the room ``component`` has while it runs (it evicts the rest
-        as it starts, so what is loaded now is an upper bound). Otherwise only its trunk and the
-        blocks it keeps while it runs, as many as ``room`` holds: the plan has room for those
-        whenever it runs, and its streamed blocks come through their window then."""
-        units = self.units_of(component)
-        stream = next((u.stream for u in units if u.stream is not None), None)
-        in_run_order = [u for u in units if u.stream is None] + list(stream.run_order if stream is not None else ())
-        missing = [u for u in in_run_order if not u.stager.loaded and not u.sleep_level]
-        if not missing:
-            return
-        loaded = self.loaded_bytes()
-        if loaded + sum(u.stager.weight_bytes for u in missing) > min(room, self.weight_room(component)):
-            missing = [u for u in missing if not (u.policy is Policy.STREAMED and u.stream is not None)]
-        ahead = []
-        for unit in missing:
-            loaded += unit.stager.weight_bytes
-            if loaded > room:
-                break
-            ahead.append(unit)
-        if ahead:
-            logger.debug("Loading %d units of %r ahead", len(ahead), component)
-        for unit in ahead:
-            unit.load(ahead=True)
-
-    def offload_loaded_ahead(self) -> None:
-        """Offload every evictable unit on the device (the next component's switch would), such as
-        those loaded ahead for a call planned otherwise."""
-        for unit in self.units:
-            if unit.evictable and unit.stager.loaded:
-                unit.stager.offload()
-        self.active_component = None
+        ahead = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
+        needed = sum(u.stager.weight_bytes for u in ahead)
+        if ahead and self.loaded_bytes() + needed <= self.weight_room(component):
+            logger.debug("Loading %r ahead (%d bytes)", following, needed)
+            for unit in ahead:
+                unit.load(ahead=True)
 
     def offload_component(self, component: str, *, for_writing: bool = False) -> None:
         """Offload every unit of ``component``; with ``for_writing``, also wait until no copy still

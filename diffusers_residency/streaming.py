@@ -134,11 +134,6 @@ class BlockStream:
     def order(self) -> tuple[str, ...]:
         return tuple(unit.name for unit in self._order)
 
-    @property
-    def run_order(self) -> tuple[Block, ...]:
-        """The blocks in the order the forward takes them (see the class docstring)."""
-        return self._order
-
     def _compute_windows(self) -> None:
         """For each block, the streamed blocks that follow it in order, wrapping around: the next
         pass (the next denoising step) starts again at the top. A resident block holds no slot of
