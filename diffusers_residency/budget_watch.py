@@ -96,10 +96,13 @@ class BudgetWatch:
 
     def stop_measuring(self) -> None:
         """Measure no call, and time no step again: the plan in place was made from figures
-        measured before (see ``adaptive.begin_call``)."""
+        measured before (see ``adaptive.begin_call``). Retries seen under the plan before, in a
+        measured call that never ran whole (one returning latents), are that call's: told now,
+        they would go to this plan."""
         self.on_first_call = None
         self.on_first_step = None
         self.on_call_start = None
+        self.drop_retries()
 
     def end_call(self) -> None:
         """The pipeline call returned: what its last component needed, overshot or retried is read

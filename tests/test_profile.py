@@ -564,6 +564,22 @@ def test_a_call_under_an_estimate_that_runs_out_of_memory_leaves_its_shape_to_a_
     assert not pipeline_state(flux.pipe).estimates_failed, "what fell short under another plan is tried again"
 
 
+def test_retries_under_an_estimate_that_never_runs_whole_go_to_no_other_shape(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resident = _run(flux, 48)
+    _, large, _ = _measured_at_48(flux, monkeypatch)
+    measured = residency_profile(flux.pipe).shapes[large]
+    retrying = _retrying_while_the_transformer_runs(flux, monkeypatch)
+    retrying[0] = True
+    pipeline_output(flux.pipe, {**call_kwargs("flux", height=32, width=32), "output_type": "latent"})
+    retrying[0] = False
+    assert torch.equal(_run(flux, 48), resident)
+    plan = flux.pipe.residency_plan()
+    assert plan.source == "measured" and plan.activations == measured.activations, str(plan)
+    assert residency_profile(flux.pipe).shapes[large] == measured
+
+
 def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
