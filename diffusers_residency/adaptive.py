@@ -305,7 +305,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
     try:
         # A component whose step this call did not time (a call of fewer than three steps) keeps
-        # the timing the plan had.
+        # the timing the plan had, or takes the latest one timed, in an earlier call.
         new_plan = replan_in_place(state, activations, {**plan.timings, **_step_timings(state)})
     except BudgetTooSmallError:
         logger.warning(
@@ -320,8 +320,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
             # as a measuring call leaves it, and nothing kept as this shape's figures (nor learned
             # from retries under the estimate).
             state.estimates_failed.add(state.shape)
-            streaming, whole = _hooked(state)
-            apply_plan(state, state.replan({}, streaming, whole, least=True))
+            _apply_least_plan(state)
             state.group.budget_watch.drop_retries()
         return
     apply_plan(state, new_plan)
@@ -370,6 +369,12 @@ def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
     return streaming, whole
 
 
+def _apply_least_plan(state: PipelineResidency) -> None:
+    """The measuring plan, with the least on the device, on the hooks in place."""
+    streaming, whole = _hooked(state)
+    apply_plan(state, state.replan({}, streaming, whole, least=True))
+
+
 def begin_call(state: PipelineResidency, shape: str) -> None:
     """A pipeline call of ``shape`` starts. A shape measured before (in this process, or in the
     profile) gets the plan for its figures, and nothing is measured. A new one smaller than one
@@ -393,8 +398,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     if covering is not None and _plan_from_figures(state, shapes[covering], f"{ESTIMATED} {covering}", estimated=True):
         return
     state.group.retention.release_over_limit_before.clear()
-    streaming, whole = _hooked(state)
-    apply_plan(state, state.replan({}, streaming, whole, least=True))
+    _apply_least_plan(state)
     _watch(state, measure=True)
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", state.shape)
 
@@ -406,7 +410,7 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
     try:
         plan = replan_in_place(state, figures.activations, figures.timings, figures.plan or None)
     except BudgetTooSmallError:  # figures saved for other policies given (components=)
-        logger.warning("The figures for calls of %s fit no plan with these policies; measuring this call", state.shape)
+        logger.warning("The figures %s fit no plan with these policies; measuring this call of %s", source, state.shape)
         return False
     group = state.group
     group.retention.release_over_limit_before = set(figures.release_before)

@@ -136,9 +136,10 @@ class BudgetWatch:
         ran, self.running = self.running, component
         retries, seen = _device.allocator_retries(self.device), self._retries_seen
         self._retries_seen = retries
+        allocator_retried = retries is not None and seen is not None and retries > seen
         if self.on_first_call is None:
             kept_for = self.retention.kept_over_limit
-            if retries is not None and seen is not None and retries > seen:
+            if allocator_retried:
                 if kept_for is not None:
                     # The cache kept over the room of the component it was kept for did not fit
                     # what ran since: give it back there from now on, rather than plan more room.
@@ -170,7 +171,7 @@ class BudgetWatch:
                     self.on_call_start = on_call_start
             return False
         # While measuring, a peak over the budget is measured like any other.
-        if self.retries_while_measuring and retries is not None and seen is not None and retries > seen:
+        if self.retries_while_measuring and allocator_retried:
             self._retried[ran or component] = None
         if component == ran:
             return False
