@@ -166,9 +166,9 @@ def covering_shape(shapes: Collection[str], shape: str) -> str | None:
 def _covers(name: str, known: Any, wanted: Any) -> bool:
     """Whether ``known``, a value of argument ``name``, makes calls at least as large as ``wanted``."""
     # Of another type (True == 1 to Python), or None (left to the default): not comparable as sizes.
-    if type(known) is not type(wanted) or name not in SIZE_ARGUMENTS or known == wanted:
-        return type(known) is type(wanted) and known == wanted
-    return _is_size(known) and known >= wanted
+    if name in SIZE_ARGUMENTS and type(known) is type(wanted) and _is_size(known):
+        return known >= wanted
+    return type(known) is type(wanted) and known == wanted
 
 
 def _is_size(value: Any) -> bool:
