@@ -180,6 +180,12 @@ class ResidencyGroup:
         if self.budget_watch is not None:
             self.budget_watch.first_pass_ran(component)
 
+    def check_conversions_ahead(self) -> None:
+        """As a pipeline call starts: check the conversions each unit keeps on a worker thread,
+        while the device runs what comes before a cast (see ConversionReuse.check_conversions_ahead)."""
+        for unit in self.units:
+            unit.stager.check_conversions_ahead()
+
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them
         resident: the copies run back to back at the bus's rate, behind whatever the device does

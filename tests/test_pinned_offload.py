@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import accelerate
 import pytest
 import torch
 
 import diffusers_residency
-from diffusers_residency import ModuleStager
+from diffusers_residency import ModuleStager, conversions
 from diffusers_residency.bench.builders import PIPELINE_KINDS
+from diffusers_residency.masters import staged_by
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, staging_hooks
 
@@ -172,6 +175,62 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
     assert addresses().items() - wide.items() == {("decoder.conv_out.weight", weight.data_ptr())}
     with torch.no_grad():
         weight.neg_()  # exact: the weights are as they were
+    module.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize("vae", ["staged", "streamed"])
+def test_casts_checked_as_the_call_started_compare_nothing_on_the_callers_thread(
+    flux: PipelineCase, vae: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDXL casts its VAE up after the denoising loop and back after decoding: the kept conversions
+    were checked on a worker thread from the call's start, and the casts bind the kept masters
+    without converting or comparing anything where the pipeline runs. A master written between
+    calls (through ``.data``, which moves no version counter) is found by the check, and one
+    written in place after it began (its counter moved) by the cast: each converted afresh."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": vae}, vram_budget=None)
+    module = flux.pipe.vae
+    module.to(dtype=torch.float64)
+    wide = {name: p.data_ptr() for name, p in module.named_parameters()}
+    module.to(dtype=torch.float32)
+    narrow = {name: p.data_ptr() for name, p in module.named_parameters()}
+    compared: list[threading.Thread] = []
+    same_bits = conversions.same_bits
+    monkeypatch.setattr(
+        conversions, "same_bits", lambda kept, fresh: (compared.append(threading.current_thread()), same_bits(kept, fresh))[1]
+    )
+
+    def compared_by_caller() -> int:
+        found = sum(thread is threading.current_thread() for thread in compared)
+        compared.clear()
+        return found
+
+    assert torch.equal(flux.run(), flux.reference)
+    assert compared and compared_by_caller() == 0, "checked on the worker thread"
+    module.to(dtype=torch.float64)
+    assert compared_by_caller() == 0 and {n: p.data_ptr() for n, p in module.named_parameters()} == wide
+    module.to(dtype=torch.float32)
+    assert compared_by_caller() == 0 and {n: p.data_ptr() for n, p in module.named_parameters()} == narrow
+
+    weight = module.decoder.conv_out.weight  # offloaded by the casts: written into its master
+    weight.data.neg_()
+    written = weight.detach().clone()
+    flux.run()
+    module.to(dtype=torch.float64)
+    assert compared_by_caller() == 1, "the written master alone is converted where the pipeline runs"
+    assert torch.equal(weight, written.double())
+    weight.data.neg_()  # exact: the weights are as they were
+    module.to(dtype=torch.float32)  # with new masters kept, not checked yet: compared here
+    compared_by_caller()
+
+    flux.run()
+    staged_by(weight)._checked_ahead[1].result()  # the check has read the masters
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float64)
+    assert compared_by_caller() == 1 and torch.equal(weight, written.double())
+    with torch.no_grad():
+        weight.neg_()
     module.to(dtype=torch.float32)
     assert torch.equal(flux.run(), flux.reference)
 
