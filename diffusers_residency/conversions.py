@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -76,27 +77,33 @@ def conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
 
 _checker: ThreadPoolExecutor | None = None
 _checker_lock = threading.Lock()
+# Moved on in a forked child, whose checks begun in the parent will never end.
+_checker_generation = 0
 
 
 def _forget_checker() -> None:
     # A forked child has none of its parent's threads: a check queued to the parent's worker would
-    # never run, and the cast waiting for it would wait forever.
-    global _checker, _checker_lock
+    # never run.
+    global _checker, _checker_lock, _checker_generation
     _checker, _checker_lock = None, threading.Lock()
+    _checker_generation += 1
 
 
 os.register_at_fork(after_in_child=_forget_checker)
 
 
-def _check(job: Callable[[], frozenset[tuple]]) -> Future[frozenset[tuple]]:
+def _check(job: Callable[[], frozenset[tuple]]) -> Future[frozenset[tuple]] | None:
     """Run ``job`` on the one worker thread that checks kept conversions (made at first use): one
     thread, so that checks of many stagers take turns rather than the host's memory bandwidth all
-    at once."""
+    at once. None once the interpreter is shutting down, which takes no new work."""
     global _checker
     with _checker_lock:
         if _checker is None:
             _checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-conversion-check")
-    return _checker.submit(job)
+        try:
+            return _checker.submit(job)
+        except RuntimeError:
+            return None
 
 
 def conversions_that_hold(kept: KeptConversions) -> frozenset[tuple]:
@@ -106,12 +113,28 @@ def conversions_that_hold(kept: KeptConversions) -> frozenset[tuple]:
         return frozenset(key for key, (source, result) in kept.items() if same_bits(result, source.to(key[-1])))
 
 
+@dataclass(frozen=True)
+class CheckAhead:
+    """A check of a stager's kept conversions begun as a pipeline call started (see
+    :meth:`ConversionReuse.check_conversions_ahead`): the conversions it checks, the keys of those
+    that hold (once done), and each tensor bound to a master with its version counter as the
+    masters were read (a tensor written in place since is converted again)."""
+
+    kept: KeptConversions
+    holding: Future[frozenset[tuple]]
+    versions: dict[int, tuple[torch.Tensor, int]]
+    generation: int
+
+
 class ConversionReuse:
     """:meth:`convert` and the masters it keeps. Part of :class:`~.staging.ModuleStager`, whose
     masters, loads and retakes it uses."""
 
     loads: int
+    loaded: bool
     retention: RetentionBudget | None
+    # Per tensor loaded now: its binding, where the load put it, and its version counter then.
+    _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
     _groups: tuple[StorageGroup, ...]
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
 
@@ -120,12 +143,11 @@ class ConversionReuse:
         # by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
         self._kept_conversions: KeptConversions = {}
-        # A check of the kept conversions begun ahead of the cast that uses them: the conversions
-        # it checks, the keys of those that hold, when done, and each tensor bound to a current
-        # master with its version counter then (see check_conversions_ahead).
-        self._checked_ahead: (
-            tuple[KeptConversions, Future[frozenset[tuple]], dict[int, tuple[torch.Tensor, int]]] | None
-        ) = None
+        # The check of the kept conversions made for the pipeline call under way, and whether a
+        # conversion ran since the last check began (else the next call would check for nothing:
+        # calls that return latents never cast).
+        self._checked_ahead: CheckAhead | None = None
+        self._converted_since_check = False
         self._loads_at_conversion: int | None = None
         self._most_loads_between_conversions = 0
 
@@ -137,42 +159,61 @@ class ConversionReuse:
 
     def check_conversions_ahead(self) -> None:
         """Start checking, on a worker thread, which kept conversions still hold: whether each kept
-        result has the bits its source converts to now. Called as a pipeline call starts: SDXL casts
-        its VAE up only after the denoising loop, and a conversion checked by then is not computed
-        again by :meth:`convert` (the device idled for as long as the host took to convert and
-        compare 0.5 GB, at every call). What a check covers is what the masters held when it read
-        them: a tensor written in place through itself since (its version counter moved) is
-        converted again; a write through ``.data`` during the call moves no counter and is not
-        seen (made between calls, the check reads it)."""
+        result has the bits its source converts to now. Called as a pipeline call starts, and
+        forgotten as it ends (see :meth:`forget_conversion_check`): SDXL casts its VAE up only
+        after the denoising loop, and a conversion checked by then is not computed again by
+        :meth:`convert`, where the device idled for as long as the host took to convert and
+        compare 0.5 GB, at every call.
+
+        What a check covers is what the masters held when it read them. A tensor written in place
+        through itself since is converted again: its version counter moved (since the load, for a
+        tensor loaded now, whose writes reach its master only at its offload). A write through
+        ``.data``, or through another tensor over the same storage, moves no counter of its own:
+        made during the call, it is not seen."""
         kept = self._kept_conversions
-        if not kept:
+        if not kept or not self._converted_since_check:
             return
-        versions = {
-            id(b.target): (b.target, b.target._version)
-            for group in self._groups
-            if not group.mapped
-            for b in group.bindings
-            if not b.inference
-        }
-        self._checked_ahead = (kept, _check(lambda: conversions_that_hold(kept)), versions)
+        if self.loaded:
+            counted = ((b, version) for b, _, version in self._loaded_state)
+        else:
+            counted = ((b, None if b.inference else b.target._version) for g in self._groups for b in g.bindings)
+        versions = {id(b.target): (b.target, version) for b, version in counted if version is not None}
+        if not versions:
+            return  # inference tensors have no counter: nothing a check finds could be trusted
+        holding = _check(lambda: conversions_that_hold(kept))
+        if holding is not None:
+            self._checked_ahead = CheckAhead(kept, holding, versions, _checker_generation)
+            self._converted_since_check = False
+
+    def forget_conversion_check(self) -> None:
+        """The pipeline call ended, or the masters are about to be written: what the check read may
+        not hold any more."""
+        self._checked_ahead = None
 
     def _held_ahead(self, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-        """The kept result a check made ahead found ``tensor`` to convert to under a cast to
-        ``dtype``, or None: no check, one of other kept conversions, or the tensor written since."""
-        if dtype is None or self._checked_ahead is None or not tensor.is_floating_point():
+        """The kept result the check made ahead found ``tensor`` to convert to under a cast to
+        ``dtype``, or None: no check (or one not done yet: converting here costs no more than
+        waiting for it), one of other kept conversions, or the tensor written since."""
+        check = self._checked_ahead
+        if dtype is None or check is None or not tensor.is_floating_point() or not check.holding.done():
             return None
-        kept, checking, versions = self._checked_ahead
-        seen = versions.get(id(tensor))
-        if kept is not self._kept_conversions or seen is None or seen[0] is not tensor or seen[1] != tensor._version:
+        seen = check.versions.get(id(tensor))
+        if (
+            check.kept is not self._kept_conversions
+            or check.generation != _checker_generation
+            or seen is None
+            or seen[0] is not tensor
+            or seen[1] != tensor._version
+        ):
             return None
         try:
-            holding = checking.result()
+            holding = check.holding.result()
         except Exception:  # converting afresh is what the check spares; a check that failed spares nothing
             logger.warning("Checking kept conversions ahead failed; converting afresh", exc_info=True)
             self._checked_ahead = None
             return None
         key = conversion_key(tensor, dtype)
-        return kept[key][1] if key in holding else None
+        return check.kept[key][1] if key in holding else None
 
     def convert(
         self,
@@ -253,6 +294,7 @@ class ConversionReuse:
         # All of them (the usual case) is the very tuple their cached master views were made for.
         self._kept_groups = before if len(kept) == len(before) else kept
         self._kept_conversions = kept_conversions
+        self._checked_ahead = None  # of the conversions kept before: it would hold their masters
         # Kept masters are not let go: a cast and its way back wait for no copy (the device may
         # still be loading the blocks that ran just before the cast; the host converts meanwhile).
         held = masters | {id(group.master) for group in self._kept_groups}
@@ -274,6 +316,7 @@ class ConversionReuse:
         self._count_conversion()
 
     def _count_conversion(self) -> None:
+        self._converted_since_check = True
         if self._loads_at_conversion is not None:
             self._most_loads_between_conversions = max(self._most_loads_between_conversions, self._loads_since_conversion())
         self._loads_at_conversion = self.loads

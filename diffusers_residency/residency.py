@@ -12,10 +12,11 @@ With a weight capacity from the plan, the next component in call order loads ahe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,8 @@ class ResidencyGroup:
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
+        # Whether a pipeline call runs these units (see conversions_checked_ahead).
+        self._in_call = False
         # Components in call order, and the most weight bytes the group may hold while a given
         # component runs: together they let the next component load ahead while the current one
         # computes. No room, no loading ahead.
@@ -180,11 +183,24 @@ class ResidencyGroup:
         if self.budget_watch is not None:
             self.budget_watch.first_pass_ran(component)
 
-    def check_conversions_ahead(self) -> None:
-        """As a pipeline call starts: check the conversions each unit keeps on a worker thread,
-        while the device runs what comes before a cast (see ConversionReuse.check_conversions_ahead)."""
-        for unit in self.units:
-            unit.stager.check_conversions_ahead()
+    @contextlib.contextmanager
+    def conversions_checked_ahead(self) -> Iterator[None]:
+        """For a pipeline call: the conversions each unit keeps are checked on a worker thread from
+        its start, while the device runs what comes before a cast, and the checks are forgotten at
+        its end (see ConversionReuse.check_conversions_ahead). A call made inside another (a
+        subclass's ``__call__`` calling its parent's) is the outer one's."""
+        if self._in_call:
+            yield
+            return
+        self._in_call = True
+        try:
+            for unit in self.units:
+                unit.stager.check_conversions_ahead()
+            yield
+        finally:
+            self._in_call = False
+            for unit in self.units:
+                unit.stager.forget_conversion_check()
 
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them
