@@ -54,7 +54,6 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
             for group in groups:
                 locks.enter_context(group.call_lock)
                 group.calls += 1
-                locks.enter_context(group.conversions_checked_ahead())
             if state is None or state.profile is None or state.in_call:
                 # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
                 # the outermost call is the one planned for.

@@ -3,20 +3,12 @@ last one kept for the way back.
 
 Pipelines cast a component and back inside every call (SDXL upcasts its VAE to float32 to decode
 and casts it back to float16): a result with the same bits as a kept master is bound to it instead
-of becoming a new one. Whether it has them is checked on a worker thread from the start of each
-pipeline call, while the device runs the components before the cast (see
-:meth:`ConversionReuse.check_conversions_ahead`): on the host, converting and comparing the
-weights takes memory bandwidth the device would otherwise wait for.
+of becoming a new one.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -26,11 +18,6 @@ from .masters import StorageGroup, TensorBinding, Views
 from .retention import RetentionBudget
 
 T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
-
-# (source dtype and layout, target dtype) -> (the source, the kept result it converts to)
-KeptConversions = dict[tuple, tuple[torch.Tensor, torch.Tensor]]
 
 
 # When a stager lets go of the masters kept from before its last conversion (see
@@ -75,66 +62,12 @@ def conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
     return (source.data_ptr(), source.dtype, tuple(source.shape), source.stride(), dtype)
 
 
-_checker: ThreadPoolExecutor | None = None
-_checker_lock = threading.Lock()
-# Moved on in a forked child, whose checks begun in the parent will never end.
-_checker_generation = 0
-
-
-def _forget_checker() -> None:
-    # A forked child has none of its parent's threads: a check queued to the parent's worker would
-    # never run.
-    global _checker, _checker_lock, _checker_generation
-    _checker, _checker_lock = None, threading.Lock()
-    _checker_generation += 1
-
-
-os.register_at_fork(after_in_child=_forget_checker)
-
-
-def _check(job: Callable[[], frozenset[tuple]]) -> Future[frozenset[tuple]] | None:
-    """Run ``job`` on the one worker thread that checks kept conversions (made at first use): one
-    thread, so that checks of many stagers take turns rather than the host's memory bandwidth all
-    at once. None once the interpreter is shutting down, which takes no new work."""
-    global _checker
-    with _checker_lock:
-        if _checker is None:
-            _checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-conversion-check")
-        try:
-            return _checker.submit(job)
-        except RuntimeError:
-            return None
-
-
-def conversions_that_hold(kept: KeptConversions) -> frozenset[tuple]:
-    """The keys of ``kept`` whose source, cast to the key's dtype (as ``Module.to(dtype)`` casts a
-    floating-point tensor), has the bits of the kept result."""
-    with torch.inference_mode():
-        return frozenset(key for key, (source, result) in kept.items() if same_bits(result, source.to(key[-1])))
-
-
-@dataclass(frozen=True)
-class CheckAhead:
-    """A check of a stager's kept conversions begun as a pipeline call started (see
-    :meth:`ConversionReuse.check_conversions_ahead`): the conversions it checks, the keys of those
-    that hold (once done), and each tensor bound to a master with its version counter as the
-    masters were read (a tensor written in place since is converted again)."""
-
-    kept: KeptConversions
-    holding: Future[frozenset[tuple]]
-    versions: dict[int, tuple[torch.Tensor, int]]
-    generation: int
-
-
 class ConversionReuse:
     """:meth:`convert` and the masters it keeps. Part of :class:`~.staging.ModuleStager`, whose
     masters, loads and retakes it uses."""
 
     loads: int
-    loaded: bool
     retention: RetentionBudget | None
-    # Per tensor loaded now: its binding, where the load put it, and its version counter then.
-    _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
     _groups: tuple[StorageGroup, ...]
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
 
@@ -142,12 +75,7 @@ class ConversionReuse:
         # Masters the last conversion left, and a view of each tensor it converted, on both sides,
         # by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
-        self._kept_conversions: KeptConversions = {}
-        # The check of the kept conversions made for the pipeline call under way, and whether a
-        # conversion ran since the last check began (else the next call would check for nothing:
-        # calls that return latents never cast).
-        self._checked_ahead: CheckAhead | None = None
-        self._converted_since_check = False
+        self._kept_conversions: dict[tuple, torch.Tensor] = {}
         self._loads_at_conversion: int | None = None
         self._most_loads_between_conversions = 0
 
@@ -157,86 +85,19 @@ class ConversionReuse:
             LOADS_KEEPING_CONVERSIONS, 2 * self._most_loads_between_conversions + 1
         )
 
-    def check_conversions_ahead(self) -> None:
-        """Start checking, on a worker thread, which kept conversions still hold: whether each kept
-        result has the bits its source converts to now. Called as a pipeline call starts, and
-        forgotten as it ends (see :meth:`forget_conversion_check`): SDXL casts its VAE up only
-        after the denoising loop, and a conversion checked by then is not computed again by
-        :meth:`convert`, where the device idled for as long as the host took to convert and
-        compare 0.5 GB, at every call.
-
-        What a check covers is what the masters held when it read them. A tensor written in place
-        through itself since is converted again: its version counter moved (since the load, for a
-        tensor loaded now, whose writes reach its master only at its offload). A write through
-        ``.data``, or through another tensor over the same storage, moves no counter of its own:
-        made during the call, it is not seen."""
-        kept = self._kept_conversions
-        if not kept or not self._converted_since_check:
-            return
-        if self.loaded:
-            counted = ((b, version) for b, _, version in self._loaded_state)
-        else:
-            counted = ((b, None if b.inference else b.target._version) for g in self._groups for b in g.bindings)
-        versions = {id(b.target): (b.target, version) for b, version in counted if version is not None}
-        if not versions:
-            return  # inference tensors have no counter: nothing a check finds could be trusted
-        holding = _check(lambda: conversions_that_hold(kept))
-        if holding is not None:
-            self._checked_ahead = CheckAhead(kept, holding, versions, _checker_generation)
-            self._converted_since_check = False
-
-    def forget_conversion_check(self) -> None:
-        """The pipeline call ended, or the masters are about to be written: what the check read may
-        not hold any more."""
-        self._checked_ahead = None
-
-    def _held_ahead(self, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-        """The kept result the check made ahead found ``tensor`` to convert to under a cast to
-        ``dtype``, or None: no check (or one not done yet: converting here costs no more than
-        waiting for it), one of other kept conversions, or the tensor written since."""
-        check = self._checked_ahead
-        if dtype is None or check is None or not tensor.is_floating_point() or not check.holding.done():
-            return None
-        seen = check.versions.get(id(tensor))
-        if (
-            check.kept is not self._kept_conversions
-            or check.generation != _checker_generation
-            or seen is None
-            or seen[0] is not tensor
-            or seen[1] != tensor._version
-        ):
-            return None
-        try:
-            holding = check.holding.result()
-        except Exception:  # converting afresh is what the check spares; a check that failed spares nothing
-            logger.warning("Checking kept conversions ahead failed; converting afresh", exc_info=True)
-            self._checked_ahead = None
-            return None
-        key = conversion_key(tensor, dtype)
-        return check.kept[key][1] if key in holding else None
-
     def convert(
-        self,
-        apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T],
-        fn: Callable[[torch.Tensor], torch.Tensor],
-        cast_to: torch.dtype | None = None,
+        self, apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T], fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> T:
         """Run a conversion of the modules (``apply``: ``nn.Module._apply``, ``fn``: what ``.to(dtype)``
         or ``.half()`` gives it) over the masters, and take its results as the new masters.
-        ``cast_to``: the dtype when the conversion is ``Module.to(dtype)`` and nothing else, for
-        which ``fn`` casts each floating-point tensor to it: a result checked ahead (see
-        :meth:`check_conversions_ahead`) is then taken without calling ``fn``. A conversion nested
-        in another (a streamed block's, under its trunk's) is handed the outer one's ``fn``, which
-        says its ``cast_to``.
 
         Pipelines cast a component and back inside every call: SDXL upcasts its VAE to float32 to
         decode and casts it back to float16. Taking every result as a new master page-locked fresh
         host memory twice a call, at about half a second per GiB (docs/measurements.md). So the masters from
         before the last conversion are kept, and a result with the same bits as one of them (the
         float16 weights, on the way back) is bound to it instead. Each result is still computed and
-        compared, never assumed: here, or by a check begun as the pipeline call started. A master
-        written in place since (a LoRA fused into it) fails the comparison, and the fresh result
-        is taken.
+        compared, never assumed: a master written in place since (a LoRA fused into it) fails the
+        comparison, and the fresh result is taken.
         """
         self.offload()
         before = self._groups
@@ -246,28 +107,21 @@ class ConversionReuse:
         # (where the source was bound, its master, the tensor that takes the result)
         converted: list[tuple[TensorBinding, torch.Tensor, torch.Tensor]] = []
 
-        cast_to = cast_to if cast_to is not None else getattr(fn, "cast_to", None)
-
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
-            bound = own.get(id(tensor))
-            checked = None if bound is None else self._held_ahead(tensor, cast_to)
-            if checked is not None:
-                converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else checked))
-                return checked
             result = fn(tensor)
+            bound = own.get(id(tensor))
             if bound is None or not isinstance(result, torch.Tensor) or result is tensor or result.device.type != "cpu":
                 # Not a host copy of one of this stager's tensors: a block's (staged on its own), a
                 # DTensor (its shard is what is bound), a mapped master's, a tensor the conversion
                 # left as it was, or one it moved to a device. Taken by retake_masters as it comes.
                 return result
             kept = self._kept_conversions.get(conversion_key(tensor, result.dtype))
-            if kept is not None and same_bits(kept[1], result):
-                result = kept[1]
+            if kept is not None and same_bits(kept, result):
+                result = kept
             # The module keeps a parameter and takes its new data; a buffer is replaced.
             converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else result))
             return result
 
-        reusing.cast_to = cast_to
         kept_before = self._kept_groups
         result = apply(reusing)
         if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
@@ -287,14 +141,13 @@ class ConversionReuse:
                     continue
                 binding, master = bound[id(target)]
                 source, now = source_binding.view_over(source_master), binding.view_over(master)
-                kept_conversions[conversion_key(source, now.dtype)] = (source, now)
-                kept_conversions[conversion_key(now, source.dtype)] = (now, source)
+                kept_conversions[conversion_key(source, now.dtype)] = now
+                kept_conversions[conversion_key(now, source.dtype)] = source
         masters = {id(group.master) for group in self._groups}
         kept = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         # All of them (the usual case) is the very tuple their cached master views were made for.
         self._kept_groups = before if len(kept) == len(before) else kept
         self._kept_conversions = kept_conversions
-        self._checked_ahead = None  # of the conversions kept before: it would hold their masters
         # Kept masters are not let go: a cast and its way back wait for no copy (the device may
         # still be loading the blocks that ran just before the cast; the host converts meanwhile).
         held = masters | {id(group.master) for group in self._kept_groups}
@@ -316,7 +169,6 @@ class ConversionReuse:
         self._count_conversion()
 
     def _count_conversion(self) -> None:
-        self._converted_since_check = True
         if self._loads_at_conversion is not None:
             self._most_loads_between_conversions = max(self._most_loads_between_conversions, self._loads_since_conversion())
         self._loads_at_conversion = self.loads
@@ -328,6 +180,5 @@ class ConversionReuse:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
         self._kept_groups = ()
         self._kept_conversions = {}
-        self._checked_ahead = None
         # Their views, too: they hold the masters' memory.
         self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}

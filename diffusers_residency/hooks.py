@@ -155,9 +155,6 @@ class StagingHook(ModelHook):
         _disable_compile_in_hooks()
         self.group = group
         self.unit = unit
-        # The dtype of this module's ``.to(dtype)`` under way, for the conversion it makes (see
-        # _guarded_to), else None.
-        self._cast_to: torch.dtype | None = None
 
     @property
     def execution_device(self) -> torch.device:
@@ -230,15 +227,7 @@ class StagingHook(ModelHook):
                     "diffusers_residency.detach_staging_hook(module)) first."
                 )
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
-        if not casts:
-            return module
-        # A cast of the dtype alone: each floating-point tensor's result is ``tensor.to(dtype)``,
-        # which a check made ahead may have found kept already (see ConversionReuse.convert).
-        self._cast_to = dtype if memory_format is None else None
-        try:
-            return original_to(**casts)
-        finally:
-            self._cast_to = None
+        return original_to(**casts) if casts else module
 
     def _compile_wrapped_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         # nn.Module.compile() compiles the whole call, staging included: the staging call runs
@@ -270,17 +259,14 @@ class StagingHook(ModelHook):
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
         unit = self.unit
-        # Taken by the first conversion of this module under its .to(dtype): a module's .to()
-        # override may convert other modules too, with other functions, before or after.
-        cast_to, self._cast_to = self._cast_to, None
         if self.group.casting:
             # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
-            result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn, cast_to)
+            result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
         else:
             started = time.perf_counter()
             self.group.casting = True
             try:
-                result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn, cast_to)
+                result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
             finally:
                 self.group.casting = False
                 unit.host_seconds += time.perf_counter() - started

@@ -12,11 +12,10 @@ With a weight capacity from the plan, the next component in call order loads ahe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -146,8 +145,6 @@ class ResidencyGroup:
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
-        # Whether a pipeline call runs these units (see conversions_checked_ahead).
-        self._in_call = False
         # Components in call order, and the most weight bytes the group may hold while a given
         # component runs: together they let the next component load ahead while the current one
         # computes. No room, no loading ahead.
@@ -182,25 +179,6 @@ class ResidencyGroup:
         """A streamed component's first pass (a denoiser's first step) ran: told to the budget watch."""
         if self.budget_watch is not None:
             self.budget_watch.first_pass_ran(component)
-
-    @contextlib.contextmanager
-    def conversions_checked_ahead(self) -> Iterator[None]:
-        """For a pipeline call: the conversions each unit keeps are checked on a worker thread from
-        its start, while the device runs what comes before a cast, and the checks are forgotten at
-        its end (see ConversionReuse.check_conversions_ahead). A call made inside another (a
-        subclass's ``__call__`` calling its parent's) is the outer one's."""
-        if self._in_call:
-            yield
-            return
-        self._in_call = True
-        try:
-            for unit in self.units:
-                unit.stager.check_conversions_ahead()
-            yield
-        finally:
-            self._in_call = False
-            for unit in self.units:
-                unit.stager.forget_conversion_check()
 
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them

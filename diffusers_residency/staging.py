@@ -354,7 +354,6 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def offload_for_writing(self) -> None:
         """Offload, and wait until no copy still reads the masters: they are about to be written."""
         self.offload()
-        self.forget_conversion_check()
         self._copy.wait()
 
     def retake_masters(self) -> None:

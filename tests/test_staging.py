@@ -289,24 +289,6 @@ def test_kept_masters_stand_for_a_conversion_only_with_the_same_bits_throughout(
     assert not same_bits(storage[:4], storage[:4].to(torch.float64 if dtype != torch.float64 else torch.float32))
 
 
-def test_a_check_ahead_of_a_loaded_module_trusts_no_tensor_written_since_its_load() -> None:
-    """A write in place into a loaded weight reaches its master only at the offload, after a check
-    made meanwhile read the master: the check must count the write from the load's counter, not
-    from the counter it finds."""
-    module = nn.Linear(4, 4)
-    stager = ModuleStager(module, CPU, pin_memory=False)
-    for dtype in (torch.float64, torch.float32):  # masters kept for both sides
-        stager.convert(module._apply, lambda tensor, dtype=dtype: tensor.to(dtype), dtype)
-    stager.load()
-    with torch.no_grad():
-        module.weight.add_(1)
-    expected = module.weight.detach().double()
-    stager.check_conversions_ahead()
-    stager._checked_ahead.holding.result()
-    stager.convert(module._apply, lambda tensor: tensor.to(torch.float64), torch.float64)
-    assert torch.equal(module.weight, expected)
-
-
 def test_module_tensors_come_in_parameters_then_buffers_order_with_shared_and_excluded_modules() -> None:
     shared = nn.Linear(2, 2)
     inner = nn.Sequential(shared, nn.BatchNorm1d(2))
