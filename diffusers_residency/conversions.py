@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from . import _device
 from .masters import StorageGroup, TensorBinding, Views
 from .retention import RetentionBudget
 
@@ -112,9 +113,16 @@ class ConversionReuse:
         # (a parameter given a kept master, the data it had, whether the two agree: a device flag)
         compared: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
 
+        # Under torch.__future__'s flags, _apply gives the module new parameter objects, which
+        # a result found to differ could not be given to: every result is computed on the host.
+        on_device = not (
+            torch.__future__.get_overwrite_module_params_on_conversion()
+            or torch.__future__.get_swap_module_params_on_conversion()
+        )
+
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
             bound = own.get(id(tensor))
-            if bound is not None and isinstance(tensor, nn.Parameter):
+            if on_device and bound is not None and isinstance(tensor, nn.Parameter):
                 kept = self._kept_conversion(tensor, fn)
                 agree = None if kept is None else self._compare_on_device(tensor, kept, fn)
                 if agree is not None:
@@ -135,9 +143,13 @@ class ConversionReuse:
             return result
 
         kept_before = self._kept_groups
-        result = apply(reusing)
-        if compared:
-            self._convert_where_kept_differ(compared, fn)
+        try:
+            result = apply(reusing)
+        finally:
+            # Also when the conversion fails part way: the parameters it gave kept masters are
+            # not left on ones never checked, nor are masters let go under copies still reading them.
+            if compared:
+                self._convert_where_kept_differ(compared, fn)
         if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
             self._swap_kept_masters()
             return result
@@ -200,21 +212,26 @@ class ConversionReuse:
         about 90 ms of each call while the device, its queue run dry, waited (a traced call in
         docs/benchmarks-history.md); the device copies page-locked masters at the bus's rate and
         converts and compares at its own. The flags are waited for once per conversion, by
-        :meth:`_convert_where_kept_differ`."""
+        :meth:`_convert_where_kept_differ`, on a side stream: on the compute stream that wait
+        would also wait for the kernels queued ahead (the denoiser's last step before the upcast,
+        the whole decode before the cast back), which the host's conversion used to overlap."""
         try:
-            source = tensor.detach().to(self.device, non_blocking=True)
-            fresh = fn(source)
-            if not isinstance(fresh, torch.Tensor) or (fresh.device, fresh.dtype, fresh.shape) != (
-                source.device,
-                kept.dtype,
-                kept.shape,
-            ):
-                return None
-            # Bits, not values: one view as integers of the same width (the device reads either at
-            # its bandwidth, where as_bits's widest words save host time).
-            bits = _BITS_BY_ITEMSIZE[kept.dtype.itemsize]
-            return torch.eq(fresh.view(bits), kept.to(self.device, non_blocking=True).view(bits)).all()
+            with _device.side_stream(self.device):
+                source = tensor.detach().to(self.device, non_blocking=True)
+                fresh = fn(source)
+                if not isinstance(fresh, torch.Tensor) or (fresh.device, fresh.dtype, fresh.shape) != (
+                    source.device,
+                    kept.dtype,
+                    kept.shape,
+                ):
+                    return None
+                # Bits, not values: one view as integers of the same width (the device reads either
+                # at its bandwidth, where as_bits's widest words save host time).
+                bits = _BITS_BY_ITEMSIZE[kept.dtype.itemsize]
+                return torch.eq(fresh.view(bits), kept.to(self.device, non_blocking=True).view(bits)).all()
         except torch.OutOfMemoryError:
+            # A copy queued before the allocation that failed still reads the master.
+            _device.synchronize(self.device)
             return None
 
     @staticmethod
@@ -224,10 +241,12 @@ class ConversionReuse:
         """Give each parameter whose kept master differs from its conversion (a master written in
         place since it was kept) the conversion of the data it had, computed on the host: a result
         not bound to a kept master, which the retake that follows takes as a new master."""
-        agree = torch.stack([flag for _, _, flag in compared])
-        if bool(agree.all()):  # the one wait for the device
-            return
-        for (parameter, data, _), same in zip(compared, agree.tolist(), strict=True):
+        with _device.side_stream(compared[0][2].device):
+            agree = torch.stack([flag for _, _, flag in compared])
+            if bool(agree.all()):  # the one wait for the device
+                return
+            agree = agree.tolist()
+        for (parameter, data, _), same in zip(compared, agree, strict=True):
             if not same:
                 parameter.data = fn(data)
 

@@ -176,6 +176,58 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_a_master_written_before_a_cast_that_fails_part_way_is_converted_afresh(flux: PipelineCase) -> None:
+    """A cast compares the results it takes from kept masters once it has visited every tensor:
+    one that fails part way must not leave a parameter on a kept master it never compared."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "staged"}, vram_budget=None)
+    module = flux.pipe.vae
+    module.to(dtype=torch.float64)
+    module.to(dtype=torch.float32)  # both sides kept from here on
+    weight = module.encoder.conv_in.weight  # among the first the cast visits
+    with torch.no_grad():
+        weight.neg_()
+    written = weight.detach().clone()
+    visited = []
+
+    def fails_part_way(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            visited.append(1)
+            if len(visited) == 20:
+                raise RuntimeError("failed part way")
+        return tensor.to(dtype=torch.float64)
+
+    with pytest.raises(RuntimeError, match="failed part way"):
+        module._apply(fails_part_way)
+    assert torch.equal(weight, written.double()), "the written master converted afresh, not the kept one"
+    with torch.no_grad():
+        weight.neg_()
+    module.to(dtype=torch.float32)
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_cast_that_gives_new_parameter_objects_converts_a_written_master_afresh(flux: PipelineCase) -> None:
+    """Under torch's flag to overwrite parameters on conversion, _apply gives the module new
+    parameter objects: a result found to differ could not reach the module, so none is assumed."""
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "staged"}, vram_budget=None)
+    module = flux.pipe.vae
+    module.to(dtype=torch.float64)
+    module.to(dtype=torch.float32)  # both sides kept, with the flag off
+    with torch.no_grad():
+        module.decoder.conv_out.weight.neg_()
+    written = module.decoder.conv_out.weight.detach().clone()
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        module.to(dtype=torch.float64)
+        assert torch.equal(module.decoder.conv_out.weight, written.double())
+        with torch.no_grad():
+            module.decoder.conv_out.weight.neg_()
+        module.to(dtype=torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_a_round_trip_on_kept_masters_waits_for_no_copy(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiting for the copies still reading a master is needed only before letting it go: SDXL's
     VAE casts, once their masters are kept, let none go, and must not stall the host behind the
