@@ -300,25 +300,6 @@ def new_copy_stream(device: torch.device) -> torch.Stream | None:
     return torch.Stream(device=device) if is_accelerator(device) else None
 
 
-# A stream per device for work the host waits for alone (see side_stream), made once.
-_SIDE_STREAMS: dict[torch.device, torch.Stream] = {}
-
-
-def side_stream(device: torch.device) -> contextlib.AbstractContextManager:
-    """Run the body's device work on a stream of its own, which neither waits for the compute
-    stream nor is waited for by it: a host wait on it waits for that work alone, not for the
-    kernels queued ahead on the compute stream. Only for work whose device tensors are used there
-    and nowhere else (the allocator hands a block back to the stream it was allocated on). On the
-    CPU the body runs as it is."""
-    if not is_accelerator(device):
-        return contextlib.nullcontext()
-    device = _indexed(device)
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.Stream(device=device)
-    return stream
-
-
 def can_register_host_memory() -> bool:
     """Whether existing host memory can be page-locked in place: the CUDA runtime (and HIP, behind
     the same torch binding) can; other accelerators have no such call."""

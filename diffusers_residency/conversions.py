@@ -14,7 +14,6 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from . import _device
 from .masters import StorageGroup, TensorBinding, Views
 from .retention import RetentionBudget
 
@@ -67,7 +66,6 @@ class ConversionReuse:
     """:meth:`convert` and the masters it keeps. Part of :class:`~.staging.ModuleStager`, whose
     masters, loads and retakes it uses."""
 
-    device: torch.device
     loads: int
     retention: RetentionBudget | None
     _groups: tuple[StorageGroup, ...]
@@ -99,9 +97,7 @@ class ConversionReuse:
         before the last conversion are kept, and a result with the same bits as one of them (the
         float16 weights, on the way back) is bound to it instead. Each result is still computed and
         compared, never assumed: a master written in place since (a LoRA fused into it) fails the
-        comparison, and the fresh result is taken. Where a kept master may stand for a result, both
-        are computed and compared on the device (see :meth:`_compare_on_device`), and only a result
-        that differs is computed again on the host.
+        comparison, and the fresh result is taken.
         """
         self.offload()
         before = self._groups
@@ -110,26 +106,10 @@ class ConversionReuse:
         own = {id(b.target): (b, group.master) for group in before if not group.mapped for b in group.bindings}
         # (where the source was bound, its master, the tensor that takes the result)
         converted: list[tuple[TensorBinding, torch.Tensor, torch.Tensor]] = []
-        # (a parameter given a kept master, the data it had, whether the two agree: a device flag)
-        compared: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-
-        # Under torch.__future__'s flags, _apply gives the module new parameter objects, which
-        # a result found to differ could not be given to: every result is computed on the host.
-        on_device = not (
-            torch.__future__.get_overwrite_module_params_on_conversion()
-            or torch.__future__.get_swap_module_params_on_conversion()
-        )
 
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
-            bound = own.get(id(tensor))
-            if on_device and bound is not None and isinstance(tensor, nn.Parameter):
-                kept = self._kept_conversion(tensor, fn)
-                agree = None if kept is None else self._compare_on_device(tensor, kept, fn)
-                if agree is not None:
-                    compared.append((tensor, tensor.detach(), agree))
-                    converted.append((*bound, tensor))
-                    return kept
             result = fn(tensor)
+            bound = own.get(id(tensor))
             if bound is None or not isinstance(result, torch.Tensor) or result is tensor or result.device.type != "cpu":
                 # Not a host copy of one of this stager's tensors: a block's (staged on its own), a
                 # DTensor (its shard is what is bound), a mapped master's, a tensor the conversion
@@ -143,13 +123,7 @@ class ConversionReuse:
             return result
 
         kept_before = self._kept_groups
-        try:
-            result = apply(reusing)
-        finally:
-            # Also when the conversion fails part way: the parameters it gave kept masters are
-            # not left on ones never checked, nor are masters let go under copies still reading them.
-            if compared:
-                self._convert_where_kept_differ(compared, fn)
+        result = apply(reusing)
         if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
             self._swap_kept_masters()
             return result
@@ -182,73 +156,6 @@ class ConversionReuse:
             self._wait_before_letting_go(dropped)
         self._count_conversion()
         return result
-
-    def _kept_conversion(self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-        """The kept master that may stand for ``fn(tensor)``: found from what ``fn`` makes of a
-        stand-in on the meta device (the tensor's dtype and layout, no data), so that nothing is
-        computed on the host to find it."""
-        if not self._kept_conversions:
-            return None
-        stand_in = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-        try:
-            shaped = fn(stand_in)
-        except Exception:
-            # A conversion that needs the data (a move to another device): converted as it comes.
-            return None
-        if not isinstance(shaped, torch.Tensor) or shaped is stand_in or not shaped.is_meta:
-            return None
-        kept = self._kept_conversions.get(conversion_key(tensor, shaped.dtype))
-        if kept is None or (kept.shape, kept.stride()) != (shaped.shape, shaped.stride()):
-            return None
-        return kept if kept.dtype.itemsize in _BITS_BY_ITEMSIZE else None
-
-    def _compare_on_device(
-        self, tensor: torch.Tensor, kept: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor | None:
-        """Queue, on the device, ``fn`` of a copy of ``tensor`` and its comparison with a copy of
-        ``kept``; return the flag that says whether they agree (None where the device has no room).
-
-        On the host, converting SDXL's VAE to float32 and comparing it with the kept masters took
-        about 90 ms of each call while the device, its queue run dry, waited (a traced call in
-        docs/benchmarks-history.md); the device copies page-locked masters at the bus's rate and
-        converts and compares at its own. The flags are waited for once per conversion, by
-        :meth:`_convert_where_kept_differ`, on a side stream: on the compute stream that wait
-        would also wait for the kernels queued ahead (the denoiser's last step before the upcast,
-        the whole decode before the cast back), which the host's conversion used to overlap."""
-        try:
-            with _device.side_stream(self.device):
-                source = tensor.detach().to(self.device, non_blocking=True)
-                fresh = fn(source)
-                if not isinstance(fresh, torch.Tensor) or (fresh.device, fresh.dtype, fresh.shape) != (
-                    source.device,
-                    kept.dtype,
-                    kept.shape,
-                ):
-                    return None
-                # Bits, not values: one view as integers of the same width (the device reads either
-                # at its bandwidth, where as_bits's widest words save host time).
-                bits = _BITS_BY_ITEMSIZE[kept.dtype.itemsize]
-                return torch.eq(fresh.view(bits), kept.to(self.device, non_blocking=True).view(bits)).all()
-        except torch.OutOfMemoryError:
-            # A copy queued before the allocation that failed still reads the master.
-            _device.synchronize(self.device)
-            return None
-
-    @staticmethod
-    def _convert_where_kept_differ(
-        compared: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]], fn: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        """Give each parameter whose kept master differs from its conversion (a master written in
-        place since it was kept) the conversion of the data it had, computed on the host: a result
-        not bound to a kept master, which the retake that follows takes as a new master."""
-        with _device.side_stream(compared[0][2].device):
-            agree = torch.stack([flag for _, _, flag in compared])
-            if bool(agree.all()):  # the one wait for the device
-                return
-            agree = agree.tolist()
-        for (parameter, data, _), same in zip(compared, agree, strict=True):
-            if not same:
-                parameter.data = fn(data)
 
     def _swap_kept_masters(self) -> None:
         """Make the kept masters current and the current ones kept, after a conversion that bound

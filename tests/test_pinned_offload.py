@@ -177,8 +177,9 @@ def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCas
 
 
 def test_a_master_written_before_a_cast_that_fails_part_way_is_converted_afresh(flux: PipelineCase) -> None:
-    """A cast compares the results it takes from kept masters once it has visited every tensor:
-    one that fails part way must not leave a parameter on a kept master it never compared."""
+    """A cast that fails part way leaves no parameter on a kept master that was not compared with
+    its conversion: the next load would take that master as the weights (a comparison deferred to
+    the end of the cast, or made elsewhere, must be settled on the way out too)."""
     flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "staged"}, vram_budget=None)
     module = flux.pipe.vae
     module.to(dtype=torch.float64)
@@ -207,7 +208,8 @@ def test_a_master_written_before_a_cast_that_fails_part_way_is_converted_afresh(
 
 def test_a_cast_that_gives_new_parameter_objects_converts_a_written_master_afresh(flux: PipelineCase) -> None:
     """Under torch's flag to overwrite parameters on conversion, _apply gives the module new
-    parameter objects: a result found to differ could not reach the module, so none is assumed."""
+    parameter objects, made from what the conversion returned: a master written since the last
+    cast must still come back converted afresh, not as the kept master."""
     flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "staged"}, vram_budget=None)
     module = flux.pipe.vae
     module.to(dtype=torch.float64)
