@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, che
 from .host_budget import file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
 from .planner import default_reserve
-from .plans import ResidencyPlan
+from .plans import BudgetTooSmallError, ResidencyPlan
 from .policy import Policy
 from .profile import ResidencyProfile, read_profile, starting_profile, write_profile
 from .report import ResidencyReport, report_for
@@ -96,6 +96,36 @@ def _written(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
     """After a pipeline method wrote into the weights (every component offloaded for it)."""
     state.group.own_copies_of_written()
     _load_excluded(pipe, state)
+
+
+def _hooked_whole(profile: ResidencyProfile, replan: Callable[..., ResidencyPlan]) -> list[str]:
+    """The once-per-call components to hook whole rather than block by block: those the plan for the
+    figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream.
+
+    Hooks are attached once, here, and later plans keep them (see ``adaptive.replan_in_place``):
+    hooked by blocks, a component streams for good, its trunk resident. Without figures, the
+    measuring call gives each component the most room it can, streaming what streams. A call of a
+    shape the profile lacks is measured too, under the least plan these hooks allow, with the
+    activation reserve for each component: one whose whole leaves no room for that stays hooked by
+    blocks."""
+    if not profile.shapes:
+        return []
+    figures = next(iter(profile.shapes.values()))
+    try:
+        plan = replan(figures.activations, {}, timings=figures.timings)
+    except BudgetTooSmallError:
+        return []  # figures for other policies given: the first call measures again (see begin_call)
+    once_per_call = sorted((sizes for sizes in plan.sizes if not sizes.per_step), key=lambda sizes: sizes.nbytes)
+    whole: list[str] = []
+    for sizes in once_per_call:
+        if plan[sizes.name].policy is Policy.STREAMED:
+            continue
+        try:
+            replan({}, {}, [*whole, sizes.name], least=True)
+        except BudgetTooSmallError:
+            continue
+        whole.append(sizes.name)
+    return whole
 
 
 def enable_pinned_offload(
@@ -203,7 +233,7 @@ def enable_pinned_offload(
             profile, profile_file = starting_profile(
                 type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
             )
-            plan = replan({}, {}, least=True)
+            plan = replan({}, {}, _hooked_whole(profile, replan), least=True)
     wrap_every_pipeline_call()
 
     if share_host_masters:

@@ -38,6 +38,9 @@ reserve stands in for them.
    Resident blocks are bounded by the other components' moments too (an SDXL UNet's resident
    blocks are on the device while the VAE decodes); staged blocks by their own component's, and
    by those of resident components, which evict nothing when they start.
+5. Last, a once-per-call component planned to stream with no block resident is staged whole where
+   its whole fits beside everything else as planned: its blocks move once per call either way, in
+   one load instead of one each.
 """
 
 from __future__ import annotations
@@ -280,14 +283,48 @@ def plan_residency(
             if fits(trial):
                 plans = trial
         plans = _grow_streamed(plans, by_name, room, timings)
-    plans = _stage_blocks(plans, by_name, room)
-    # Last, for a timed component, the window's depth: chosen before the once-per-call components
-    # took their room, a shallower window's slot would go to them, not to blocks of this one.
+    plans = _with_depths(_stage_blocks(plans, by_name, room), by_name, room, timings)
+    whole = _staged_whole_where_room(plans, free, room)
+    if whole != plans:
+        # Their trunks, resident while they streamed, leave room at every moment of the call.
+        grown = _stage_blocks(_grow_streamed(whole, by_name, room, timings), by_name, room)
+        plans = _with_depths(grown, by_name, room, timings)
+    return as_plan(plans)
+
+
+def _with_depths(
+    plans: dict[str, ComponentPlan],
+    by_name: Mapping[str, ComponentSizes],
+    room: _Room,
+    timings: Mapping[str, StepTiming],
+) -> dict[str, ComponentPlan]:
+    """For each timed streamed component, the window's depth and the resident blocks that go with
+    it (see :data:`PREFETCH_CHOICES`), with the staged blocks they leave room for. Chosen once the
+    once-per-call components took their room: chosen before, a shallower window's slot would go to
+    them, not to blocks of this one."""
     for name, timing in timings.items():
         if name in plans and plans[name].policy is Policy.STREAMED:
             plans = _with_resident_blocks(plans, name, by_name, room, timing, PREFETCH_CHOICES)
             plans = _stage_blocks(plans, by_name, room)
-    return as_plan(plans)
+    return plans
+
+
+def _staged_whole_where_room(
+    plans: dict[str, ComponentPlan], free: Sequence[ComponentSizes], room: _Room
+) -> dict[str, ComponentPlan]:
+    """Stage whole each once-per-call component planned to stream with no block resident, smallest
+    first, where its whole fits beside everything else as planned. Its blocks move once per call
+    either way; streamed, each with a load, an offload and a hook of its own, and each waiting for
+    its copy behind a compute too short to hide it (SDXL's second text encoder: 33 blocks). Asked
+    last, so that it takes only room that no other component's plan wanted. (A component with
+    resident blocks moves fewer bytes streamed, and keeps streaming.)"""
+    for sizes in sorted((s for s in free if not s.per_step), key=lambda s: s.nbytes):
+        plan = plans[sizes.name]
+        if plan.policy is Policy.STREAMED and not plan.resident_blocks:
+            trial = {**plans, sizes.name: ComponentPlan(sizes.name, Policy.STAGED)}
+            if room.fits(trial):
+                plans = trial
+    return plans
 
 
 def _still_holds(

@@ -119,6 +119,30 @@ def test_measured_activations_let_the_denoiser_keep_its_blocks_while_it_runs() -
     assert _moments(plan)["vae"] + smallest_staged > budget, (_moments(plan), str(plan))
 
 
+def test_once_per_call_components_stream_only_where_their_whole_would_take_room_that_others_use() -> None:
+    budget = 8 * GB
+    plan = plan_residency(SDXL, budget, default_reserve(budget), activations=SDXL_ACTIVATIONS)
+    # The VAE's decode is what binds: the text encoders' moments have room for them whole. Their
+    # blocks move once per call either way; staged, in one load each, and the trunks they kept
+    # resident while streaming go to the UNet.
+    assert plan["text_encoder"].policy is plan["text_encoder_2"].policy is Policy.STAGED, str(plan)
+    streaming = {"text_encoder": Policy.STREAMED, "text_encoder_2": Policy.STREAMED}
+    streamed = plan_residency(SDXL, budget, default_reserve(budget), streaming, activations=SDXL_ACTIVATIONS)
+    assert plan["unet"].resident_bytes(SDXL[2]) > streamed["unet"].resident_bytes(SDXL[2]), (str(plan), str(streamed))
+    # Staged whole, the VAE would take room from the UNet's resident blocks at its own moment.
+    assert plan["vae"].policy is Policy.STREAMED
+    assert max(_moments(plan).values()) == plan.peak_bytes <= budget, (_moments(plan), str(plan))
+
+    # FLUX.1-dev at 16 GB: T5 and the VAE whole do not fit beside the transformer's resident blocks
+    # (the VAE's decode binds), and CLIP, given a resident block, moves fewer bytes streamed.
+    flux = {"text_encoder": 409 * MB, "text_encoder_2": 623 * MB, "transformer": 1070 * MB, "vae": 3417 * MB}
+    plan = plan_residency(FLUX, 16 * GB, default_reserve(16 * GB), activations=flux)
+    assert {p.name for p in plan.components if p.policy is Policy.STREAMED} == set(flux), str(plan)
+    vae = FLUX[3]
+    assert _moments(plan)["vae"] + vae.nbytes - plan["vae"].transient_bytes(vae) > 16 * GB, str(plan)
+    assert plan["text_encoder"].resident_blocks, str(plan)
+
+
 def test_one_reserve_for_every_component_streams_the_denoiser_at_every_step() -> None:
     # The same budget with the VAE's need reserved for everyone: the UNet has to stream blocks at
     # every step, which per-component activations avoid.
