@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -98,33 +98,43 @@ def _written(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
     _load_excluded(pipe, state)
 
 
-def _hooked_whole(profile: ResidencyProfile, replan: Callable[..., ResidencyPlan]) -> list[str]:
-    """The once-per-call components to hook whole rather than block by block: those the plan for the
-    figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream.
+def _hooked_whole(
+    profile: ResidencyProfile,
+    replan: Callable[..., ResidencyPlan],
+    sequence: Sequence[str],
+    whole_before: Collection[str],
+) -> list[str]:
+    """The prompt encoders (the components a call runs before its denoiser) to hook whole rather
+    than block by block: those that the plan for the figures of the profile's first call shape
+    (the one ``plan_ahead`` plans for) does not stream, and, enabled again, those hooked whole before.
 
     Hooks are attached once, here, and later plans keep them (see ``adaptive.replan_in_place``):
-    hooked by blocks, a component streams for good, its trunk resident. Without figures, the
-    measuring call gives each component the most room it can, streaming what streams. A call of a
-    shape the profile lacks is measured too, under the least plan these hooks allow, with the
-    activation reserve for each component: one whose whole leaves no room for that stays hooked by
-    blocks."""
-    if not profile.shapes:
-        return []
-    figures = next(iter(profile.shapes.values()))
-    try:
-        plan = replan(figures.activations, {}, timings=figures.timings)
-    except BudgetTooSmallError:
-        return []  # figures for other policies given: the first call measures again (see begin_call)
-    once_per_call = sorted((sizes for sizes in plan.sizes if not sizes.per_step), key=lambda sizes: sizes.nbytes)
-    whole: list[str] = []
-    for sizes in once_per_call:
-        if plan[sizes.name].policy is Policy.STREAMED:
-            continue
+    hooked by blocks, a component streams for good, its trunk resident; hooked whole, it never
+    streams. Without figures, the measuring call gives each component the most room it can,
+    streaming what streams. Prompt encoders only: what they need does not grow with the image,
+    where a VAE decoding a larger one needs more room, which a whole hook would take at its moment
+    for every later shape. A call of a shape the profile lacks is measured under the least plan
+    these hooks allow, with the activation reserve for each component: an encoder whose whole
+    leaves no room for that stays hooked by blocks."""
+    sizes = {s.name: s for s in replan({}, {}).sizes}
+    denoiser = next((i for i, name in enumerate(sequence) if sizes[name].per_step), 0)
+    prompt_encoders = sorted(set(sequence[:denoiser]), key=lambda name: sizes[name].nbytes)
+    candidates = set(whole_before)
+    if profile.shapes:
+        figures = next(iter(profile.shapes.values()))
         try:
-            replan({}, {}, [*whole, sizes.name], least=True)
+            plan = replan(figures.activations, {}, timings=figures.timings)
+            candidates |= {p.name for p in plan.components if p.policy is not Policy.STREAMED}
         except BudgetTooSmallError:
-            continue
-        whole.append(sizes.name)
+            pass  # figures for other policies given: the first call measures again (see begin_call)
+    whole: list[str] = []
+    for name in prompt_encoders:
+        if name in candidates:
+            try:
+                replan({}, {}, [*whole, name], least=True)
+            except BudgetTooSmallError:
+                continue
+            whole.append(name)
     return whole
 
 
@@ -233,7 +243,9 @@ def enable_pinned_offload(
             profile, profile_file = starting_profile(
                 type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
             )
-            plan = replan({}, {}, _hooked_whole(profile, replan), least=True)
+            hooks_before = previous.hooks if previous is not None else {}
+            whole_before = [name for name in hooks_before if len(previous.group.units_of(name)) == 1]
+            plan = replan({}, {}, _hooked_whole(profile, replan, sequence, whole_before), least=True)
     wrap_every_pipeline_call()
 
     if share_host_masters:
