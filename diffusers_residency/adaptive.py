@@ -67,6 +67,9 @@ class PipelineResidency:
     # nothing is measured (no budget, a reserve given, or a plan that keeps everything).
     profile: ResidencyProfile | None = None
     profile_file: Path | None = None
+    # Encoders hooked whole from a profile's figures (see pipeline._hooked_whole): enabled again,
+    # they stay so, whether or not the profile is found again.
+    hooked_whole: tuple[str, ...] = ()
     # The shape of the call under way, or of the last one (see begin_call), and the shapes whose
     # figures this process measured (the others came from the profile).
     shape: str | None = None

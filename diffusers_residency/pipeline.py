@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from accelerate.hooks import remove_hook_from_module
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
 from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
@@ -101,24 +101,22 @@ def _written(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
 def _hooked_whole(
     profile: ResidencyProfile,
     replan: Callable[..., ResidencyPlan],
-    sequence: Sequence[str],
+    encoders: Collection[str],
     whole_before: Collection[str],
 ) -> list[str]:
-    """The prompt encoders (the components a call runs before its denoiser) to hook whole rather
-    than block by block: those that the plan for the figures of the profile's first call shape
-    (the one ``plan_ahead`` plans for) does not stream, and, enabled again, those hooked whole before.
+    """The ``encoders`` to hook whole rather than block by block: those that the plan for the
+    figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream,
+    and, enabled again, those hooked whole so before.
 
     Hooks are attached once, here, and later plans keep them (see ``adaptive.replan_in_place``):
-    hooked by blocks, a component streams for good, its trunk resident; hooked whole, it never
-    streams. Without figures, the measuring call gives each component the most room it can,
-    streaming what streams. Prompt encoders only: what they need does not grow with the image,
-    where a VAE decoding a larger one needs more room, which a whole hook would take at its moment
-    for every later shape. A call of a shape the profile lacks is measured under the least plan
-    these hooks allow, with the activation reserve for each component: an encoder whose whole
-    leaves no room for that stays hooked by blocks."""
+    hooked by blocks, a component streams for good; hooked whole, it never streams. Without
+    figures, the measuring call gives each component the most room it can, streaming what streams.
+    Encoders only (see :func:`_encoders`): what they need does not grow with the image, where a VAE
+    decoding a larger one needs more room, which a whole hook would take at its moment for every
+    later shape. A call of a shape the profile lacks is measured under the least plan these hooks
+    allow, with the activation reserve for each component: an encoder whose whole leaves no room
+    for that stays hooked by blocks."""
     sizes = {s.name: s for s in replan({}, {}).sizes}
-    denoiser = next((i for i, name in enumerate(sequence) if sizes[name].per_step), 0)
-    prompt_encoders = sorted(set(sequence[:denoiser]), key=lambda name: sizes[name].nbytes)
     candidates = set(whole_before)
     if profile.shapes:
         figures = next(iter(profile.shapes.values()))
@@ -128,14 +126,21 @@ def _hooked_whole(
         except BudgetTooSmallError:
             pass  # figures for other policies given: the first call measures again (see begin_call)
     whole: list[str] = []
-    for name in prompt_encoders:
-        if name in candidates:
+    for name in sorted(candidates & set(encoders), key=lambda name: sizes[name].nbytes):
+        if not sizes[name].per_step:
             try:
                 replan({}, {}, [*whole, name], least=True)
             except BudgetTooSmallError:
                 continue
             whole.append(name)
     return whole
+
+
+def _encoders(modules: Mapping[str, nn.Module], given: Collection[str]) -> list[str]:
+    """The components that are not diffusers models (transformers' text and image encoders), but
+    those given a policy: they take tokens, or images at a size of their own, where diffusers'
+    models (VAEs, denoisers, ControlNets, adapters) take latents or images at the call's size."""
+    return [name for name, module in modules.items() if not isinstance(module, ModelMixin) and name not in given]
 
 
 def enable_pinned_offload(
@@ -237,15 +242,15 @@ def enable_pinned_offload(
             and (not plan.keeps_everything or capped)
             and len(set(sequence)) > 1
         )
-        profile, profile_file = None, None
+        profile, profile_file, hooked_whole = None, None, []
         if measuring:
             given = {name: Policy.parse(value, name).value for name, value in (components or {}).items()}
             profile, profile_file = starting_profile(
                 type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
             )
-            hooks_before = previous.hooks if previous is not None else {}
-            whole_before = [name for name in hooks_before if len(previous.group.units_of(name)) == 1]
-            plan = replan({}, {}, _hooked_whole(profile, replan, sequence, whole_before), least=True)
+            whole_before = previous.hooked_whole if previous is not None else ()
+            hooked_whole = _hooked_whole(profile, replan, _encoders(modules, given), whole_before)
+            plan = replan({}, {}, hooked_whole, least=True)
     wrap_every_pipeline_call()
 
     if share_host_masters:
@@ -255,6 +260,7 @@ def enable_pinned_offload(
         previous.replan = replan
         previous.measuring = measuring
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
+        previous.hooked_whole = tuple(hooked_whole)
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
         # What retries taught was for the budget and plan before: learned again for these.
@@ -302,6 +308,7 @@ def enable_pinned_offload(
             call_end=sequence[-1] if sequence else None,
             profile=profile,
             profile_file=profile_file,
+            hooked_whole=tuple(hooked_whole),
         )
         group.call_order = tuple(modules)
         apply_plan(state, plan)

@@ -118,6 +118,10 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     assert pipeline_state(second.pipe) is setup and all(len(group.units_of(name)) == 1 for name in whole)
     assert torch.equal(second.run(), second.reference)
+    # A policy given now is the one it gets, whatever was hooked whole before.
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget, components={"text_encoder_2": "streamed"})
+    assert second.pipe.residency_plan()["text_encoder_2"].policy is Policy.STREAMED
+    assert torch.equal(second.run(), second.reference)
 
     third = PipelineCase("flux")  # another budget: the profile is not for it
     third.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
