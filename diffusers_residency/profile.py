@@ -272,20 +272,22 @@ def profile_key(
     policies: Mapping[str, str],
 ) -> dict[str, str]:
     """What a profile's figures hold for. Components are hashed from their class, configuration,
-    attention kernel, dtypes and byte sizes: the same checkpoint loaded again matches, another one
+    attention kernel, dtypes and their tensors' bytes: the same checkpoint loaded again matches, another one
     (or another dtype) does not. ``policies``: those the caller gave (``components=``), which the
     plan kept with the figures keeps. Not keyed: a VAE's tiling or slicing switched on after loading."""
     import diffusers
     import transformers
 
     from . import __version__
-    from .weights import module_tensors, storage_bytes
+    from .weights import module_stored_tensors, module_tensors
 
     components = []
     for name, module in modules.items():
-        tensors = list(module_tensors((module,)))
-        dtypes = sorted({str(t.dtype) for t in tensors})
-        components.append([name, type(module).__name__, _config(module), dtypes, storage_bytes(tensors)])
+        dtypes = sorted({str(t.dtype) for t in module_tensors((module,))})
+        # The tensors' own bytes, not their storages': staged, a weight is a view of a master that
+        # holds others too, and the key must not change as a pipeline is enabled again.
+        nbytes = sum(stored.nbytes for stored in module_stored_tensors((module,)))
+        components.append([name, type(module).__name__, _config(module), dtypes, nbytes])
     digest = hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:16]
     return {
         "pipeline": pipeline,

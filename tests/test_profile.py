@@ -117,7 +117,11 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     setup = pipeline_state(second.pipe)
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     assert pipeline_state(second.pipe) is setup and all(len(group.units_of(name)) == 1 for name in whole)
+    # Its weights now on masters and device copies, it still finds its profile: no measuring call.
+    assert residency_profile(second.pipe).key == profile.key
+    measuring = _measured_calls(second)
     assert torch.equal(second.run(), second.reference)
+    assert measuring == [False]
     # A policy given now is the one it gets, whatever was hooked whole before.
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget, components={"text_encoder_2": "streamed"})
     assert second.pipe.residency_plan()["text_encoder_2"].policy is Policy.STREAMED
