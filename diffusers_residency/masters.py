@@ -306,14 +306,20 @@ def fills_storage(group: StorageGroup) -> bool:
 Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
+def bound_ids(groups: Iterable[StorageGroup]) -> frozenset[int]:
+    """The ids of the tensors bound in ``groups``."""
+    return frozenset(id(binding.target) for group in groups for binding in group.bindings)
+
+
 class MasterBindings:
     """A stager's masters and the tensors bound to them: views over a backing (the masters, or a
     load's device storage), binding to them, and the checks that what is bound is what was taken.
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
-    ``exclude``, ``_groups`` (the current masters), ``_kept_groups`` (see :mod:`.conversions`),
-    ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods of its other parts that
-    keep masters apart from a copy that ranks share (see :class:`~.host_copy.HostCopyReads`)."""
+    ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` (see
+    :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods
+    of its other parts that keep masters apart from a copy that ranks share (see
+    :class:`~.host_copy.HostCopyReads`)."""
 
     modules: tuple[nn.Module, ...]
     exclude: tuple[nn.Module, ...]
@@ -323,6 +329,8 @@ class MasterBindings:
     _wrappers: Wrappers
     _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
     _loaded_wrapper_versions: tuple[int | None, ...]
+    # bound_ids(_groups), made where the masters change.
+    _current_bound_ids: frozenset[int]
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The plain tensors behind the modules' parameters and buffers that this stager holds
@@ -426,9 +434,18 @@ class MasterBindings:
     ) -> bool:
         """Whether the modules' tensors are exactly the ones the masters (of ``groups``, else the
         current ones) were taken for (none added, none replaced by another object)."""
-        groups = self._groups if groups is None else groups
-        bound = {id(binding.target) for group in groups for binding in group.bindings}
-        return bound == {id(t) for t in (self.tensors() if tensors is None else tensors)}
+        if groups is None or groups is self._groups:
+            bound = self._current_bound_ids
+        else:
+            bound = bound_ids(groups)
+        # Each tensor comes once (see tensors()): all of them bound, and as many, is the same set.
+        # Asked at every load of a streamed block: no set of the modules' tensors is built.
+        count = 0
+        for tensor in self.tensors() if tensors is None else tensors:
+            if id(tensor) not in bound:
+                return False
+            count += 1
+        return count == len(bound)
 
     def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor]]:
         """Tensors given a new dtype, shape or stride since the last load (by id), and tensors

@@ -30,6 +30,7 @@ from .masters import (
     StorageGroup,
     TensorBinding,
     Views,
+    bound_ids,
     claim,
     refuse_staged_elsewhere,
     release,
@@ -151,6 +152,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     @_groups.setter
     def _groups(self, groups: tuple[StorageGroup, ...]) -> None:
         self._current_groups = groups
+        self._current_bound_ids = bound_ids(groups)
         # Whether a load has masters to read back from files: found here, where the masters change,
         # and not at every load (a streamed block loads at every step).
         self._maps_files = any(group.mapped for group in groups)

@@ -39,27 +39,33 @@ def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = 
     excluded = {id(m) for m in exclude}
     for module in modules:
         tree = _modules_outside(module, excluded)
-        for members in (lambda m: m._parameters.values(), lambda m: m._buffers.values()):
-            for submodule in tree:
-                for tensor in members(submodule):
-                    if tensor is not None and id(tensor) not in seen:
-                        seen.add(id(tensor))
-                        yield tensor
+        for members in (m._parameters for m in tree), (m._buffers for m in tree):
+            for member in members:
+                for tensor in member.values():
+                    if tensor is not None:
+                        key = id(tensor)
+                        if key not in seen:
+                            seen.add(key)
+                            yield tensor
 
 
 def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
     """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
     ones and what lies below them."""
-    found, visited, stack = [], set(), [root]
+    # The excluded ones count as visited from the start: one lookup per module on a walk that
+    # runs at every load of a streamed block.
+    found, visited, stack = [], set(excluded), [root]
     while stack:
         module = stack.pop()
         # Marked when reached, as named_modules() does: a module shared by two parents comes
         # where the walk first reaches it, not where it was first seen as a child.
-        if id(module) in visited or id(module) in excluded:
+        key = id(module)
+        if key in visited:
             continue
-        visited.add(id(module))
+        visited.add(key)
         found.append(module)
-        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
+        if module._modules:
+            stack.extend(reversed([c for c in module._modules.values() if c is not None]))
     return found
 
 
@@ -86,8 +92,9 @@ def module_stored_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Mod
     seen: set[int] = set()
     for tensor in module_tensors(modules, exclude):
         for stored in stored_tensors(tensor):
-            if id(stored) not in seen:
-                seen.add(id(stored))
+            key = id(stored)
+            if key not in seen:
+                seen.add(key)
                 yield stored
 
 
