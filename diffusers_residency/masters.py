@@ -420,7 +420,8 @@ class MasterBindings:
 
     def masters_current(self, tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether the modules still hold exactly the tensors the masters were taken for, each with the
-        storage, dtype and layout it had then (``tensors``: the modules' tensors, if already listed)."""
+        storage, dtype and layout it had then (``tensors``: the modules' tensors, if already listed
+        by :meth:`tensors`, each once)."""
         return self._bound_to(self._groups, tensors)
 
     def _bound_to(self, groups: tuple[StorageGroup, ...], tensors: list[torch.Tensor] | None = None) -> bool:
@@ -433,7 +434,8 @@ class MasterBindings:
         self, tensors: list[torch.Tensor] | None = None, groups: tuple[StorageGroup, ...] | None = None
     ) -> bool:
         """Whether the modules' tensors are exactly the ones the masters (of ``groups``, else the
-        current ones) were taken for (none added, none replaced by another object)."""
+        current ones) were taken for (none added, none replaced by another object). ``tensors``, if
+        given, lists each once, as :meth:`tensors` does."""
         if groups is None or groups is self._groups:
             bound = self._current_bound_ids
         else:
