@@ -119,6 +119,24 @@ def test_retake_masters_after_a_cast() -> None:
         stager.retake_masters()
 
 
+def test_masters_are_current_only_while_the_modules_hold_exactly_their_tensors() -> None:
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    module[1].weight = module[0].weight  # tied: one tensor reached twice
+    stager = ModuleStager(module, CPU, pin_memory=False)
+    assert stager.masters_current()
+    module[0].register_buffer("added", torch.ones(2))
+    assert not stager.masters_current(), "a tensor added"
+    del module[0].added
+    assert stager.masters_current()
+    bias = module[1].bias
+    module[1].bias = None
+    assert not stager.masters_current(), "a tensor gone"
+    module[1].bias = nn.Parameter(bias.detach().clone())
+    assert not stager.masters_current(), "a tensor replaced by another object"
+    module[1].bias = bias
+    assert stager.masters_current()
+
+
 def test_a_load_takes_weights_changed_since_the_last_one() -> None:
     """After its first load a stager queues the copies before checking the modules (see
     ModuleStager._load_once): a change found then is loaded again, not bound over."""
