@@ -51,6 +51,10 @@ def _record_loaded_bytes(flux: PipelineCase) -> list[int]:
 
 # A call of the pipelines these watches stand for starts with its text encoder and ends with its VAE.
 CALL_ENDS = {"call_start": "text_encoder", "call_end": "vae"}
+# How long a test stalls each block to stretch a step it times: several times what a whole step
+# of the tiny pipeline takes on a two-core machine with other work on it, so that a stretched step
+# and a plain one stay apart by more than twice there too.
+STALL_SECONDS = 0.25
 
 
 def watch_budget(group: ResidencyGroup, on_over_budget: Callable[[str, int, bool], None], **kwargs: Any) -> BudgetWatch:
@@ -914,7 +918,7 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(
     monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
     stalled = [True]
     for block in group.units_of("transformer")[1:]:
-        block.module.register_forward_pre_hook(lambda *_: time.sleep(0.05) if stalled[0] else None)
+        block.module.register_forward_pre_hook(lambda *_: time.sleep(STALL_SECONDS) if stalled[0] else None)
     assert torch.equal(run(3), reference[3])  # measures, its step stretched, and plans for it as it returns
     stalled[0] = False
     first = flux.pipe.residency_plan()
@@ -943,7 +947,7 @@ def test_a_step_timed_under_a_plan_that_retried_is_not_planned_for(flux: Pipelin
     def retrying(*_: object) -> None:
         if stalled[0]:
             retries[0] += 1  # the allocator's synchronising retries, stretching the step
-            time.sleep(0.05)
+            time.sleep(STALL_SECONDS)
 
     for block in group.units_of("transformer")[1:]:
         block.module.register_forward_pre_hook(retrying)
