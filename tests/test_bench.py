@@ -35,7 +35,7 @@ from diffusers_residency.bench.tables import (
     format_table,
     judged_by_compile_spread,
 )
-from diffusers_residency.bench.timing import calls_to_steady
+from diffusers_residency.bench.timing import calls_to_steady, host_cpu_ticks, steal_fraction
 from diffusers_residency.bench.trace import summarise, traced_call
 
 from .helpers import PipelineCase
@@ -107,7 +107,24 @@ def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_ca
         cells = [f"{seconds[0]:.3f}", f"{seconds[1]:.3f}", f"{r['seconds_per_call']:.3f}", steady_from]
         assert row.split(" | ")[2:6] == cells
         assert f"- {r['mode']} @ unlimited: {', '.join(f'{s:.3f}' for s in seconds)} s" in out
+        # Linux tells the host's stolen CPU time, over the same calls.
+        assert 0.0 <= r["host_steal_fraction"] <= 1.0
+        assert f"host CPU stolen {100 * r['host_steal_fraction']:.1f}%)" in out
     assert results[1]["exact"] is True
+
+
+def test_stolen_cpu_is_the_share_of_the_hosts_ticks_between_two_readings(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 30 0\ncpu0 50 0 25 400 5 0 0 20 15 0\n")
+    before = host_cpu_ticks(stat)
+    assert before == (40, 1000), "guest time is in user time already"
+    stat.write_text("cpu  150 0 60 900 10 0 0 80 30 0\n")
+    assert steal_fraction(before, host_cpu_ticks(stat)) == pytest.approx(40 / 200)
+    assert steal_fraction(before, before) is None, "no time between them"
+    stat.write_text("intr 1 2 3\n")
+    assert host_cpu_ticks(stat) is None and host_cpu_ticks(tmp_path / "missing") is None
+    assert steal_fraction(None, before) is None
 
 
 @pytest.mark.parametrize(
@@ -132,7 +149,10 @@ def test_calls_to_steady_is_the_first_call_from_which_every_call_is_within_5_per
 def test_the_table_shows_a_dash_for_a_call_that_did_not_run_and_lists_every_call() -> None:
     results = [
         ModeResult("resident", 1.0, 1, 1.0, None, call_seconds=(1.0,)),
-        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=8 * 10**9, call_seconds=(5.0, 2.1, 2.0), calls_to_steady=2),
+        ModeResult(
+            "pinned", 2.0, 1, 1.0, True, budget_bytes=8 * 10**9, call_seconds=(5.0, 2.1, 2.0), calls_to_steady=2,
+            host_steal_fraction=0.125,
+        ),
         ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=4 * 10**9, call_seconds=(2.0, 2.0, 3.0)),
         ModeResult("group_offload_leaf", float("nan"), None, float("nan"), None, error="out of memory"),
     ]
@@ -145,7 +165,7 @@ def test_the_table_shows_a_dash_for_a_call_that_did_not_run_and_lists_every_call
     ]
     assert format_calls(results).splitlines() == [
         "- resident @ unlimited: 1.000 s",
-        "- pinned @ 8.00 GB: 5.000, 2.100, 2.000 s (steady from call 2)",
+        "- pinned @ 8.00 GB: 5.000, 2.100, 2.000 s (steady from call 2; host CPU stolen 12.5%)",
         "- pinned @ 4.00 GB: 2.000, 2.000, 3.000 s (never within 1.05x of steady)",
         "- group_offload_leaf @ unlimited: out of memory",
     ]

@@ -26,7 +26,7 @@ from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
 from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
-from .timing import calls_to_steady, timed_calls
+from .timing import calls_to_steady, host_cpu_ticks, steal_fraction, timed_calls
 from .trace import traced_call
 
 logger = logging.getLogger(__name__)
@@ -296,6 +296,9 @@ class ModeResult:
     # per call, and the peaks, are the steady calls' (the last `calls`, after the `warmup` first).
     call_seconds: tuple[float, ...] = ()
     calls_to_steady: int | None = None
+    # Over those calls, the share of the host's CPU time its hypervisor gave other guests (see
+    # .timing.steal_fraction): what tells a process slow for its machine from one slow for its mode.
+    host_steal_fraction: float | None = None
     # With --compile: the first call (tracing and compiling included), and graphs compiled during
     # the steady calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
     first_call_seconds: float | None = None
@@ -408,6 +411,7 @@ def run_mode(
         if compile is not None:
             compile_denoiser(pipe, compile)
         seconds: list[float] = []
+        ticks = host_cpu_ticks()
         traced, first = _traced_first_call(pipe, call, device, seconds) if trace == "first" else (None, None)
         output = timed_calls(call, device, warmup - (trace == "first"), seconds)
         first = output if first is None else first
@@ -420,6 +424,7 @@ def run_mode(
         before = _counters(pipe) if pinned else None
         retries = _device.allocator_retries(device)
         output = timed_calls(call, device, calls, seconds)
+        steal = steal_fraction(ticks, host_cpu_ticks())
         first = output if first is None else first
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
@@ -463,6 +468,7 @@ def run_mode(
         alloc_retries=retries,
         call_seconds=tuple(seconds),
         calls_to_steady=calls_to_steady(seconds, calls),
+        host_steal_fraction=steal,
         first_call_seconds=seconds[0] if compile is not None else None,
         graphs_compiled_while_timed=graphs,
         cuda_graphs_recorded_while_timed=recorded,

@@ -144,14 +144,19 @@ def _line_per_run(results: list[ModeResult], describe: Callable[[ModeResult], st
 
 
 def format_calls(results: list[ModeResult]) -> str:
-    """Every call's seconds, one line per run: the first calls are what a user meets first."""
+    """Every call's seconds, one line per run: the first calls are what a user meets first; and the
+    share of the host's CPU its hypervisor gave other guests meanwhile, where the kernel tells."""
 
     def calls(r: ModeResult) -> str:
+        notes = []
         if r.calls_to_steady is not None:
-            steady = f" (steady from call {r.calls_to_steady})"
-        else:
-            steady = f" (never within {STEADY_WITHIN}x of steady)" if len(r.call_seconds) > 1 else ""
-        return f"{', '.join(f'{s:.3f}' for s in r.call_seconds)} s{steady}"
+            notes.append(f"steady from call {r.calls_to_steady}")
+        elif len(r.call_seconds) > 1:
+            notes.append(f"never within {STEADY_WITHIN}x of steady")
+        if r.host_steal_fraction is not None:
+            notes.append(f"host CPU stolen {100 * r.host_steal_fraction:.1f}%")
+        told = f" ({'; '.join(notes)})" if notes else ""
+        return f"{', '.join(f'{s:.3f}' for s in r.call_seconds)} s{told}"
 
     return _line_per_run(results, calls)
 

@@ -1,4 +1,5 @@
-"""Timing a mode's calls one by one, and from which call on they are steady.
+"""Timing a mode's calls one by one, from which call on they are steady, and how much of the
+host's CPU its hypervisor took meanwhile.
 
 A user meets the first calls too: set-up work a mode defers (allocations, pinning, compiling)
 lands on them, so the benchmark times every call and says how many it takes to reach the steady
@@ -10,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -47,3 +49,25 @@ def timed_calls(
         seconds.append(time.perf_counter() - started)
         first = output if first is None else first
     return first
+
+
+def host_cpu_ticks(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """The host's CPU time so far, in ticks: the part a hypervisor gave other guests while this one
+    had work (``steal``), and all of it; None where the kernel does not tell (off Linux)."""
+    try:
+        fields = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[:1] != ["cpu"] or len(fields) < 9:
+        return None
+    # user nice system idle iowait irq softirq steal: guest time is counted in user already.
+    ticks = [int(value) for value in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the host's CPU time between two :func:`host_cpu_ticks` that was stolen: on a
+    virtual machine, a process slow for want of CPU shows it here and not in its own figures."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
