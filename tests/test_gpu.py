@@ -369,7 +369,7 @@ def test_cuda_graphs_of_a_staged_transformer_record_once_per_set_of_weight_addre
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from diffusers_residency.bench.modes import cuda_graphs_recorded
+    from diffusers_residency.bench.compiling import cuda_graphs_recorded
 
     torch._dynamo.reset()
     try:

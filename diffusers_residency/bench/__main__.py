@@ -44,7 +44,8 @@ from ..policy import Policy
 from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
-from .modes import DENOISERS, MODES, PINNED_MODES, CompileSettings, Mode, ModeResult, pinned_mode, run_mode
+from .compiling import DENOISERS, CompileSettings
+from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
 from .tables import (

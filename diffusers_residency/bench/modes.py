@@ -25,6 +25,7 @@ from .. import _device
 from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
+from .compiling import CompileSettings, compile_denoiser, cuda_graphs_recorded, graphs_compiled, uncompile
 from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
 from .timing import calls_to_steady, host_cpu_ticks, steal_fraction, timed_calls
 from .trace import traced_call
@@ -214,67 +215,6 @@ MODES: dict[str, Mode] = {
 }
 
 
-# The components diffusers' pipelines call at every denoising step: what --compile compiles.
-DENOISERS = ("transformer", "unet")
-
-
-@dataclass(frozen=True)
-class CompileSettings:
-    """How --compile compiles the denoiser: ``how`` is ``regional`` (``compile_repeated_blocks``) or
-    ``whole`` (``component.compile()``); ``mode`` is torch.compile's (``None``: its default)."""
-
-    how: str
-    backend: str = "inductor"
-    mode: str | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        """What ``torch.compile`` is called with."""
-        return {"backend": self.backend, "mode": self.mode, "fullgraph": True}
-
-
-def compile_denoiser(pipe: DiffusionPipeline, settings: CompileSettings) -> None:
-    """Compile the denoiser the way a user would."""
-    denoiser = next(pipe.components[name] for name in DENOISERS if name in pipe.components)
-    compile_ = denoiser.compile_repeated_blocks if settings.how == "regional" else denoiser.compile
-    compile_(**settings.kwargs())
-
-
-def uncompile(pipe: DiffusionPipeline) -> None:
-    """Undo :func:`compile_denoiser` once the mode's hooks are gone, so the next mode starts from the
-    plain modules: ``nn.Module.compile`` leaves ``_compiled_call_impl``, and a staging hook removed
-    after ``compile()`` leaves the compiled forward as the instance's ``forward``."""
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            for module in component.modules():
-                module._compiled_call_impl = None
-                if hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
-                    del module.forward
-    torch._dynamo.reset()
-
-
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def cuda_graphs_recorded(device: torch.device) -> int:
-    """CUDA graphs that inductor's graph tree for ``device`` holds (what ``reduce-overhead`` records):
-    a compiled forward whose weights come back at addresses not seen before records again. The
-    tree is torch's private state (``torch._inductor.cudagraph_trees``); nothing public counts
-    recordings."""
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
-    nodes = [] if manager is None or manager.roots is None else [n for roots in manager.roots.values() for n in roots]
-    recorded = 0
-    while nodes:
-        node = nodes.pop()
-        recorded += 1
-        nodes.extend(child for children in node.children.values() for child in children)
-    return recorded
-
-
 @dataclass(frozen=True)
 class ModeResult:
     mode: str
@@ -415,7 +355,7 @@ def run_mode(
         traced, first = _traced_first_call(pipe, call, device, seconds) if trace == "first" else (None, None)
         output = timed_calls(call, device, warmup - (trace == "first"), seconds)
         first = output if first is None else first
-        graphs = _graphs() if compile is not None else None
+        graphs = graphs_compiled() if compile is not None else None
         # Inductor's graph trees are CUDA's only.
         count_cuda_graphs = compile is not None and device.type == "cuda" and replays_cuda_graphs(compile.kwargs())
         recorded = cuda_graphs_recorded(device) if count_cuda_graphs else None
@@ -428,7 +368,7 @@ def run_mode(
         first = output if first is None else first
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
         retries = None if retries is None else _device.allocator_retries(device) - retries
-        graphs = None if graphs is None else _graphs() - graphs
+        graphs = None if graphs is None else graphs_compiled() - graphs
         recorded = None if recorded is None else cuda_graphs_recorded(device) - recorded
         loaded, gbps, host, read_gbps = _traffic(pipe, before, calls) if pinned else (None, None, None, None)
         peak_anonymous = sampler.stop()
