@@ -54,6 +54,8 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
             for group in groups:
                 locks.enter_context(group.call_lock)
                 group.calls += 1
+                group.calls_running += 1
+                locks.callback(_call_ended, group)
             if state is None or state.profile is None or state.in_call:
                 # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
                 # the outermost call is the one planned for.
@@ -72,6 +74,10 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
 
     call._residency_wrapper = True
     cls.__call__ = call
+
+
+def _call_ended(group: ResidencyGroup) -> None:
+    group.calls_running -= 1
 
 
 def wrap_every_pipeline_call() -> None:

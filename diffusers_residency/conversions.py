@@ -3,7 +3,9 @@ last one kept for the way back.
 
 Pipelines cast a component and back inside every call (SDXL upcasts its VAE to float32 to decode
 and casts it back to float16): a result with the same bits as a kept master is bound to it instead
-of becoming a new one.
+of becoming a new one, and once a pair of casts has settled, a cast binds the kept masters without
+converting anything, when nothing can have written the masters it converts from (see
+:meth:`ConversionReuse.convert`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from .masters import StorageGroup, TensorBinding, Views
+from .masters import StorageGroup, TensorBinding, Views, bound_as_taken
 from .retention import RetentionBudget
 
 T = TypeVar("T")
@@ -69,6 +71,7 @@ class ConversionReuse:
     loads: int
     retention: RetentionBudget | None
     _groups: tuple[StorageGroup, ...]
+    _maps_files: bool
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
 
     def _init_conversions(self) -> None:
@@ -78,6 +81,12 @@ class ConversionReuse:
         self._kept_conversions: dict[tuple, torch.Tensor] = {}
         self._loads_at_conversion: int | None = None
         self._most_loads_between_conversions = 0
+        # The last conversion: the pipeline call it was made in (None: outside one), the masters it
+        # left current, and their tensors' version counters then (None: an inference tensor has none).
+        self._last_conversion: tuple[int | None, tuple[StorageGroup, ...], tuple | None] | None = None
+        # A copy of the masters that the first conversion of a call converted from, with those masters,
+        # made where it converted them afresh: the next call's first conversion compares with it.
+        self._sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None = None
 
     def _conversions_to_forget(self) -> bool:
         """Whether the kept masters can go (see LOADS_KEEPING_CONVERSIONS), asked before a load."""
@@ -86,18 +95,26 @@ class ConversionReuse:
         )
 
     def convert(
-        self, apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T], fn: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], T],
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        call: int | None = None,
     ) -> T:
         """Run a conversion of the modules (``apply``: ``nn.Module._apply``, ``fn``: what ``.to(dtype)``
         or ``.half()`` gives it) over the masters, and take its results as the new masters.
+        ``dtype``: the dtype ``fn`` casts floating tensors to, where known (``module.to(dtype)``);
+        ``call``: the pipeline call under way, if any.
 
         Pipelines cast a component and back inside every call: SDXL upcasts its VAE to float32 to
         decode and casts it back to float16. Taking every result as a new master page-locked fresh
         host memory twice a call, at about half a second per GiB (docs/measurements.md). So the masters from
         before the last conversion are kept, and a result with the same bits as one of them (the
-        float16 weights, on the way back) is bound to it instead. Each result is still computed and
-        compared, never assumed: a master written in place since (a LoRA fused into it) fails the
-        comparison, and the fresh result is taken.
+        float16 weights, on the way back) is bound to it instead. A result is computed and
+        compared unless its source cannot have changed since the kept master was made from it (see
+        :meth:`_sources_unchanged`): a master written in place since (a LoRA fused into it) fails
+        the comparison, and the fresh result is taken.
         """
         self.offload()
         before = self._groups
@@ -106,15 +123,26 @@ class ConversionReuse:
         own = {id(b.target): (b, group.master) for group in before if not group.mapped for b in group.bindings}
         # (where the source was bound, its master, the tensor that takes the result)
         converted: list[tuple[TensorBinding, torch.Tensor, torch.Tensor]] = []
+        unchanged = dtype is not None and bool(self._kept_groups) and self._sources_unchanged(call)
+        computed = 0
 
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
-            result = fn(tensor)
+            nonlocal computed
             bound = own.get(id(tensor))
+            if unchanged and bound is not None and tensor.dtype != dtype and bound_as_taken(*bound):
+                # The bits the conversion would give are those of the kept master made from this
+                # source (a conversion of one dtype to another is a function of the bits).
+                kept = self._kept_conversions.get(conversion_key(tensor, dtype))
+                if kept is not None:
+                    converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else kept))
+                    return kept
+            result = fn(tensor)
             if bound is None or not isinstance(result, torch.Tensor) or result is tensor or result.device.type != "cpu":
                 # Not a host copy of one of this stager's tensors: a block's (staged on its own), a
                 # DTensor (its shard is what is bound), a mapped master's, a tensor the conversion
                 # left as it was, or one it moved to a device. Taken by retake_masters as it comes.
                 return result
+            computed += 1
             kept = self._kept_conversions.get(conversion_key(tensor, result.dtype))
             if kept is not None and same_bits(kept, result):
                 result = kept
@@ -126,12 +154,14 @@ class ConversionReuse:
         result = apply(reusing)
         if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
             self._swap_kept_masters()
+            self._note_conversion(call, before, settled=not computed)
             return result
         let_go = self._retake()
         if not converted:
             # Nothing to keep from this one (a cast to the dtype it has): what was kept stands.
             if let_go:
                 self._wait_before_letting_go(let_go)
+            self._note_conversion(call, before, settled=False)
             return result
         bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
         kept_conversions = {}
@@ -155,7 +185,55 @@ class ConversionReuse:
         if dropped:
             self._wait_before_letting_go(dropped)
         self._count_conversion()
+        self._note_conversion(call, before, settled=False)
         return result
+
+    def _sources_unchanged(self, call: int | None) -> bool:
+        """Whether the current masters still hold what the kept ones were converted from (or to), so
+        that each kept master stands for its conversion without one being made.
+
+        Inside a pipeline call, after a conversion made in the same call (SDXL's cast back after its
+        decode), the masters were bound since that conversion to the modules alone, which only
+        the pipeline's code used: their version counters tell whether anything wrote them. A write
+        through ``.data`` moves no counter, and is not seen there (docs/changing-weights.md).
+        Between calls, anything may have written them: they are compared with the copy made when
+        they were last converted from (:meth:`_note_conversion`), a comparison of the sources'
+        bytes alone, where converting and comparing the results reads three times as many for
+        SDXL's VAE."""
+        if self._maps_files:
+            return False
+        last = self._last_conversion
+        if call is not None and last is not None and last[0] == call and last[1] is self._groups and last[2] is not None:
+            return all(target._version == version for target, version in last[2])
+        copy = self._sources_copy
+        if copy is None or copy[0] is not self._groups:
+            return False
+        return all(same_bits(group.master, bytes_then) for group, bytes_then in zip(self._groups, copy[1]))
+
+    def _note_conversion(self, call: int | None, before: tuple[StorageGroup, ...], *, settled: bool) -> None:
+        """Record what :meth:`_sources_unchanged` asks after a conversion from ``before``: made
+        without converting anything (``settled``), or converted afresh.
+
+        A fresh conversion breaks what the copy of the sources promised (a kept master that
+        converts from the copy's bytes): the copy goes, and one is made of the sources of the
+        first conversion of a call, where they all became the kept masters. Made once for SDXL's
+        VAE (its float16 masters), and compared at every call's upcast."""
+        last = self._last_conversion
+        first_of_call = call is not None and (last is None or last[0] != call)
+        bindings = [b for group in self._groups for b in group.bindings]
+        versions = None if any(b.inference for b in bindings) else tuple((b.target, b.target._version) for b in bindings)
+        self._last_conversion = (call, self._groups, versions)
+        if settled:
+            return
+        self._sources_copy = None
+        if first_of_call and self._kept_groups is before:
+            with torch.inference_mode(False):
+                self._sources_copy = (before, tuple(group.master.clone() for group in before))
+
+    def note_masters_written(self) -> None:
+        """Something is about to write into the current masters where no version counter may show
+        it (peft merges a LoRA through ``.data``): the next conversion in this call compares."""
+        self._last_conversion = None
 
     def _swap_kept_masters(self) -> None:
         """Make the kept masters current and the current ones kept, after a conversion that bound
@@ -180,5 +258,7 @@ class ConversionReuse:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
         self._kept_groups = ()
         self._kept_conversions = {}
+        self._last_conversion = None
+        self._sources_copy = None
         # Their views, too: they hold the masters' memory.
         self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}

@@ -227,7 +227,16 @@ class StagingHook(ModelHook):
                     "diffusers_residency.detach_staging_hook(module)) first."
                 )
         casts = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
-        return original_to(**casts) if casts else module
+        if not casts:
+            return module
+        if memory_format is not None:
+            return original_to(**casts)
+        # nn.Module.to hands _apply a function alone: the dtype it casts to is told here.
+        self.group.cast_dtype = dtype
+        try:
+            return original_to(**casts)
+        finally:
+            self.group.cast_dtype = None
 
     def _compile_wrapped_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         # nn.Module.compile() compiles the whole call, staging included: the staging call runs
@@ -258,17 +267,24 @@ class StagingHook(ModelHook):
     def _apply_through_masters(self, original_apply: Callable[..., nn.Module], fn: Callable, recurse: bool) -> nn.Module:
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
-        unit = self.unit
-        if self.group.casting:
+        unit, group = self.unit, self.group
+        convert = functools.partial(
+            unit.stager.convert,
+            lambda apply: original_apply(apply, recurse),
+            fn,
+            dtype=group.cast_dtype,
+            call=group.calls if group.calls_running else None,
+        )
+        if group.casting:
             # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
-            result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
+            result = convert()
         else:
             started = time.perf_counter()
-            self.group.casting = True
+            group.casting = True
             try:
-                result = unit.stager.convert(lambda apply: original_apply(apply, recurse), fn)
+                result = convert()
             finally:
-                self.group.casting = False
+                group.casting = False
                 unit.host_seconds += time.perf_counter() - started
         if unit.sleep_level == 2 and not unit.stager.host_bytes()["mapped"]:
             # Cast while asleep at level 2: its masters are the results, memory of their own, and

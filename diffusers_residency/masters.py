@@ -316,8 +316,8 @@ class MasterBindings:
     load's device storage), binding to them, and the checks that what is bound is what was taken.
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
-    ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` (see
-    :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods
+    ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` and
+    ``_sources_copy`` (see :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods
     of its other parts that keep masters apart from a copy that ranks share (see
     :class:`~.host_copy.HostCopyReads`)."""
 
@@ -325,6 +325,7 @@ class MasterBindings:
     exclude: tuple[nn.Module, ...]
     _groups: tuple[StorageGroup, ...]
     _kept_groups: tuple[StorageGroup, ...]
+    _sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
     _wrappers: Wrappers
     _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
@@ -357,11 +358,14 @@ class MasterBindings:
 
     def host_bytes(self) -> dict[str, int]:
         """Master bytes by where they live: ``pinned`` or ``pageable`` memory, or ``mapped`` from a file;
-        masters kept from before the last conversion (see :meth:`convert`) included."""
+        masters kept from before the last conversion (see :meth:`convert`) included, and the
+        pageable copy of the masters a conversion compares with."""
         held = {"pinned": 0, "pageable": 0, "mapped": 0}
         for group in self._groups + self._kept_groups:
             kind = "mapped" if group.mapped else "pinned" if group.pinned else "pageable"
             held[kind] += group.nbytes
+        if self._sources_copy is not None:
+            held["pageable"] += sum(copy.numel() for copy in self._sources_copy[1])
         return held
 
     def _views_over(self, backings: Iterable[torch.Tensor]) -> Views:

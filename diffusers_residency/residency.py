@@ -142,9 +142,14 @@ class ResidencyGroup:
         # Pipeline calls begun (see calls._wrap_call): where every other component stays resident,
         # nothing switches between two calls, and a block stream tells its calls apart by these.
         self.calls = 0
+        # Pipeline calls under way (a call inside another counts too): a cast made while one is
+        # runs inside that call (see ConversionReuse.convert).
+        self.calls_running = 0
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
+        # The dtype of a ``module.to(dtype)`` under way, for the hooks of the blocks it recurses into.
+        self.cast_dtype: torch.dtype | None = None
         # Components in call order, and the most weight bytes the group may hold while a given
         # component runs: together they let the next component load ahead while the current one
         # computes. No room, no loading ahead.

@@ -357,6 +357,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         """Offload, and wait until no copy still reads the masters: they are about to be written."""
         self.offload()
         self._copy.wait()
+        self.note_masters_written()
 
     def retake_masters(self) -> None:
         """Take new masters after the modules' tensors were replaced (a dtype cast such as SDXL's VAE

@@ -229,6 +229,75 @@ def test_a_cast_that_gives_new_parameter_objects_converts_a_written_master_afres
     assert torch.equal(flux.run(), flux.reference)
 
 
+def _sdxl_in_float16() -> PipelineCase:
+    """A float16 SDXL, whose calls cast the VAE to float32 to decode and back. Its reference call
+    cast it under inference mode, which left the VAE's parameters inference tensors, without
+    version counters: a round trip outside it gives them back as ``from_pretrained`` makes them."""
+    case = PipelineCase("sdxl", dtype=torch.float16)
+    case.pipe.vae.to(torch.float32)
+    case.pipe.vae.to(torch.float16)
+    return case
+
+
+def test_sdxl_vae_casts_convert_nothing_once_a_call_has_made_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the second call on, the upcast compares the float16 masters with their copy, and the
+    cast back binds the float16 masters, its sources unwritten since the upcast: no result is
+    converted or compared."""
+    case = _sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+    compared: list[torch.dtype] = []
+    same_bits = diffusers_residency.conversions.same_bits
+    monkeypatch.setattr(
+        diffusers_residency.conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
+    )
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone"
+    vae = case.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == 4 * vae.weight_bytes, "float16 and float32 masters, and the float16 ones' copy"
+
+
+def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast() -> None:
+    """No version counter sees a write through ``.data``: the upcast's comparison with the copy of
+    the float16 masters does, and converts afresh."""
+    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    for pipe in (case.pipe, resident.pipe):
+        pipe.vae.decoder.conv_out.weight.data.mul_(2)
+    expected = resident.run()
+    assert not torch.equal(expected, case.reference)
+    for _ in range(2):
+        assert torch.equal(case.run(), expected)
+
+
+def test_a_weight_written_in_place_between_a_cast_and_the_cast_back_is_kept() -> None:
+    """Inside a call, the cast back trusts its sources only while their version counters stand: a
+    write while decoding (a hook, here) is copied into the float32 master at offload, and cast back."""
+    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+
+    def double_once(vae: torch.nn.Module) -> None:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            with torch.no_grad():
+                module.weight.mul_(2)
+            handle.remove()
+
+        handle = vae.post_quant_conv.register_forward_pre_hook(hook)
+
+    for pipe in (case.pipe, resident.pipe):
+        double_once(pipe.vae)
+    written = case.run()
+    assert not torch.equal(written, case.reference)
+    assert torch.equal(written, resident.run())
+    assert case.pipe.vae.post_quant_conv.weight.dtype == torch.float16
+    assert torch.equal(case.pipe.vae.post_quant_conv.weight, resident.pipe.vae.post_quant_conv.weight)
+    assert torch.equal(case.run(), resident.run())
+
+
 def test_a_round_trip_on_kept_masters_waits_for_no_copy(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiting for the copies still reading a master is needed only before letting it go: SDXL's
     VAE casts, once their masters are kept, let none go, and must not stall the host behind the
