@@ -79,6 +79,10 @@ class ConversionReuse:
         # by where it came from: the way back finds its master among them.
         self._kept_groups: tuple[StorageGroup, ...] = ()
         self._kept_conversions: dict[tuple, torch.Tensor] = {}
+        # The keys of _kept_conversions whose master is known to hold what converting from the key's
+        # source gives (computed from it, or compared with what it gives): the way back of a
+        # narrowing (float32 to float16 and up again) does not give the masters it came from.
+        self._verified_conversions: set[tuple] = set()
         self._loads_at_conversion: int | None = None
         self._most_loads_between_conversions = 0
         # The last conversion: the pipeline call it was made in (None: outside one), the masters it
@@ -124,16 +128,16 @@ class ConversionReuse:
         # (where the source was bound, its master, the tensor that takes the result)
         converted: list[tuple[TensorBinding, torch.Tensor, torch.Tensor]] = []
         unchanged = dtype is not None and bool(self._kept_groups) and self._sources_unchanged(call)
-        computed = 0
+        compared_equal: set[tuple] = set()
 
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal computed
             bound = own.get(id(tensor))
             if unchanged and bound is not None and tensor.dtype != dtype and bound_as_taken(*bound):
                 # The bits the conversion would give are those of the kept master made from this
                 # source (a conversion of one dtype to another is a function of the bits).
-                kept = self._kept_conversions.get(conversion_key(tensor, dtype))
-                if kept is not None:
+                key = conversion_key(tensor, dtype)
+                if key in self._verified_conversions:
+                    kept = self._kept_conversions[key]
                     converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else kept))
                     return kept
             result = fn(tensor)
@@ -142,10 +146,11 @@ class ConversionReuse:
                 # DTensor (its shard is what is bound), a mapped master's, a tensor the conversion
                 # left as it was, or one it moved to a device. Taken by retake_masters as it comes.
                 return result
-            computed += 1
-            kept = self._kept_conversions.get(conversion_key(tensor, result.dtype))
+            key = conversion_key(tensor, result.dtype)
+            kept = self._kept_conversions.get(key)
             if kept is not None and same_bits(kept, result):
                 result = kept
+                compared_equal.add(key)
             # The module keeps a parameter and takes its new data; a buffer is replaced.
             converted.append((*bound, tensor if isinstance(tensor, nn.Parameter) else result))
             return result
@@ -153,18 +158,22 @@ class ConversionReuse:
         kept_before = self._kept_groups
         result = apply(reusing)
         if converted and self._kept_groups and self._bound_to(self._kept_groups, list(self.tensors())):
+            if not unchanged:
+                # A source may have changed since the ways back were compared: none stands.
+                self._verified_conversions = set()
+            self._verified_conversions |= compared_equal
             self._swap_kept_masters()
-            self._note_conversion(call, before, settled=not computed)
+            self._note_conversion(call, before, fresh=not unchanged)
             return result
         let_go = self._retake()
         if not converted:
-            # Nothing to keep from this one (a cast to the dtype it has): what was kept stands.
+            # Nothing to keep from this one (a cast to the dtype it has): what was kept stands, and
+            # so do the counters noted at the last conversion (a write since is still to be seen).
             if let_go:
                 self._wait_before_letting_go(let_go)
-            self._note_conversion(call, before, settled=False)
             return result
         bound = {id(b.target): (b, group.master) for group in self._groups for b in group.bindings}
-        kept_conversions = {}
+        kept_conversions, verified = {}, set()
         with torch.inference_mode(False):
             for source_binding, source_master, target in converted:
                 if id(target) not in bound:
@@ -173,11 +182,12 @@ class ConversionReuse:
                 source, now = source_binding.view_over(source_master), binding.view_over(master)
                 kept_conversions[conversion_key(source, now.dtype)] = now
                 kept_conversions[conversion_key(now, source.dtype)] = source
+                verified.add(conversion_key(source, now.dtype))
         masters = {id(group.master) for group in self._groups}
         kept = tuple(group for group in before if id(group.master) not in masters and not group.mapped)
         # All of them (the usual case) is the very tuple their cached master views were made for.
         self._kept_groups = before if len(kept) == len(before) else kept
-        self._kept_conversions = kept_conversions
+        self._kept_conversions, self._verified_conversions = kept_conversions, verified
         # Kept masters are not let go: a cast and its way back wait for no copy (the device may
         # still be loading the blocks that ran just before the cast; the host converts meanwhile).
         held = masters | {id(group.master) for group in self._kept_groups}
@@ -185,45 +195,48 @@ class ConversionReuse:
         if dropped:
             self._wait_before_letting_go(dropped)
         self._count_conversion()
-        self._note_conversion(call, before, settled=False)
+        self._note_conversion(call, before, fresh=True)
         return result
 
     def _sources_unchanged(self, call: int | None) -> bool:
-        """Whether the current masters still hold what the kept ones were converted from (or to), so
-        that each kept master stands for its conversion without one being made.
+        """Whether the current masters still hold what they held at the last conversion, so that a
+        kept master known to hold a conversion of one (see ``_verified_conversions``) stands for it.
 
         Inside a pipeline call, after a conversion made in the same call (SDXL's cast back after its
         decode), the masters were bound since that conversion to the modules alone, which only
         the pipeline's code used: their version counters tell whether anything wrote them. A write
         through ``.data`` moves no counter, and is not seen there (docs/changing-weights.md).
-        Between calls, anything may have written them: they are compared with the copy made when
-        they were last converted from (:meth:`_note_conversion`), a comparison of the sources'
-        bytes alone, where converting and comparing the results reads three times as many for
-        SDXL's VAE."""
-        if self._maps_files:
-            return False
+        Between calls, anything may have written them: the counters must stand too, and the
+        masters must equal the copy made when they were last converted afresh
+        (:meth:`_note_conversion`), a comparison of the sources' bytes alone, where converting and
+        comparing the results reads three times as many for SDXL's VAE."""
         last = self._last_conversion
-        if call is not None and last is not None and last[0] == call and last[1] is self._groups and last[2] is not None:
-            return all(target._version == version for target, version in last[2])
+        if self._maps_files or last is None or last[1] is not self._groups:
+            return False
+        noted_in, _, versions = last
+        if versions is not None and any(target._version != version for target, version in versions):
+            return False
+        if call is not None and noted_in == call:
+            return versions is not None
         copy = self._sources_copy
         if copy is None or copy[0] is not self._groups:
             return False
         return all(same_bits(group.master, bytes_then) for group, bytes_then in zip(self._groups, copy[1]))
 
-    def _note_conversion(self, call: int | None, before: tuple[StorageGroup, ...], *, settled: bool) -> None:
-        """Record what :meth:`_sources_unchanged` asks after a conversion from ``before``: made
-        without converting anything (``settled``), or converted afresh.
+    def _note_conversion(self, call: int | None, before: tuple[StorageGroup, ...], *, fresh: bool) -> None:
+        """Record what :meth:`_sources_unchanged` asks after a conversion from ``before``; ``fresh``:
+        one whose sources may have changed, or that took new masters.
 
-        A fresh conversion breaks what the copy of the sources promised (a kept master that
-        converts from the copy's bytes): the copy goes, and one is made of the sources of the
-        first conversion of a call, where they all became the kept masters. Made once for SDXL's
-        VAE (its float16 masters), and compared at every call's upcast."""
+        A fresh conversion breaks what the copy of the sources promised (masters that the kept
+        ones were verified against): the copy goes, and one is made of the sources of the first
+        conversion of a call, where they all became the kept masters. Made once for SDXL's VAE
+        (its float16 masters), and compared at every call's upcast."""
         last = self._last_conversion
         first_of_call = call is not None and (last is None or last[0] != call)
         bindings = [b for group in self._groups for b in group.bindings]
         versions = None if any(b.inference for b in bindings) else tuple((b.target, b.target._version) for b in bindings)
         self._last_conversion = (call, self._groups, versions)
-        if settled:
+        if not fresh:
             return
         self._sources_copy = None
         if first_of_call and self._kept_groups is before:
@@ -232,8 +245,14 @@ class ConversionReuse:
 
     def note_masters_written(self) -> None:
         """Something is about to write into the current masters where no version counter may show
-        it (peft merges a LoRA through ``.data``): the next conversion in this call compares."""
+        it (peft merges a LoRA through ``.data``): the next conversion compares its results."""
         self._last_conversion = None
+
+    def forget_last_conversion(self) -> None:
+        """The masters were taken again: what the last conversion noted of the ones before goes
+        (it would hold them, and tensors the modules no longer have), and the copy of its sources."""
+        self._last_conversion = None
+        self._sources_copy = None
 
     def _swap_kept_masters(self) -> None:
         """Make the kept masters current and the current ones kept, after a conversion that bound
@@ -258,7 +277,7 @@ class ConversionReuse:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
         self._kept_groups = ()
         self._kept_conversions = {}
-        self._last_conversion = None
-        self._sources_copy = None
+        self._verified_conversions = set()
+        self.forget_last_conversion()
         # Their views, too: they hold the masters' memory.
         self._master_views_by = {key: entry for key, entry in self._master_views_by.items() if entry[0] is self._groups}

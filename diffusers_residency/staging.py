@@ -384,6 +384,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         old = self._groups
         before = self.weight_bytes
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
+        self.forget_last_conversion()
         self._find_wrappers()
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)

@@ -8,7 +8,7 @@ import torch
 
 import diffusers_residency
 from diffusers_residency import ModuleStager
-from diffusers_residency.bench.builders import PIPELINE_KINDS
+from diffusers_residency.bench.builders import PIPELINE_KINDS, call_kwargs, pipeline_output
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, staging_hooks
 
@@ -295,6 +295,29 @@ def test_a_weight_written_in_place_between_a_cast_and_the_cast_back_is_kept() ->
     assert torch.equal(written, resident.run())
     assert case.pipe.vae.post_quant_conv.weight.dtype == torch.float16
     assert torch.equal(case.pipe.vae.post_quant_conv.weight, resident.pipe.vae.post_quant_conv.weight)
+    assert torch.equal(case.run(), resident.run())
+
+
+def test_casts_through_a_narrower_dtype_inside_a_call_give_what_resident_casts_give() -> None:
+    """float16 to float32, bfloat16, float32 and float16 again, in a step's callback, before the
+    pipeline's own casts: the way back up from bfloat16 finds the float32 masters kept, which it
+    does not give (bfloat16 rounds), and must convert, not bind them."""
+    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+
+    def through_bfloat16(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+        if step == 0:
+            for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.float16):
+                pipe.vae.to(dtype=dtype)
+        return callback_kwargs
+
+    def run(pipe) -> torch.Tensor:  # arguments made afresh: they hold the call's generator
+        return pipeline_output(pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": through_bfloat16})
+
+    expected = run(resident.pipe)
+    assert not torch.equal(expected, case.reference)
+    assert torch.equal(run(case.pipe), expected)
     assert torch.equal(case.run(), resident.run())
 
 
