@@ -133,8 +133,8 @@ class ConversionReuse:
         def reusing(tensor: torch.Tensor) -> torch.Tensor:
             bound = own.get(id(tensor))
             if unchanged and bound is not None and tensor.dtype != dtype and bound_as_taken(*bound):
-                # The bits the conversion would give are those of the kept master made from this
-                # source (a conversion of one dtype to another is a function of the bits).
+                # A conversion of one dtype to another is a function of the bits: a kept master
+                # verified to hold it, neither side written since, holds what it would give.
                 key = conversion_key(tensor, dtype)
                 if key in self._verified_conversions:
                     kept = self._kept_conversions[key]
