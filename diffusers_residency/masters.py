@@ -317,9 +317,9 @@ class MasterBindings:
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
     ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` and
-    ``_sources_copy`` (see :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and ``_loaded_state``; and the methods
-    of its other parts that keep masters apart from a copy that ranks share (see
-    :class:`~.host_copy.HostCopyReads`)."""
+    ``_sources_copy`` (see :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and
+    ``_loaded_state``; and the methods of its other parts that keep masters apart from a copy that
+    ranks share (see :class:`~.host_copy.HostCopyReads`)."""
 
     modules: tuple[nn.Module, ...]
     exclude: tuple[nn.Module, ...]
