@@ -322,3 +322,45 @@ def test_timings_a_few_percent_apart_choose_the_same_resident_blocks() -> None:
         transformer = plan["transformer"]
         chosen.add((transformer.resident_blocks, transformer.prefetch_blocks))
     assert len(chosen) == 1, chosen
+
+
+def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whole_search() -> None:
+    # No step is shorter than its compute: a choice that keeps every block ends the search. At 30
+    # GB the whole transformer fits, and each search of its resident blocks simulates one step
+    # where it simulated every fitting choice (some 2,300, 0.38 s of host time on the H200's
+    # host, at the end of a first call); the plans chosen are those of the whole search.
+    activations = {"text_encoder": 409 * MB, "text_encoder_2": 623 * MB, "transformer": 1070 * MB, "vae": 3417 * MB}
+    # As a pipeline replans once measured: its hooks keep what streamed streaming.
+    streamed = {s.name: Policy.STREAMED for s in FLUX}
+    blocks = FLUX[2].block_bytes
+    simulated = []
+
+    def counted(*args):
+        simulated.append(args)
+        return simulated_step_seconds(*args)
+
+    def slower(*args):
+        # Every step a millionth longer: the same choices, none at the bound, so nothing stops early.
+        return simulated_step_seconds(*args) * (1 + 1e-6)
+
+    def plans() -> list:
+        return [
+            plan_residency(FLUX, budget * GB // 2, 3 * GB, streamed, activations, timings={"transformer": timing})
+            for budget in range(14, 80, 5)
+            for timing in (
+                StepTiming(compute_per_byte=0.174 / sum(blocks), load_per_byte=1 / 54.6e9),
+                StepTiming(compute_per_byte=1.74 / sum(blocks), load_per_byte=1 / 54.6e9),
+            )
+        ]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("diffusers_residency.planner._simulated_step_seconds", counted)
+        timing = StepTiming(compute_per_byte=0.174 / sum(blocks), load_per_byte=1 / 54.6e9)
+        at_30gb = plan_residency(FLUX, 30 * GB, 3 * GB, streamed, activations, timings={"transformer": timing})
+    assert len(at_30gb["transformer"].resident_blocks) == len(blocks), str(at_30gb)
+    # One step for each of the plan's three searches of the transformer's resident blocks.
+    assert len(simulated) == 3, f"{len(simulated)} steps simulated"
+    stopping = plans()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("diffusers_residency.planner._simulated_step_seconds", slower)
+        assert plans() == stopping
