@@ -327,8 +327,8 @@ def test_timings_a_few_percent_apart_choose_the_same_resident_blocks() -> None:
 def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whole_search() -> None:
     # No step is shorter than its compute: a choice that keeps every block ends the search. At 30
     # GB the whole transformer fits, and each search of its resident blocks simulates one step
-    # where it simulated every fitting choice (some 2,300, 0.38 s of host time on the H200's
-    # host, at the end of a first call); the plans chosen are those of the whole search.
+    # where it simulated every fitting choice (docs/benchmarks.md); the plans chosen are those of
+    # the whole search.
     activations = {"text_encoder": 409 * MB, "text_encoder_2": 623 * MB, "transformer": 1070 * MB, "vae": 3417 * MB}
     # As a pipeline replans once measured: its hooks keep what streamed streaming.
     streamed = {s.name: Policy.STREAMED for s in FLUX}
