@@ -389,19 +389,24 @@ def _with_resident_blocks(
     if timing is None:
         return next(fitting, plans)
     seconds = functools.partial(_step_seconds, name=name, by_name=by_name, room=room, timing=timing)
-    # No step is shorter than its compute alone: once a trial takes no longer (to rounding), it is
-    # the shortest, and the trials after it could only tie with it, behind it in order. With room
-    # for every block this stops at the first trial rather than simulating every fitting one.
-    fastest = sum(sizes.block_bytes) * timing.compute_per_byte * (1 + 1e-9)
-    timed = []
+    # No step is shorter than its compute alone (less the simulation's rounding, some 1e-14 of
+    # it): once the choice among the steps simulated so far is within STEP_TIE of that, it is
+    # within STEP_TIE of the shortest of all, and the trials before it are not, so no trial after
+    # it can change the choice. With room for every block the search stops at the first trial
+    # rather than simulating every fitting one.
+    within_tie_of_any = sum(sizes.block_bytes) * timing.compute_per_byte * (1 - 1e-12) * (1 + STEP_TIE)
+    timed: list[tuple[float, dict[str, ComponentPlan]]] = []
     for trial in fitting:
         timed.append((seconds(trial), trial))
-        if timed[-1][0] <= fastest:
+        if timed[-1][0] <= within_tie_of_any and _chosen(timed)[0] <= within_tie_of_any:
             break
-    if not timed:
-        return plans
+    return _chosen(timed)[1] if timed else plans
+
+
+def _chosen(timed: Sequence[tuple[float, dict[str, ComponentPlan]]]) -> tuple[float, dict[str, ComponentPlan]]:
+    """The first of the timed trials whose step is within STEP_TIE of the shortest."""
     shortest = min(step for step, _ in timed)
-    return next(trial for step, trial in timed if step <= shortest * (1 + STEP_TIE))
+    return next(item for item in timed if item[0] <= shortest * (1 + STEP_TIE))
 
 
 def _step_seconds(

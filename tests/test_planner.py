@@ -340,8 +340,10 @@ def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whol
         return simulated_step_seconds(*args)
 
     def slower(*args):
-        # Every step a millionth longer: the same choices, none at the bound, so nothing stops early.
-        return simulated_step_seconds(*args) * (1 + 1e-6)
+        # Every step twice as long (exactly, in binary): the same choices, and none near the
+        # compute alone, so no search stops.
+        simulated.append(args)
+        return simulated_step_seconds(*args) * 2
 
     def plans() -> list:
         return [
@@ -349,6 +351,8 @@ def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whol
             for budget in range(14, 80, 5)
             for timing in (
                 StepTiming(compute_per_byte=0.174 / sum(blocks), load_per_byte=1 / 54.6e9),
+                # Nearly compute-bound: searches stop, some at their first choice, some later.
+                StepTiming(compute_per_byte=0.3 / sum(blocks), load_per_byte=1 / 54.6e9),
                 StepTiming(compute_per_byte=1.74 / sum(blocks), load_per_byte=1 / 54.6e9),
             )
         ]
@@ -360,7 +364,12 @@ def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whol
     assert len(at_30gb["transformer"].resident_blocks) == len(blocks), str(at_30gb)
     # One step for each of the plan's three searches of the transformer's resident blocks.
     assert len(simulated) == 3, f"{len(simulated)} steps simulated"
-    stopping = plans()
+    simulated.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("diffusers_residency.planner._simulated_step_seconds", counted)
+        stopping, stopping_steps = plans(), len(simulated)
+    simulated.clear()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("diffusers_residency.planner._simulated_step_seconds", slower)
         assert plans() == stopping
+    assert stopping_steps < len(simulated) / 2, (stopping_steps, len(simulated))
