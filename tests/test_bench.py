@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffusers_residency.bench import __main__ as bench_main
-from diffusers_residency.bench import modes, processes
+from diffusers_residency.bench import first_calls, modes, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.modes import (
     MMGP_INSTALL,
@@ -111,6 +111,10 @@ def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_ca
         assert 0.0 <= r["host_steal_fraction"] <= 1.0
         assert f"host CPU stolen {100 * r['host_steal_fraction']:.1f}%)" in out
     assert results[1]["exact"] is True
+    # The pinned run's first calls, held to the resident run's.
+    excess = results[1]["call_seconds"][0] - results[1]["seconds_per_call"]
+    assert f"- pinned @ unlimited, no profile: call 1 excess {results[1]['call_seconds'][0]:.3f}" in out
+    assert f"= {excess:.3f} s; allowed 0.3 x" in out
 
 
 def test_stolen_cpu_is_the_share_of_the_hosts_ticks_between_two_readings(tmp_path) -> None:
@@ -353,6 +357,39 @@ def test_rounds_repeat_the_modes_in_turn_and_take_each_ratio_within_its_round() 
     assert rows[3][0] == "| pinned (round 2)"
     assert format_round_ratios(results) == "- pinned @ 8.00 GB: 1.20, 1.10 (median 1.15)"
     assert format_round_ratios(results[:2]) == "", "nothing to add for one round"
+
+
+def test_first_calls_are_held_to_the_resident_first_call_of_their_round_and_read_back_from_json(
+    tmp_path, capsys
+) -> None:
+    GB8 = 8 * 10**9
+    measured = "vram budget 8.00 GB; figures measured for calls of height=64 width=64"
+    profiled = "vram budget 8.00 GB; figures from the residency profile for calls of height=64 width=64"
+    results = [
+        ModeResult("resident", 1.0, 1, 1.0, None, round=1, call_seconds=(3.0, 1.0, 1.0)),
+        ModeResult("pinned", 1.0, 1, 1.0, True, budget_bytes=GB8, round=1, plan=measured, call_seconds=(3.2, 1.04)),
+        ModeResult("group-leaf", 2.0, 1, 1.0, True, round=1, call_seconds=(9.0, 2.0, 2.0)),  # not this package's
+        ModeResult("resident", 2.0, 1, 1.0, True, round=2, call_seconds=(3.0, 2.0, 2.0)),
+        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=GB8, round=2, plan=profiled, call_seconds=(3.2, 2.2, 2.0)),
+        ModeResult("pinned", 2.0, 1, 1.0, True, round=2, plan=profiled, error="out of memory"),
+        ModeResult("pinned", 2.0, 1, 1.0, True, round=3, plan=profiled, call_seconds=(2.0, 2.0)),  # no resident run
+    ]
+    checks = first_calls.first_call_checks(results)
+    # Round 1 measured: excess 2.2 s against 0.3 x 1.0 + (3.0 - 1.0); round 2 planned from a
+    # profile: excess 1.2 s against 0.05 x 2.0 + (3.0 - 2.0).
+    assert [(c.label, c.profiled) for c in checks] == [
+        ("pinned @ 8.00 GB (round 1)", False),
+        ("pinned @ 8.00 GB (round 2)", True),
+    ]
+    assert [round(c.excess, 9) for c in checks] == [2.2, 1.2]
+    assert [round(c.allowed, 9) for c in checks] == [2.3, 1.1]
+    lines = first_calls.format_first_calls(results).splitlines()
+    assert "2.300 s: met, by 0.100 s; call 2 1.040x steady (within 1.05x)" in lines[0]
+    assert "1.100 s: not met, by 0.100 s; call 2 1.100x steady (over 1.05x); steady 1.00x resident" in lines[1]
+    # The same read back from a results.json, as the bench writes it.
+    (tmp_path / "results.json").write_text(json.dumps({"results": [r.as_dict() for r in results]}))
+    assert first_calls.main([str(tmp_path / "results.json")]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
 
 
 def test_the_host_memory_table_takes_each_peak_against_the_resident_peak_of_its_round() -> None:

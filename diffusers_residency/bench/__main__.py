@@ -45,6 +45,7 @@ from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .compiling import DENOISERS, CompileSettings
+from .first_calls import format_first_calls
 from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
@@ -417,6 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios = format_round_ratios(results)
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
+    first_calls = format_first_calls(results)
+    if first_calls:
+        print(
+            "\nfirst calls (call 1's excess over steady within 0.3x steady, 0.05x planned from a profile, beyond "
+            f"the resident mode's own in the same round; call 2 within 1.05x of steady):\n\n{first_calls}"
+        )
     if args.compile:
         how = ", ".join(filter(None, (args.compile, args.compile_backend, args.compile_mode)))
         print(f"\nwith the denoiser compiled ({how}):\n")
