@@ -45,7 +45,7 @@ from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .compiling import DENOISERS, CompileSettings
-from .first_calls import format_first_calls
+from .first_calls import FRESH_PROCESSES, format_first_calls
 from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setting = (
         f"{_source(args)}, {weights} of weights, {dtype}, {called['num_inference_steps']} steps, "
         f"{size}, {args.warmup} + {args.calls} calls per mode, every one "
-        f"timed, steady figures over the last {args.calls}, {'each mode in a fresh process, ' if args.fresh_process else ''}"
+        f"timed, steady figures over the last {args.calls}, {FRESH_PROCESSES + ', ' if args.fresh_process else ''}"
         f"residency profiles in {profiles}"
     )
     environment = environment_line(device)
@@ -418,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios = format_round_ratios(results)
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
-    first_calls = format_first_calls(results)
+    # Only a process's first call carries its warm-up: in one process, later modes' first calls do not.
+    first_calls = format_first_calls(results) if args.fresh_process else ""
     if first_calls:
         print(
             "\nfirst calls (call 1's excess over steady within 0.3x steady, 0.05x planned from a profile, beyond "

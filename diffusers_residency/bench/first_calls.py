@@ -5,7 +5,8 @@ A first call carries the CUDA libraries' warm-up whatever the mode, so a mode's 
 its excess over its own steady time, against the resident run's own first-call excess: at most
 that plus 0.3x the steady time where the mode measured its plan in the call, 0.05x where it
 planned from a residency profile. Call 2 is to be within 1.05x of steady. The bench prints these
-after its tables; this module also reads them back from a ``results.json`` written before.
+after its tables when each mode ran in a process of its own (only a process's first call carries
+its warm-up); this module also reads them back from a ``results.json`` written before.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ MEASURING_SHARE = 0.3
 PROFILED_SHARE = 0.05
 # Call 2 within this of steady.
 SECOND_CALL_WITHIN = 1.05
+# How the bench's setting line says each mode ran in a process of its own (--fresh-process).
+FRESH_PROCESSES = "each mode in a fresh process"
 # How a printed plan made from a residency profile says so (see ResidencyPlan.source).
 PROFILED_PLAN_SAYS = "figures from the residency profile"
 
@@ -107,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m diffusers_residency.bench.first_calls results.json", file=sys.stderr)
         return 2
-    rows = json.loads(Path(argv[0]).read_text())["results"]
-    print(format_first_calls([SimpleNamespace(**row) for row in rows]))
+    data = json.loads(Path(argv[0]).read_text())
+    if FRESH_PROCESSES not in data["setting"]:
+        print(
+            "note: the modes of this run shared one process, so only the first mode's call 1 carried the "
+            "process's warm-up; run the bench with --fresh-process for first calls to compare",
+            file=sys.stderr,
+        )
+    print(format_first_calls([SimpleNamespace(**row) for row in data["results"]]))
     return 0
 
 
