@@ -233,7 +233,8 @@ def test_fresh_process_runs_each_mode_in_a_process_of_its_own_with_exact_results
     assert "each mode in a fresh process" in data["setting"] and not data["setting"].startswith("tiny flux, unknown")
     out = capsys.readouterr().out
     assert "| pinned | - | " in out and "- pinned @ unlimited: " in out
-    # Each process's first call, the pinned one's held to the resident one's.
+    # Each process's first call, the pinned one's held to the resident one's: its plan was not a profile's.
+    assert pinned["first_plan_source"] != first_calls.PROFILE_SOURCE and resident["first_plan_source"] is None
     excess = pinned["call_seconds"][0] - pinned["seconds_per_call"]
     assert f"- pinned @ unlimited, no profile: call 1 excess {pinned['call_seconds'][0]:.3f}" in out
     assert f"= {excess:.3f} s; allowed 0.3 x" in out
@@ -365,28 +366,37 @@ def test_first_calls_are_held_to_the_resident_first_call_of_their_round_and_read
 ) -> None:
     GB8 = 8 * 10**9
     measured = "vram budget 8.00 GB; figures measured for calls of height=64 width=64"
-    profiled = "vram budget 8.00 GB; figures from the residency profile for calls of height=64 width=64"
+    profile = first_calls.PROFILE_SOURCE
+
+    def pinned(round_: int, seconds: tuple[float, ...], steady: float, **kw) -> ModeResult:
+        return ModeResult("pinned", steady, 1, 1.0, True, budget_bytes=GB8, round=round_, call_seconds=seconds, **kw)
+
     results = [
         ModeResult("resident", 1.0, 1, 1.0, None, round=1, call_seconds=(3.0, 1.0, 1.0)),
-        ModeResult("pinned", 1.0, 1, 1.0, True, budget_bytes=GB8, round=1, plan=measured, call_seconds=(3.2, 1.04)),
+        ModeResult("resident", 1.0, 1, 1.0, True, round=1, call_seconds=(9.0, 1.0)),  # not the round's first
+        pinned(1, (3.2, 1.04), 1.0, plan=measured, first_plan_source=""),
         ModeResult("group-leaf", 2.0, 1, 1.0, True, round=1, call_seconds=(9.0, 2.0, 2.0)),  # not this package's
         ModeResult("resident", 2.0, 1, 1.0, True, round=2, call_seconds=(3.0, 2.0, 2.0)),
-        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=GB8, round=2, plan=profiled, call_seconds=(3.2, 2.2, 2.0)),
-        ModeResult("pinned", 2.0, 1, 1.0, True, round=2, plan=profiled, error="out of memory"),
-        ModeResult("pinned", 2.0, 1, 1.0, True, round=3, plan=profiled, call_seconds=(2.0, 2.0)),  # no resident run
+        # Started from a profile, planned again from what its calls measured: judged as planned at call 1.
+        pinned(2, (3.2, 2.2), 2.0, plan=measured, first_plan_source=profile),
+        pinned(2, (2.4,), 2.0, plan=measured, first_plan_source=profile),  # one call: no call 2
+        pinned(2, (9.9, 9.9), 2.0, plan=measured, first_plan_source=profile, error="out of memory"),
+        pinned(3, (2.0, 2.0), 2.0, plan=measured, first_plan_source=profile),  # no resident run in round 3
     ]
     checks = first_calls.first_call_checks(results)
     # Round 1 measured: excess 2.2 s against 0.3 x 1.0 + (3.0 - 1.0); round 2 planned from a
-    # profile: excess 1.2 s against 0.05 x 2.0 + (3.0 - 2.0).
+    # profile: excess 1.2 s, and 0.4 s, against 0.05 x 2.0 + (3.0 - 2.0).
     assert [(c.label, c.profiled) for c in checks] == [
         ("pinned @ 8.00 GB (round 1)", False),
         ("pinned @ 8.00 GB (round 2)", True),
+        ("pinned @ 8.00 GB (round 2)", True),
     ]
-    assert [round(c.excess, 9) for c in checks] == [2.2, 1.2]
-    assert [round(c.allowed, 9) for c in checks] == [2.3, 1.1]
+    assert [round(c.excess, 9) for c in checks] == [2.2, 1.2, 0.4]
+    assert [round(c.allowed, 9) for c in checks] == [2.3, 1.1, 1.1]
     lines = first_calls.format_first_calls(results).splitlines()
     assert "2.300 s: met, by 0.100 s; call 2 1.040x steady (within 1.05x)" in lines[0]
     assert "1.100 s: not met, by 0.100 s; call 2 1.100x steady (over 1.05x); steady 1.00x resident" in lines[1]
+    assert "1.100 s: met, by 0.700 s; call 2 -; steady 1.00x resident" in lines[2]
     # The same read back from a results.json, as the bench writes it; a run whose modes shared one
     # process is read with a note (only its first mode's call 1 was the process's first).
     rows = [r.as_dict() for r in results]
@@ -396,6 +406,11 @@ def test_first_calls_are_held_to_the_resident_first_call_of_their_round_and_read
         captured = capsys.readouterr()
         assert captured.out.splitlines() == lines
         assert ("shared one process" in captured.err) is noted
+    # A results.json from before first_plan_source: told by the last plan's text.
+    old = [{k: v for k, v in row.items() if k != "first_plan_source"} for row in rows]
+    old[5]["plan"] = f"vram budget 8.00 GB; {first_calls.PROFILED_PLAN_SAYS} for calls of height=64 width=64"
+    checks = first_calls.first_call_checks([types.SimpleNamespace(**row) for row in old])
+    assert [c.profiled for c in checks] == [False, True, False]
 
 
 def test_the_host_memory_table_takes_each_peak_against_the_resident_peak_of_its_round() -> None:

@@ -28,8 +28,11 @@ PROFILED_SHARE = 0.05
 SECOND_CALL_WITHIN = 1.05
 # How the bench's setting line says each mode ran in a process of its own (--fresh-process).
 FRESH_PROCESSES = "each mode in a fresh process"
-# How a printed plan made from a residency profile says so (see ResidencyPlan.source).
-PROFILED_PLAN_SAYS = "figures from the residency profile"
+# A plan's source when its figures came from a residency profile (see ResidencyPlan.source), and how
+# the printed plan says so: a results.json from before ModeResult.first_plan_source has only the
+# last plan's text to tell by.
+PROFILE_SOURCE = "from the residency profile"
+PROFILED_PLAN_SAYS = f"figures {PROFILE_SOURCE}"
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,15 @@ def first_call_checks(results: list[Any]) -> list[FirstCallCheck]:
                 steady_seconds=r.seconds_per_call,
                 resident_first_seconds=reference.call_seconds[0],
                 resident_steady_seconds=reference.seconds_per_call,
-                profiled=PROFILED_PLAN_SAYS in (r.plan or ""),
+                profiled=_planned_from_profile(r),
             )
         )
     return checks
+
+
+def _planned_from_profile(result: Any) -> bool:
+    source = getattr(result, "first_plan_source", None)
+    return source == PROFILE_SOURCE if source is not None else PROFILED_PLAN_SAYS in (result.plan or "")
 
 
 def format_first_calls(results: list[Any]) -> str:

@@ -266,6 +266,10 @@ class ModeResult:
     host_seconds_per_call: float | None = None
     report: str | None = None
     plan: str | None = None
+    # Where the figures of the plan the first call ran under came from (ResidencyPlan.source: "from
+    # the residency profile" in a process that started from one); the plan above is the last one,
+    # which a replan since may have made from what the calls measured.
+    first_plan_source: str | None = None
     # With --trace: one more call under the profiler, summed up per component (see .trace).
     trace: str | None = None
     error: str | None = None
@@ -347,6 +351,7 @@ def run_mode(
         mode.setup(pipe, device, budget)
         _device.synchronize(device)
         setup_seconds = time.perf_counter() - started
+        first_plan_source = residency_plan(pipe).source if pinned else None
         rss, anonymous = host_rss_bytes(), anonymous_bytes()
         if compile is not None:
             compile_denoiser(pipe, compile)
@@ -422,6 +427,7 @@ def run_mode(
         host_seconds_per_call=host,
         report=report,
         plan=plan,
+        first_plan_source=first_plan_source,
         trace=traced,
         max_abs_diff=diff,
         within_tolerance=close,
