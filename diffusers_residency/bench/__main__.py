@@ -45,7 +45,7 @@ from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
 from .compiling import DENOISERS, CompileSettings
-from .first_calls import FRESH_PROCESSES, format_first_calls
+from .first_calls import FIRST_CALL_CRITERIA, FRESH_PROCESSES, format_first_calls
 from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
@@ -421,10 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only a process's first call carries its warm-up: in one process, later modes' first calls do not.
     first_calls = format_first_calls(results) if args.fresh_process else ""
     if first_calls:
-        print(
-            "\nfirst calls (call 1's excess over steady within 0.3x steady, 0.05x planned from a profile, beyond "
-            f"the resident mode's own in the same round; call 2 within 1.05x of steady):\n\n{first_calls}"
-        )
+        print(f"\nfirst calls ({FIRST_CALL_CRITERIA}):\n\n{first_calls}")
     if args.compile:
         how = ", ".join(filter(None, (args.compile, args.compile_backend, args.compile_mode)))
         print(f"\nwith the denoiser compiled ({how}):\n")

@@ -51,16 +51,18 @@ class FirstCallCheck:
         return self.call_seconds[0] - self.steady_seconds
 
     @property
+    def share(self) -> float:
+        return PROFILED_SHARE if self.profiled else MEASURING_SHARE
+
+    @property
     def allowed(self) -> float:
-        share = PROFILED_SHARE if self.profiled else MEASURING_SHARE
-        return share * self.steady_seconds + self.resident_first_seconds - self.resident_steady_seconds
+        return self.share * self.steady_seconds + self.resident_first_seconds - self.resident_steady_seconds
 
     @property
     def second_call_ratio(self) -> float | None:
         return self.call_seconds[1] / self.steady_seconds if len(self.call_seconds) > 1 else None
 
     def __str__(self) -> str:
-        share = PROFILED_SHARE if self.profiled else MEASURING_SHARE
         verdict = "met" if self.excess <= self.allowed else "not met"
         second = self.second_call_ratio
         if second is None:
@@ -71,7 +73,7 @@ class FirstCallCheck:
             )
         return (
             f"- {self.label}, {'profile' if self.profiled else 'no profile'}: call 1 excess "
-            f"{self.call_seconds[0]:.3f} - {self.steady_seconds:.3f} = {self.excess:.3f} s; allowed {share} x "
+            f"{self.call_seconds[0]:.3f} - {self.steady_seconds:.3f} = {self.excess:.3f} s; allowed {self.share} x "
             f"{self.steady_seconds:.3f} + ({self.resident_first_seconds:.3f} - {self.resident_steady_seconds:.3f}) = "
             f"{self.allowed:.3f} s: {verdict}, by {abs(self.allowed - self.excess):.3f} s; call 2 {second_call}; "
             f"steady {self.steady_seconds / self.resident_steady_seconds:.2f}x resident"
@@ -107,6 +109,12 @@ def first_call_checks(results: list[Any]) -> list[FirstCallCheck]:
 def _planned_from_profile(result: Any) -> bool:
     source = getattr(result, "first_plan_source", None)
     return source == PROFILE_SOURCE if source is not None else PROFILED_PLAN_SAYS in (result.plan or "")
+
+
+FIRST_CALL_CRITERIA = (
+    f"call 1's excess over steady within {MEASURING_SHARE}x steady, {PROFILED_SHARE}x planned from a profile, "
+    f"beyond the resident mode's own in the same round; call 2 within {SECOND_CALL_WITHIN}x of steady"
+)
 
 
 def format_first_calls(results: list[Any]) -> str:
