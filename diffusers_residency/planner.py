@@ -55,6 +55,7 @@ from .plans import (
     ComponentPlan,
     ComponentSizes,
     ResidencyPlan,
+    blocks_bytes,
     call_peak,
     footprint_of,
     window_bytes,
@@ -176,7 +177,7 @@ def _resident_block_choices(sizes: ComponentSizes, prefetch_blocks: int) -> tupl
         for of_slot in range(len(positions[slot]) + (not smaller)):
             for of_smaller in range(sum(len(positions[size]) for size in smaller) + 1):
                 resident = frozenset(required + filled((slot,), of_slot) + filled(smaller, of_smaller))
-                choices[resident] = (sum(blocks[i] for i in resident), window_bytes(blocks, resident, prefetch_blocks))
+                choices[resident] = (blocks_bytes(blocks, resident), window_bytes(blocks, resident, prefetch_blocks))
     ranked = sorted(choices.items(), key=lambda item: (-item[1][0], item[1][1], sorted(item[0])))
     return tuple((resident, resident_bytes, transient) for resident, (resident_bytes, transient) in ranked)
 
