@@ -440,7 +440,28 @@ def plan_ahead(state: PipelineResidency) -> None:
     its resident weights loaded; one of another shape plans for itself as it starts (see
     begin_call), and the loads made here are partly undone."""
     if state.profile is not None and state.profile.shapes:
-        begin_call(state, next(iter(state.profile.shapes)))
+        shape, figures = next(iter(state.profile.shapes.items()))
+        warm_casts(state, figures)
+        begin_call(state, shape)
+
+
+def warm_casts(state: PipelineResidency, figures: CallFigures) -> None:
+    """Make now, as in a call, the casts that a call measured for ``figures`` made of a component
+    and undid (SDXL's VAE to float32 to decode, then float16 again). A call's first cast converts
+    the masters on the host and page-locks the results; made here, the first call finds the
+    masters of both dtypes kept and converts nothing, as later calls do (see
+    ConversionReuse.convert). Casts that leave a component in another dtype than it has now (cast
+    for good) are not made: they would change its weights before any call asked."""
+    group = state.group
+    for name, dtypes in figures.casts.items():
+        hook = state.hooks.get(name)
+        module = hook.unit.module if hook is not None else None
+        if module is None or len(dtypes) < 2 or getattr(module, "dtype", None) != dtypes[-1]:
+            continue
+        logger.info("Casting %r to %s before the first call, as calls do", name, " and ".join(map(str, dtypes)))
+        with group.call_lock, group.running_call():
+            for dtype in dtypes:
+                module.to(dtype=dtype)
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:
@@ -464,14 +485,18 @@ def end_call(state: PipelineResidency) -> None:
         return
     if watch is not None and watch.measures_next_call:
         return  # a call measured under an estimate that never ran whole: its shape is still unmeasured
+    known = state.profile.shapes.get(state.shape)
+    casts = {name: tuple(dtypes) for name, dtypes in state.group.casts_in_call.items()}
     figures = CallFigures(
         dict(state.plan.activations),
         dict(state.plan.timings),
         frozenset(state.group.retention.release_over_limit_before),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
         plan=state.plan.components,
+        # A call that cast nothing (one returning latents, which never decodes) leaves those known.
+        casts=casts or (known.casts if known is not None else {}),
     )
-    if state.profile.shapes.get(state.shape) == figures:
+    if known == figures:
         return
     state.profile.shapes[state.shape] = figures
     state.measured_shapes.add(state.shape)

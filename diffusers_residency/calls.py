@@ -53,9 +53,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
         with contextlib.ExitStack() as locks:
             for group in groups:
                 locks.enter_context(group.call_lock)
-                group.calls += 1
-                group.calls_running += 1
-                locks.callback(_call_ended, group)
+                locks.enter_context(group.running_call())
             if state is None or state.profile is None or state.in_call:
                 # Not measured, or a call inside one (a subclass's __call__ calling its parent's):
                 # the outermost call is the one planned for.
@@ -74,10 +72,6 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
 
     call._residency_wrapper = True
     cls.__call__ = call
-
-
-def _call_ended(group: ResidencyGroup) -> None:
-    group.calls_running -= 1
 
 
 def wrap_every_pipeline_call() -> None:

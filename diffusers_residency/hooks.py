@@ -279,6 +279,8 @@ class StagingHook(ModelHook):
             # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
             result = convert()
         else:
+            if group.cast_dtype is not None:
+                group.note_cast(unit.component, group.cast_dtype)
             started = time.perf_counter()
             group.casting = True
             try:

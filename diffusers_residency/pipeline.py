@@ -20,7 +20,7 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
-from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
+from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead, warm_casts
 from .calls import wrap_every_pipeline_call
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
 from .guards import guard_pipeline, unguard_pipeline
@@ -419,4 +419,6 @@ def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> 
     state = pipeline_state(pipe)
     state.measured_shapes.difference_update(loaded.shapes)
     state.shape = None  # the next call plans for its shape again, from these figures if it has them
+    if loaded.shapes:
+        warm_casts(state, next(iter(loaded.shapes.values())))
     return True

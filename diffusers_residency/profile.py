@@ -180,8 +180,10 @@ def _is_size(value: Any) -> bool:
 class CallFigures:
     """What calls of one shape measured: each component's bytes above the weights while it ran
     (margins included), each streamed denoiser's step timing, and the components before which the
-    allocator's cache is to be given back rather than kept (see ``RetentionBudget``); and the plan
-    made for those figures, which a first call from them takes as it is (see ``plan_residency``)."""
+    allocator's cache is to be given back rather than kept (see ``RetentionBudget``); the plan
+    made for those figures, which a first call from them takes as it is (see ``plan_residency``);
+    and the dtypes each component was cast to in such a call, in order (SDXL's VAE: float32 to
+    decode, then float16 again), which a pipeline enabled from them makes before its first call."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -190,6 +192,7 @@ class CallFigures:
     # retries under a cap can stretch); a plan from figures not retimed times it again.
     retimed: bool = True
     plan: tuple[ComponentPlan, ...] = ()
+    casts: Mapping[str, tuple[torch.dtype, ...]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -201,6 +204,7 @@ class CallFigures:
                 [p.name, p.policy.value, sorted(p.resident_blocks), sorted(p.staged_blocks), p.prefetch_blocks]
                 for p in self.plan
             ],
+            "casts": {name: [str(dtype).removeprefix("torch.") for dtype in dtypes] for name, dtypes in self.casts.items()},
         }
 
     @classmethod
@@ -212,7 +216,16 @@ class CallFigures:
             for name, policy, kept, staged, depth in data["plan"]
         )
         release_before, retimed = frozenset(map(str, data["release_before"])), bool(data["retimed"])
-        return cls(activations, timings, release_before, retimed, plan)
+        # Kept since format 3 was written, where an older file has none.
+        casts = {str(name): tuple(map(_dtype, dtypes)) for name, dtypes in data.get("casts", {}).items()}
+        return cls(activations, timings, release_before, retimed, plan, casts)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name!r} is no torch dtype")
+    return dtype
 
 
 @dataclass

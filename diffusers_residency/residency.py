@@ -12,10 +12,11 @@ With a weight capacity from the plan, the next component in call order loads ahe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,10 @@ class ResidencyGroup:
         # Pipeline calls under way (a call inside another counts too): a cast made while one is
         # runs inside that call (see ConversionReuse.convert).
         self.calls_running = 0
+        # The dtypes each component was cast to (``module.to(dtype)``) in the outermost call under
+        # way, in order: a profile keeps them, to make them before a later process's first call
+        # (see adaptive.warm_casts).
+        self.casts_in_call: dict[str, list[torch.dtype]] = {}
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
@@ -174,6 +179,24 @@ class ResidencyGroup:
             "components: copy.deepcopy() the pipeline pinned offload was enabled on (the copy has no "
             "offloading), or call disable_pinned_offload() first."
         )
+
+    @contextlib.contextmanager
+    def running_call(self) -> Iterator[None]:
+        """A pipeline call runs these units (or work that stands for one: see adaptive.warm_casts):
+        counted, and its casts noted afresh if it is the outermost."""
+        self.calls += 1
+        self.calls_running += 1
+        if self.calls_running == 1:
+            self.casts_in_call = {}
+        try:
+            yield
+        finally:
+            self.calls_running -= 1
+
+    def note_cast(self, component: str, dtype: torch.dtype) -> None:
+        """``component`` was cast to ``dtype``, inside a call if one runs."""
+        if self.calls_running:
+            self.casts_in_call.setdefault(component, []).append(dtype)
 
     @property
     def measures_next_call(self) -> bool:

@@ -43,6 +43,16 @@ class PipelineCase:
         }
 
 
+def sdxl_in_float16() -> PipelineCase:
+    """A float16 SDXL, whose calls cast the VAE to float32 to decode and back. Its reference call
+    cast it under inference mode, which left the VAE's parameters inference tensors, without
+    version counters: a round trip outside it gives them back as ``from_pretrained`` makes them."""
+    case = PipelineCase("sdxl", dtype=torch.float16)
+    case.pipe.vae.to(torch.float32)
+    case.pipe.vae.to(torch.float16)
+    return case
+
+
 def staging_hooks(pipe) -> dict[str, StagingHook]:
     return {
         name: module._hf_hook

@@ -543,6 +543,32 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
 
 
+def test_a_pipeline_enabled_from_a_profile_makes_its_calls_casts_at_enable_and_its_first_call_pins_nothing(
+    monkeypatch,
+) -> None:
+    """SDXL in float16 casts its VAE to float32 and back in every call: enabled from a profile, the
+    casts are made as the pipeline is enabled, their float32 masters page-locked then, and the
+    first call page-locks nothing."""
+    first = PipelineCase("sdxl", device="cuda", dtype=torch.float16)
+    first.pipe.to("cpu")
+    budget = half_way_budget(first.pipe)
+    first.pipe.enable_pinned_offload(vram_budget=budget)
+    assert torch.equal(first.run(), first.reference)
+    first.pipe.disable_pinned_offload()
+
+    second = PipelineCase("sdxl", device="cuda", dtype=torch.float16)
+    second.pipe.to("cpu")
+    second.pipe.enable_pinned_offload(vram_budget=budget)
+    assert second.pipe.residency_plan().source == "from the residency profile"
+    vae = second.pipe.residency_report()["vae"]
+    assert vae.pinned_bytes == 3 * vae.weight_bytes, "its float16 masters and the float32 ones, before any call"
+    registered = []
+    register = _device.register_host_memory
+    monkeypatch.setattr(_device, "register_host_memory", lambda *args: registered.append(args) or register(*args))
+    assert torch.equal(second.run(), second.reference)
+    assert not registered, "the first call's casts bind the masters made at enable"
+
+
 def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_within_budget(monkeypatch) -> None:
     from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 

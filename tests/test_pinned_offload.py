@@ -10,7 +10,13 @@ import diffusers_residency
 from diffusers_residency import ModuleStager
 from diffusers_residency.bench.builders import PIPELINE_KINDS, call_kwargs, pipeline_output
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, staging_hooks
+from .helpers import (
+    PipelineCase,
+    assert_no_meta_or_foreign_device,
+    assert_weights_equal,
+    sdxl_in_float16,
+    staging_hooks,
+)
 
 
 @pytest.mark.parametrize("kind", PIPELINE_KINDS)
@@ -229,21 +235,11 @@ def test_a_cast_that_gives_new_parameter_objects_converts_a_written_master_afres
     assert torch.equal(flux.run(), flux.reference)
 
 
-def _sdxl_in_float16() -> PipelineCase:
-    """A float16 SDXL, whose calls cast the VAE to float32 to decode and back. Its reference call
-    cast it under inference mode, which left the VAE's parameters inference tensors, without
-    version counters: a round trip outside it gives them back as ``from_pretrained`` makes them."""
-    case = PipelineCase("sdxl", dtype=torch.float16)
-    case.pipe.vae.to(torch.float32)
-    case.pipe.vae.to(torch.float16)
-    return case
-
-
 def test_sdxl_vae_casts_convert_nothing_once_a_call_has_made_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """From the second call on, the upcast compares the float16 masters with their copy, and the
     cast back binds the float16 masters, its sources unwritten since the upcast: no result is
     converted or compared."""
-    case = _sdxl_in_float16()
+    case = sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu")
     assert torch.equal(case.run(), case.reference)
     compared: list[torch.dtype] = []
@@ -261,7 +257,7 @@ def test_sdxl_vae_casts_convert_nothing_once_a_call_has_made_them(monkeypatch: p
 def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast() -> None:
     """No version counter sees a write through ``.data``: the upcast's comparison with the copy of
     the float16 masters does, and converts afresh."""
-    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case, resident = sdxl_in_float16(), sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu")
     for _ in range(2):
         assert torch.equal(case.run(), case.reference)
@@ -276,7 +272,7 @@ def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast(
 def test_a_weight_written_in_place_between_a_cast_and_the_cast_back_is_kept() -> None:
     """Inside a call, the cast back trusts its sources only while their version counters stand: a
     write while decoding (a hook, here) is copied into the float32 master at offload, and cast back."""
-    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case, resident = sdxl_in_float16(), sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu")
     assert torch.equal(case.run(), case.reference)
 
@@ -302,7 +298,7 @@ def test_casts_through_a_narrower_dtype_inside_a_call_give_what_resident_casts_g
     """float16 to float32, bfloat16, float32 and float16 again, in a step's callback, before the
     pipeline's own casts: the way back up from bfloat16 finds the float32 masters kept, which it
     does not give (bfloat16 rounds), and must convert, not bind them."""
-    case, resident = _sdxl_in_float16(), _sdxl_in_float16()
+    case, resident = sdxl_in_float16(), sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu")
     assert torch.equal(case.run(), case.reference)
 

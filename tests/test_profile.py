@@ -16,6 +16,7 @@ import torch
 from diffusers_residency import (
     _device,
     components,
+    conversions,
     load_residency_profile,
     residency_profile,
     save_residency_profile,
@@ -30,7 +31,7 @@ from diffusers_residency.policy import Policy
 from diffusers_residency.profile import FORMAT, CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 from diffusers_residency.step_timing import StepTiming
 
-from .helpers import PipelineCase
+from .helpers import PipelineCase, sdxl_in_float16
 
 MB = 10**6
 
@@ -145,6 +146,47 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     kept = fourth.pipe.residency_plan()
     assert measuring == [False] and kept.source == "from the residency profile"
     assert kept.activations == learned.activations and kept["text_encoder_2"].policy is Policy.STREAMED
+
+
+def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SDXL in float16 casts its VAE to float32 to decode, and back, in every call. The profile keeps
+    those casts, and a pipeline enabled from it makes them before its first call: that call
+    converts nothing, as later calls do, and gives what resident gives."""
+    first = sdxl_in_float16()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    (figures,) = residency_profile(first.pipe).shapes.values()
+    assert figures.casts == {"vae": (torch.float32, torch.float16)}
+
+    second = sdxl_in_float16()
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert second.pipe.vae.dtype == torch.float16, "cast back, as calls leave it"
+    vae = second.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == 4 * vae.weight_bytes, "float16 and float32 masters, and the float16 ones' copy"
+    compared: list[torch.dtype] = []
+    same_bits = conversions.same_bits
+    monkeypatch.setattr(
+        conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
+    )
+    assert torch.equal(second.run(), second.reference)
+    assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
+
+    # A profile loaded by hand makes them too.
+    third = sdxl_in_float16()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
+        third.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert third.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes
+    file = pipeline_state(first.pipe).profile_file
+    assert load_residency_profile(third.pipe, file)
+    assert third.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
+    compared.clear()
+    assert torch.equal(third.run(), third.reference)
+    assert compared and set(compared) == {torch.uint8}
 
 
 def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
@@ -669,6 +711,23 @@ def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() 
     )
     for chosen in malformed:
         assert plan_residency(sizes, 900 * MB, 100 * MB, chosen=chosen).components == made.components, chosen
+
+
+def test_casts_survive_the_file_one_without_them_has_none_and_a_name_that_is_no_dtype_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = {"pipeline": "P"}
+    figures = CallFigures({"vae": 5}, casts={"vae": (torch.float32, torch.float16)})
+    path = tmp_path / "p.json"
+    write_profile(path, ResidencyProfile(key, {"s": figures}))
+    assert read_profile(path, key).shapes["s"] == figures
+    data = json.loads(path.read_text())
+    del data["shapes"]["s"]["casts"]  # as written before casts were kept
+    path.write_text(json.dumps(data))
+    assert read_profile(path, key).shapes["s"] == replace(figures, casts={})
+    data["shapes"]["s"]["casts"] = {"vae": ["float32", "Tensor"]}
+    path.write_text(json.dumps(data))
+    assert read_profile(path, key) is None and "'Tensor' is no torch dtype" in caplog.text
 
 
 def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
