@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .budget_watch import BudgetWatch
+from .conversions import lossless_round_trip
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
@@ -26,6 +27,7 @@ from .report import report_for
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
 from .text import format_bytes
+from .weights import module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -434,14 +436,15 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
 
 def plan_ahead(state: PipelineResidency) -> None:
     """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
-    holds first (a service's first call is most often of its usual shape) and start loading what
+    holds first (a service's first call is most often of its usual shape), make the casts its calls
+    make and undo (see :func:`warm_casts`), and start loading what
     that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
     its first call rather than in it. A first call of that shape then finds its plan in place and
     its resident weights loaded; one of another shape plans for itself as it starts (see
     begin_call), and the loads made here are partly undone."""
-    if state.profile is not None and state.profile.shapes:
-        shape, figures = next(iter(state.profile.shapes.items()))
-        warm_casts(state, figures)
+    shape = state.profile.first_shape() if state.profile is not None else None
+    if shape is not None:
+        warm_casts(state, state.profile.shapes[shape])
         begin_call(state, shape)
 
 
@@ -450,18 +453,35 @@ def warm_casts(state: PipelineResidency, figures: CallFigures) -> None:
     and undid (SDXL's VAE to float32 to decode, then float16 again). A call's first cast converts
     the masters on the host and page-locks the results; made here, the first call finds the
     masters of both dtypes kept and converts nothing, as later calls do (see
-    ConversionReuse.convert). Casts that leave a component in another dtype than it has now (cast
-    for good) are not made: they would change its weights before any call asked."""
+    ConversionReuse.convert).
+
+    Only what leaves the weights as they are: each round trip through dtypes that hold every value
+    of the component's own (see ``lossless_round_trip``; a profile is a file, and may have been
+    edited), of a component whose floating-point tensors all have that dtype (one kept in float32
+    inside a float16 VAE would be rounded), awake (asleep, its masters may map files, and a cast
+    would put them in memory). Not inside a call (a callback loading a profile): it makes its own.
+    A cast that fails here is undone and left to the first call."""
     group = state.group
-    for name, dtypes in figures.casts.items():
+    if group.calls_running:
+        return
+    for name, casts in figures.casts.items():
         hook = state.hooks.get(name)
         module = hook.unit.module if hook is not None else None
-        if module is None or len(dtypes) < 2 or getattr(module, "dtype", None) != dtypes[-1]:
+        if module is None or any(unit.sleep_level for unit in group.units_of(name)):
             continue
-        logger.info("Casting %r to %s before the first call, as calls do", name, " and ".join(map(str, dtypes)))
+        own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point()}
+        if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
+            continue
+        logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
         with group.call_lock, group.running_call():
-            for dtype in dtypes:
-                module.to(dtype=dtype)
+            try:
+                for dtype in casts:
+                    module.to(dtype=dtype)
+            except BaseException as error:
+                module.to(dtype=casts[-1])
+                if not isinstance(error, Exception):
+                    raise
+                logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:
@@ -486,15 +506,17 @@ def end_call(state: PipelineResidency) -> None:
     if watch is not None and watch.measures_next_call:
         return  # a call measured under an estimate that never ran whole: its shape is still unmeasured
     known = state.profile.shapes.get(state.shape)
-    casts = {name: tuple(dtypes) for name, dtypes in state.group.casts_in_call.items()}
+    made = {name: lossless_round_trip(dtypes) for name, dtypes in state.group.casts_in_call.items()}
+    # Merged: a call that cast a component not at all (one returning latents never decodes) leaves
+    # what was known of it.
+    casts = {**(known.casts if known is not None else {}), **{name: trip for name, trip in made.items() if trip}}
     figures = CallFigures(
         dict(state.plan.activations),
         dict(state.plan.timings),
         frozenset(state.group.retention.release_over_limit_before),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
         plan=state.plan.components,
-        # A call that cast nothing (one returning latents, which never decodes) leaves those known.
-        casts=casts or (known.casts if known is not None else {}),
+        casts=casts,
     )
     if known == figures:
         return

@@ -280,7 +280,7 @@ class StagingHook(ModelHook):
             result = convert()
         else:
             if group.cast_dtype is not None:
-                group.note_cast(unit.component, group.cast_dtype)
+                group.note_cast(unit.component, unit.module, group.cast_dtype)
             started = time.perf_counter()
             group.casting = True
             try:

@@ -118,8 +118,9 @@ def _hooked_whole(
     for that stays hooked by blocks."""
     sizes = {s.name: s for s in replan({}, {}).sizes}
     candidates = set(whole_before)
-    if profile.shapes:
-        figures = next(iter(profile.shapes.values()))
+    first = profile.first_shape()
+    if first is not None:
+        figures = profile.shapes[first]
         try:
             plan = replan(figures.activations, {}, timings=figures.timings)
             candidates |= {p.name for p in plan.components if p.policy is not Policy.STREAMED}
@@ -419,6 +420,7 @@ def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> 
     state = pipeline_state(pipe)
     state.measured_shapes.difference_update(loaded.shapes)
     state.shape = None  # the next call plans for its shape again, from these figures if it has them
-    if loaded.shapes:
-        warm_casts(state, next(iter(loaded.shapes.values())))
+    first = loaded.first_shape()
+    if first is not None:
+        warm_casts(state, loaded.shapes[first])
     return True

@@ -182,8 +182,9 @@ class CallFigures:
     (margins included), each streamed denoiser's step timing, and the components before which the
     allocator's cache is to be given back rather than kept (see ``RetentionBudget``); the plan
     made for those figures, which a first call from them takes as it is (see ``plan_residency``);
-    and the dtypes each component was cast to in such a call, in order (SDXL's VAE: float32 to
-    decode, then float16 again), which a pipeline enabled from them makes before its first call."""
+    and the casts such a call made of a component and undid, losing nothing (SDXL's VAE: to float32
+    to decode, and back to float16; see ``conversions.lossless_round_trip``), which a pipeline
+    enabled from them makes before its first call."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -216,15 +217,17 @@ class CallFigures:
             for name, policy, kept, staged, depth in data["plan"]
         )
         release_before, retimed = frozenset(map(str, data["release_before"])), bool(data["retimed"])
-        # Kept since format 3 was written, where an older file has none.
+        # Files of format 3 written before casts were kept have none.
         casts = {str(name): tuple(map(_dtype, dtypes)) for name, dtypes in data.get("casts", {}).items()}
         return cls(activations, timings, release_before, retimed, plan, casts)
 
 
 def _dtype(name: str) -> torch.dtype:
+    """The floating-point dtype a profile names as ``str(dtype)`` does, less ``torch.``: casts of
+    weights are made to those alone (``nn.Module.to`` refuses integers)."""
     dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name!r} is no torch dtype")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name!r} is no floating-point torch dtype")
     return dtype
 
 
@@ -235,6 +238,11 @@ class ResidencyProfile:
 
     key: Mapping[str, str]
     shapes: dict[str, CallFigures] = field(default_factory=dict)
+
+    def first_shape(self) -> str | None:
+        """The call shape kept first: a pipeline enabled from the profile plans for it (a service's
+        first call is most often of its usual shape)."""
+        return next(iter(self.shapes), None)
 
     def as_json(self) -> dict[str, Any]:
         return {

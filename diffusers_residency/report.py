@@ -36,7 +36,8 @@ class ComponentReport:
     # Bytes loaded from masters served from checkpoint files, and the host seconds those loads took.
     read_bytes: int = 0
     read_seconds: float = 0.0
-    # Host time the package spent on the component (see ResidencyUnit.host_seconds), over all calls so far.
+    # Host time the package spent on the component (see ResidencyUnit.host_seconds) since it was
+    # enabled: over all calls so far, and casts made at enable from a residency profile.
     host_seconds: float = 0.0
     # A streamed component's compute seconds per step: the first step timed, and the median of those
     # the latest call timed (see BlockStream). Beside its loads per step it says whether the bus or

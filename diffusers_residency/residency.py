@@ -146,10 +146,10 @@ class ResidencyGroup:
         # Pipeline calls under way (a call inside another counts too): a cast made while one is
         # runs inside that call (see ConversionReuse.convert).
         self.calls_running = 0
-        # The dtypes each component was cast to (``module.to(dtype)``) in the outermost call under
-        # way, in order: a profile keeps them, to make them before a later process's first call
-        # (see adaptive.warm_casts).
-        self.casts_in_call: dict[str, list[torch.dtype]] = {}
+        # Per component cast (``module.to(dtype)``) in the outermost call under way, the dtype it had
+        # before the first of them, then each it was cast to: a profile keeps the round trips, to
+        # make them before a later process's first call (see adaptive.warm_casts).
+        self.casts_in_call: dict[str, list[torch.dtype | None]] = {}
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
@@ -193,10 +193,10 @@ class ResidencyGroup:
         finally:
             self.calls_running -= 1
 
-    def note_cast(self, component: str, dtype: torch.dtype) -> None:
-        """``component`` was cast to ``dtype``, inside a call if one runs."""
+    def note_cast(self, component: str, module: nn.Module, dtype: torch.dtype) -> None:
+        """``module``, of ``component``, is about to be cast to ``dtype``: noted if a call runs."""
         if self.calls_running:
-            self.casts_in_call.setdefault(component, []).append(dtype)
+            self.casts_in_call.setdefault(component, [getattr(module, "dtype", None)]).append(dtype)
 
     @property
     def measures_next_call(self) -> bool:

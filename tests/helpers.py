@@ -53,6 +53,15 @@ def sdxl_in_float16() -> PipelineCase:
     return case
 
 
+def vae_through_bfloat16(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+    """A step callback casting the VAE to float32, bfloat16, float32 and float16 again at the first
+    step: a round trip through a dtype narrower than float16's values (bfloat16 rounds)."""
+    if step == 0:
+        for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.float16):
+            pipe.vae.to(dtype=dtype)
+    return callback_kwargs
+
+
 def staging_hooks(pipe) -> dict[str, StagingHook]:
     return {
         name: module._hf_hook

@@ -16,6 +16,7 @@ from .helpers import (
     assert_weights_equal,
     sdxl_in_float16,
     staging_hooks,
+    vae_through_bfloat16,
 )
 
 
@@ -302,14 +303,8 @@ def test_casts_through_a_narrower_dtype_inside_a_call_give_what_resident_casts_g
     case.pipe.enable_pinned_offload("cpu")
     assert torch.equal(case.run(), case.reference)
 
-    def through_bfloat16(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
-        if step == 0:
-            for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.float16):
-                pipe.vae.to(dtype=dtype)
-        return callback_kwargs
-
     def run(pipe) -> torch.Tensor:  # arguments made afresh: they hold the call's generator
-        return pipeline_output(pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": through_bfloat16})
+        return pipeline_output(pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": vae_through_bfloat16})
 
     expected = run(resident.pipe)
     assert not torch.equal(expected, case.reference)

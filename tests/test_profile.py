@@ -15,11 +15,14 @@ import torch
 
 from diffusers_residency import (
     _device,
+    adaptive,
     components,
     conversions,
     load_residency_profile,
     residency_profile,
     save_residency_profile,
+    sleep,
+    wake_up,
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.bench.first_calls import PROFILE_SOURCE, PROFILED_PLAN_SAYS
@@ -31,7 +34,7 @@ from diffusers_residency.policy import Policy
 from diffusers_residency.profile import FORMAT, CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 from diffusers_residency.step_timing import StepTiming
 
-from .helpers import PipelineCase, sdxl_in_float16
+from .helpers import PipelineCase, sdxl_in_float16, vae_through_bfloat16
 
 MB = 10**6
 
@@ -175,18 +178,118 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert torch.equal(second.run(), second.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
 
-    # A profile loaded by hand makes them too.
+    # A profile loaded by hand makes them too, but not for a component asleep.
     third = sdxl_in_float16()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
         third.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     assert third.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes
     file = pipeline_state(first.pipe).profile_file
+    sleep(third.pipe)
+    assert load_residency_profile(third.pipe, file)
+    assert third.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "asleep: not cast"
+    wake_up(third.pipe)
     assert load_residency_profile(third.pipe, file)
     assert third.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
     compared.clear()
     assert torch.equal(third.run(), third.reference)
     assert compared and set(compared) == {torch.uint8}
+
+
+def test_a_call_that_casts_nothing_or_casts_again_leaves_the_round_trip_kept_and_the_file_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    writes = []
+    real = adaptive.write_profile
+    monkeypatch.setattr(adaptive, "write_profile", lambda *a: writes.append(a) or real(*a))
+
+    def casting_again(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+        if step == 0:  # up and back once more, as an img2img call's encode does before its decode
+            pipe.vae.to(dtype=torch.float32)
+            pipe.vae.to(dtype=torch.float16)
+        return callback_kwargs
+
+    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "output_type": "latent"})
+    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": casting_again})
+    assert torch.equal(case.run(), case.reference)
+    (figures,) = residency_profile(case.pipe).shapes.values()
+    assert figures.casts == {"vae": (torch.float32, torch.float16)}
+    assert writes == [], "the same figures: nothing to write"
+    assert pipeline_state(case.pipe).group.casts_in_call == {"vae": [torch.float16, torch.float32, torch.float16]}
+
+
+def test_a_cast_that_fails_at_enable_is_undone_and_left_to_the_first_call(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host running out of memory (injected where the masters are converted) while a profile's
+    casts are made at enable: the component is cast back, the enable goes on, and the first call
+    casts it itself."""
+    first = sdxl_in_float16()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+
+    second = sdxl_in_float16()
+    real = conversions.ConversionReuse.convert
+    going_up: list[object] = []
+
+    def out_of_memory_going_up(self, apply, fn, *, dtype=None, call=None):
+        if dtype == torch.float32:
+            going_up.append(self)
+            if len(going_up) == 3:  # two of the VAE's blocks are in float32 by then
+                raise MemoryError("injected: no host memory for the float32 masters")
+        return real(self, apply, fn, dtype=dtype, call=call)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(conversions.ConversionReuse, "convert", out_of_memory_going_up)
+        second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert "Could not cast 'vae' before the first call" in caplog.text
+    assert {p.dtype for p in second.pipe.vae.parameters()} == {torch.float16}
+    assert torch.equal(second.run(), second.reference)
+
+
+def _float32_inside(case: PipelineCase) -> PipelineCase:
+    """``case`` with one of its VAE's weights kept in float32, as ``_keep_in_fp32_modules`` keeps some."""
+    case.pipe.vae.post_quant_conv.to(torch.float32)
+    case.reference = case.run()
+    case.pipe.vae.post_quant_conv.to(torch.float32)  # the call cast it back with the rest
+    return case
+
+
+@pytest.mark.parametrize("how", ["through bfloat16", "a weight in float32 inside", "a profile edited to float8"])
+def test_casts_that_would_change_weights_are_not_made_at_enable(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A round trip through a narrower dtype is not kept; one kept is not made for a component
+    whose weights are not all in the dtype it begins in, nor through a dtype that a file names and
+    that does not hold every value of it. The first call then makes its own casts, and gives what
+    resident gives."""
+    build = _float32_inside if how == "a weight in float32 inside" else (lambda case: case)
+    first = build(sdxl_in_float16())
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    kwargs = {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": vae_through_bfloat16}
+    pipeline_output(first.pipe, kwargs) if how == "through bfloat16" else first.run()
+    (figures,) = residency_profile(first.pipe).shapes.values()
+    assert figures.casts == ({} if how == "through bfloat16" else {"vae": (torch.float32, torch.float16)})
+    file = pipeline_state(first.pipe).profile_file
+    if how == "a profile edited to float8":
+        data = json.loads(file.read_text())
+        (shape,) = data["shapes"].values()
+        shape["casts"] = {"vae": ["float8_e4m3fn", "float16"]}
+        file.write_text(json.dumps(data))
+
+    second = build(sdxl_in_float16())
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert second.pipe.residency_plan().source == "from the residency profile"
+    vae = second.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.weight_bytes, "nothing cast at enable"
+    assert torch.equal(second.run(), second.reference)
 
 
 def test_each_call_shape_is_measured_once_and_planned_for_from_then_on(
@@ -725,9 +828,10 @@ def test_casts_survive_the_file_one_without_them_has_none_and_a_name_that_is_no_
     del data["shapes"]["s"]["casts"]  # as written before casts were kept
     path.write_text(json.dumps(data))
     assert read_profile(path, key).shapes["s"] == replace(figures, casts={})
-    data["shapes"]["s"]["casts"] = {"vae": ["float32", "Tensor"]}
-    path.write_text(json.dumps(data))
-    assert read_profile(path, key) is None and "'Tensor' is no torch dtype" in caplog.text
+    for name in ("Tensor", "int8"):
+        data["shapes"]["s"]["casts"] = {"vae": [name, "float16"]}
+        path.write_text(json.dumps(data))
+        assert read_profile(path, key) is None and f"{name!r} is no floating-point torch dtype" in caplog.text
 
 
 def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
