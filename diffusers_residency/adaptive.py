@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .budget_watch import BudgetWatch
-from .conversions import lossless_round_trip
+from .casts import lossless_round_trip, warm_casts
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
@@ -27,7 +27,6 @@ from .report import report_for
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
 from .text import format_bytes
-from .weights import module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -444,44 +443,8 @@ def plan_ahead(state: PipelineResidency) -> None:
     begin_call), and the loads made here are partly undone."""
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is not None:
-        warm_casts(state, state.profile.shapes[shape])
+        warm_casts(state.group, state.profile.shapes[shape].casts)
         begin_call(state, shape)
-
-
-def warm_casts(state: PipelineResidency, figures: CallFigures) -> None:
-    """Make now, as in a call, the casts that a call measured for ``figures`` made of a component
-    and undid (SDXL's VAE to float32 to decode, then float16 again). A call's first cast converts
-    the masters on the host and page-locks the results; made here, the first call finds the
-    masters of both dtypes kept and converts nothing, as later calls do (see
-    ConversionReuse.convert).
-
-    Only what leaves the weights as they are: each round trip through dtypes that hold every value
-    of the component's own (see ``lossless_round_trip``; a profile is a file, and may have been
-    edited), of a component whose floating-point tensors all have that dtype (one kept in float32
-    inside a float16 VAE would be rounded), awake (asleep, its masters may map files, and a cast
-    would put them in memory). Not inside a call (a callback loading a profile): it makes its own.
-    A cast that fails here is undone and left to the first call."""
-    group = state.group
-    if group.calls_running:
-        return
-    for name, casts in figures.casts.items():
-        hook = state.hooks.get(name)
-        module = hook.unit.module if hook is not None else None
-        if module is None or any(unit.sleep_level for unit in group.units_of(name)):
-            continue
-        own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point()}
-        if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
-            continue
-        logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
-        with group.call_lock, group.running_call():
-            try:
-                for dtype in casts:
-                    module.to(dtype=dtype)
-            except BaseException as error:
-                module.to(dtype=casts[-1])
-                if not isinstance(error, Exception):
-                    raise
-                logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:

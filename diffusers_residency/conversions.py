@@ -10,7 +10,7 @@ converting anything, when nothing can have written the masters it converts from 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -57,34 +57,6 @@ def same_bits(kept: torch.Tensor, fresh: torch.Tensor) -> bool:
     if kept.dtype.itemsize not in _BITS_BY_ITEMSIZE:
         return False
     return torch.equal(*as_bits(kept, fresh))
-
-
-def lossless_round_trip(dtypes: Sequence[torch.dtype | None]) -> tuple[torch.dtype, ...]:
-    """The casts of a component that had ``dtypes[0]`` and was cast to each of the others in turn,
-    as each wider dtype they went through, once, in order, then the one it began and ended in (SDXL's
-    VAE: float32, float16); empty where it ended elsewhere (cast for good) or went through a dtype
-    that does not hold every value of the one it began in (float16 through bfloat16 rounds). Cast
-    to those and back, a component has the bits it began with, however often a call did it."""
-    if len(dtypes) < 2 or dtypes[0] is None or dtypes[-1] != dtypes[0] or not dtypes[0].is_floating_point:
-        return ()
-    start, wider = dtypes[0], []
-    for dtype in dtypes[1:-1]:
-        if dtype == start:
-            continue
-        if not _holds_every_value_of(dtype, start):
-            return ()
-        if dtype not in wider:
-            wider.append(dtype)
-    return (*wider, start) if wider else ()
-
-
-def _holds_every_value_of(wide: torch.dtype | None, narrow: torch.dtype) -> bool:
-    if wide is None or not wide.is_floating_point:
-        return False
-    try:
-        return torch.promote_types(narrow, wide) == wide
-    except RuntimeError:  # float8 types promote to nothing
-        return False
 
 
 def conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:

@@ -20,8 +20,9 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
-from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead, warm_casts
+from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
 from .calls import wrap_every_pipeline_call
+from .casts import warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
@@ -422,5 +423,5 @@ def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> 
     state.shape = None  # the next call plans for its shape again, from these figures if it has them
     first = loaded.first_shape()
     if first is not None:
-        warm_casts(state, loaded.shapes[first])
+        warm_casts(state.group, loaded.shapes[first].casts)
     return True

@@ -183,7 +183,7 @@ class CallFigures:
     allocator's cache is to be given back rather than kept (see ``RetentionBudget``); the plan
     made for those figures, which a first call from them takes as it is (see ``plan_residency``);
     and the casts such a call made of a component and undid, losing nothing (SDXL's VAE: to float32
-    to decode, and back to float16; see ``conversions.lossless_round_trip``), which a pipeline
+    to decode, and back to float16; see ``casts.lossless_round_trip``), which a pipeline
     enabled from them makes before its first call."""
 
     activations: Mapping[str, int]

@@ -148,7 +148,7 @@ class ResidencyGroup:
         self.calls_running = 0
         # Per component cast (``module.to(dtype)``) in the outermost call under way, the dtype it had
         # before the first of them, then each it was cast to: a profile keeps the round trips, to
-        # make them before a later process's first call (see adaptive.warm_casts).
+        # make them before a later process's first call (see casts.warm_casts).
         self.casts_in_call: dict[str, list[torch.dtype | None]] = {}
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
@@ -182,7 +182,7 @@ class ResidencyGroup:
 
     @contextlib.contextmanager
     def running_call(self) -> Iterator[None]:
-        """A pipeline call runs these units (or work that stands for one: see adaptive.warm_casts):
+        """A pipeline call runs these units (or work that stands for one: see casts.warm_casts):
         counted, and its casts noted afresh if it is the outermost."""
         self.calls += 1
         self.calls_running += 1

@@ -1,0 +1,83 @@
+"""Casts a pipeline's calls make of a component and undo, made before its first call.
+
+Pipelines cast a component inside every call and back (SDXL upcasts its VAE to float32 to decode,
+and casts it back to float16). A call's first cast converts the masters on the host and
+page-locks the results (see :mod:`.conversions`); later calls find both sets of masters kept and
+convert nothing. A residency profile keeps, per call shape, the round trips a call made, and a
+pipeline enabled from it makes them as it is enabled, so that its first call finds what later
+calls find.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .residency import ResidencyGroup
+from .weights import module_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def lossless_round_trip(dtypes: Sequence[torch.dtype | None]) -> tuple[torch.dtype, ...]:
+    """The casts of a component that had ``dtypes[0]`` and was cast to each of the others in turn,
+    as each wider dtype they went through, once, in order, then the one it began and ended in (SDXL's
+    VAE: float32, float16); empty where it ended elsewhere (cast for good) or went through a dtype
+    that does not hold every value of the one it began in (float16 through bfloat16 rounds). Cast
+    to those and back, a component has the bits it began with, however often a call did it."""
+    if len(dtypes) < 2 or dtypes[0] is None or dtypes[-1] != dtypes[0] or not dtypes[0].is_floating_point:
+        return ()
+    start, wider = dtypes[0], []
+    for dtype in dtypes[1:-1]:
+        if dtype == start:
+            continue
+        if not _holds_every_value_of(dtype, start):
+            return ()
+        if dtype not in wider:
+            wider.append(dtype)
+    return (*wider, start) if wider else ()
+
+
+def _holds_every_value_of(wide: torch.dtype | None, narrow: torch.dtype) -> bool:
+    if wide is None or not wide.is_floating_point:
+        return False
+    try:
+        return torch.promote_types(narrow, wide) == wide
+    except RuntimeError:  # float8 types promote to nothing
+        return False
+
+
+def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[torch.dtype, ...]]) -> None:
+    """Make now, as in a call, the round trips (see :func:`lossless_round_trip`) that a call made of
+    each component and a residency profile kept (SDXL's VAE to float32 to decode, then float16
+    again): made here, the first call finds the masters of both dtypes kept and converts nothing,
+    as later calls do (see ConversionReuse.convert).
+
+    Only what leaves the weights as they are: each round trip through dtypes that hold every value
+    of the component's own (see ``lossless_round_trip``; a profile is a file, and may have been
+    edited), of a component whose floating-point tensors all have that dtype (one kept in float32
+    inside a float16 VAE would be rounded), awake (asleep, its masters may map files, and a cast
+    would put them in memory). Not inside a call (a callback loading a profile): it makes its own.
+    A cast that fails here is undone and left to the first call."""
+    if group.calls_running:
+        return
+    for name, casts in casts_by_component.items():
+        units = group.units_of(name)
+        if not units or any(unit.sleep_level for unit in units):
+            continue
+        module = units[0].module  # the component (a streamed one's trunk unit holds it whole)
+        own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point()}
+        if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
+            continue
+        logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
+        with group.call_lock, group.running_call():
+            try:
+                for dtype in casts:
+                    module.to(dtype=dtype)
+            except BaseException as error:
+                module.to(dtype=casts[-1])
+                if not isinstance(error, Exception):
+                    raise
+                logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)
