@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch import nn
 
 from .residency import ResidencyGroup
 from .weights import module_tensors
@@ -61,23 +62,38 @@ def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[tor
     inside a float16 VAE would be rounded), awake (asleep, its masters may map files, and a cast
     would put them in memory). Not inside a call (a callback loading a profile): it makes its own.
     A cast that fails here is undone and left to the first call."""
-    if group.calls_running:
-        return
-    for name, casts in casts_by_component.items():
-        units = group.units_of(name)
-        if not units or any(unit.sleep_level for unit in units):
-            continue
-        module = units[0].module  # the component (a streamed one's trunk unit holds it whole)
-        own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point()}
-        if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
-            continue
-        logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
-        with group.call_lock, group.running_call():
-            try:
-                for dtype in casts:
-                    module.to(dtype=dtype)
-            except BaseException as error:
-                module.to(dtype=casts[-1])
-                if not isinstance(error, Exception):
-                    raise
-                logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)
+    with group.call_lock:  # checked and cast with no call of another thread under way
+        if group.calls_running:
+            return
+        for name, casts in casts_by_component.items():
+            units = group.units_of(name)
+            if not casts or not units or any(unit.sleep_level for unit in units):
+                continue
+            module = units[0].module  # the component (a streamed one's trunk unit holds it whole)
+            # ``module.to(dtype)`` casts complex tensors too (to real): one of those is not left as it is.
+            own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point() or t.is_complex()}
+            if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
+                continue
+            logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
+            with group.running_call():
+                _cast_through(name, module, casts)
+
+
+def _cast_through(name: str, module: nn.Module, casts: tuple[torch.dtype, ...]) -> None:
+    """Cast ``module`` to each of ``casts`` in turn; on a failure, back to the last, with a warning
+    (the first call then makes the casts itself). A failure to cast back too raises: the weights
+    may be left in a wider dtype than the pipeline expects."""
+    try:
+        for dtype in casts:
+            module.to(dtype=dtype)
+    except BaseException as error:
+        try:
+            module.to(dtype=casts[-1])
+        except BaseException as undo_error:
+            raise RuntimeError(
+                f"Casting {name!r} before the first call failed ({error}), and so did casting it back to "
+                f"{casts[-1]}: cast it with pipe.{name}.to(dtype={casts[-1]}) before calling the pipeline"
+            ) from undo_error
+        if not isinstance(error, Exception):
+            raise
+        logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)

@@ -196,6 +196,30 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert compared and set(compared) == {torch.uint8}
 
 
+def test_a_profile_loaded_inside_a_call_leaves_the_casts_to_that_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = sdxl_in_float16()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    file = pipeline_state(first.pipe).profile_file
+
+    second = sdxl_in_float16()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
+        second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+
+    def loading(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+        if step == 0:
+            assert load_residency_profile(pipe, file)
+        return callback_kwargs
+
+    loaded = pipeline_output(second.pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": loading})
+    assert torch.equal(loaded, second.reference)
+    casts = pipeline_state(second.pipe).group.casts_in_call
+    assert casts == {"vae": [torch.float16, torch.float32, torch.float16]}, "the call's own casts alone"
+
+
 def test_a_call_that_casts_nothing_or_casts_again_leaves_the_round_trip_kept_and_the_file_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -253,6 +277,31 @@ def test_a_cast_that_fails_at_enable_is_undone_and_left_to_the_first_call(
     assert {p.dtype for p in second.pipe.vae.parameters()} == {torch.float16}
     assert torch.equal(second.run(), second.reference)
 
+    # Failing the way back too, it says what to do.
+    third = sdxl_in_float16()
+    going_up.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(conversions.ConversionReuse, "convert", out_of_memory_going_up)
+        patch.setattr(third.pipe.vae, "post_quant_conv", _FailsToCastBack(third.pipe.vae.post_quant_conv))
+        with pytest.raises(RuntimeError, match=r"pipe.vae.to\(dtype=torch.float16\) before calling the pipeline"):
+            third.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+
+
+class _FailsToCastBack(torch.nn.Module):
+    """Wraps a module whose cast to float16 fails, as a cast back would with no host memory left."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _apply(self, fn, recurse=True):
+        if fn(torch.zeros((), dtype=torch.float32)).dtype == torch.float16:
+            raise MemoryError("injected: no host memory to cast back")
+        return super()._apply(fn, recurse)
+
+    def forward(self, *args):
+        return self.inner(*args)
+
 
 def _float32_inside(case: PipelineCase) -> PipelineCase:
     """``case`` with one of its VAE's weights kept in float32, as ``_keep_in_fp32_modules`` keeps some."""
@@ -262,7 +311,10 @@ def _float32_inside(case: PipelineCase) -> PipelineCase:
     return case
 
 
-@pytest.mark.parametrize("how", ["through bfloat16", "a weight in float32 inside", "a profile edited to float8"])
+_EDITED = {"a profile edited to float8": ["float8_e4m3fn", "float16"], "a profile edited to nothing": []}
+
+
+@pytest.mark.parametrize("how", ["through bfloat16", "a weight in float32 inside", *_EDITED])
 def test_casts_that_would_change_weights_are_not_made_at_enable(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """A round trip through a narrower dtype is not kept; one kept is not made for a component
     whose weights are not all in the dtype it begins in, nor through a dtype that a file names and
@@ -278,10 +330,10 @@ def test_casts_that_would_change_weights_are_not_made_at_enable(monkeypatch: pyt
     (figures,) = residency_profile(first.pipe).shapes.values()
     assert figures.casts == ({} if how == "through bfloat16" else {"vae": (torch.float32, torch.float16)})
     file = pipeline_state(first.pipe).profile_file
-    if how == "a profile edited to float8":
+    if how in _EDITED:
         data = json.loads(file.read_text())
         (shape,) = data["shapes"].values()
-        shape["casts"] = {"vae": ["float8_e4m3fn", "float16"]}
+        shape["casts"] = {"vae": _EDITED[how]}
         file.write_text(json.dumps(data))
 
     second = build(sdxl_in_float16())
