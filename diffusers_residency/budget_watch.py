@@ -94,6 +94,14 @@ class BudgetWatch:
         """Whether the next whole call is measured (see :class:`BudgetWatch`)."""
         return self.on_first_call is not None
 
+    @property
+    def wants_timed_steps(self) -> bool:
+        """Whether a step timed from here on would be used: in a measured call, whose plan is chosen
+        from its timing, or while the steps are to be timed again under a plan (``on_call_start``,
+        see ``adaptive._Retime``). Otherwise nothing reads it but the report, and timing a step costs
+        the host two events a block (10 ms a call for SDXL's UNet, whose steps wait on the host)."""
+        return self.on_first_call is not None or self.on_call_start is not None
+
     def stop_measuring(self) -> None:
         """Measure no call, and time no step again: the plan in place was made from figures
         measured before (see ``adaptive.begin_call``). Retries seen under the plan before, in a

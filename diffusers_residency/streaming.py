@@ -54,6 +54,8 @@ class StreamOwner(Protocol):
     # calls began: a stream that sees either move knows its next pass begins a new activation.
     switches: int
     calls: int
+    # Whether a pass timed now would be used (see ResidencyGroup.times_steps).
+    times_steps: bool
 
     def first_pass_ran(self, component: str) -> None:
         """Told once a component's blocks have run through once in a call."""
@@ -96,7 +98,8 @@ class BlockStream:
     pass's last block also counts the work up to the next pass (the scheduler's step, the trunk).
     :meth:`step_compute_seconds` sums them: what a step computes, beside what it loads, says
     whether the bus or the compute sets its pace. A pass cut by a switch to another component, or
-    by the end of its call, is not counted.
+    by the end of its call, is not counted. Under a plan that no longer reads them (see
+    ``ResidencyGroup.times_steps``) no pass is timed, and the last ones timed stand.
     """
 
     def __init__(
@@ -163,6 +166,11 @@ class BlockStream:
                 ahead.append(candidate)
         return tuple(ahead)
 
+    def staged_blocks(self) -> tuple[Block, ...]:
+        """The staged blocks in the order the forward takes them: the order their loads ahead of
+        the component's first pass go in (see ResidencyGroup._load_ahead)."""
+        return tuple(unit for unit in self._order if unit.policy is Policy.STAGED)
+
     def replan(self, prefetch_blocks: int | None = None) -> None:
         """Recompute the windows after block policies changed (other resident blocks), loading
         ``prefetch_blocks`` ahead from here on where given."""
@@ -199,7 +207,7 @@ class BlockStream:
                 self._first_step = self._stamps
             self._stamps = None
         self._passes += 1
-        if 2 <= self._passes <= STEPS_TIMED + 1:
+        if 2 <= self._passes <= STEPS_TIMED + 1 and self.group.times_steps:
             self._stamps = {}
         if self._passes == 2:
             self.group.first_pass_ran(self.component)

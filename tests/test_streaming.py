@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -768,17 +769,19 @@ def test_a_streamed_step_is_the_median_of_the_steps_a_call_timed(flux: PipelineC
     assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 3.0)
 
 
-def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_room_to_the_vae(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _sdxl_with_staged_unet_blocks(
+    monkeypatch: pytest.MonkeyPatch, components: dict[str, str] | None = None
+) -> tuple[PipelineCase, ResidencyGroup, Any, int, int]:
     """SDXL's shape of the problem: the VAE needs far more above its weights than the UNet does, so
     the UNet keeps across calls only what fits beside the VAE's decode, and keeps the rest of its
-    blocks while it runs (loaded once per call, not once per step)."""
+    blocks while it runs. The tiny SDXL pipeline, enabled with ``components`` and measured (its
+    peaks faked: the VAE's need set so that half the UNet's blocks stay), after two calls; returns
+    it, its group, the plan expected, the budget and the VAE's need."""
     case = PipelineCase("sdxl")
     sizes = component_sizes(case.pipe, module_components(case.pipe))
     least = plan_residency(sizes, 10**12, MIN_RESERVE_BYTES, least=True)
     budget = MIN_RESERVE_BYTES + least.peak_weight_bytes  # the measuring plan just fits the default reserve
-    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget, components=components)
     state = pipeline_state(case.pipe)
     group = state.group
     assert state.measuring and not state.plan["unet"].resident_blocks, str(state.plan)
@@ -820,7 +823,14 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
     assert torch.equal(case.run(), case.reference)
     plan = case.pipe.residency_plan()
     assert (plan.components, plan.activations) == (expected.components, expected.activations)
+    return case, group, expected, budget, vae_need
 
+
+def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_room_to_the_vae(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case, group, expected, budget, vae_need = _sdxl_with_staged_unet_blocks(monkeypatch)
+    unet_plan = expected["unet"]
     blocks = group.units_of("unet")[1:]
     staged = [block for block in blocks if block.policy is Policy.STAGED]
     assert len(staged) == len(unet_plan.staged_blocks)
@@ -834,7 +844,31 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
         "a staged block loads once per call, not once per step"
     )
     assert not any(block.stager.loaded for block in staged), "the VAE's turn evicted them"
-    assert max(loaded_while_decoding) + measured(vae_need)["vae"] <= budget
+    assert max(loaded_while_decoding) + vae_need <= budget
+    assert_no_meta_or_foreign_device(case.pipe)
+
+
+def test_a_denoisers_staged_blocks_load_ahead_while_the_encoder_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With its text encoders whole (as a residency profile hooks SDXL's at 8 GB), the UNet's staged
+    blocks start loading as text_encoder_2 starts, in the order the UNet's forward takes them,
+    where the room for weights while it runs holds them: their copies, and the host's queueing of
+    them, are out of the UNet's first step."""
+    whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
+    case, group, expected, budget, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
+    staged = group.units_of("unet")[1].stream.staged_blocks()
+    assert len(staged) == len(expected["unet"].staged_blocks)
+    queued: list[str] = []
+    for block in staged:
+        block.load = functools.partial(lambda block, load, **kwargs: queued.append(block.name) or load(**kwargs), block, block.load)
+    at_encoder: list[tuple[bool, ...]] = []
+    inside_encoder = case.pipe.text_encoder_2.text_model  # runs once the encoder's hook has made it ready
+    inside_encoder.register_forward_pre_hook(lambda *_: at_encoder.append(tuple(b.stager.loaded for b in staged)))
+    assert torch.equal(case.run(), case.reference)
+    assert at_encoder == [(True,) * len(staged)], "loaded as text_encoder_2 started"
+    assert queued == [b.name for b in staged], "in the order the forward takes them (see staged_blocks), once a call"
+    room = group.weight_room("text_encoder_2")
+    assert group.loaded_bytes() <= room or not any(b.stager.loaded for b in staged)
+    assert torch.equal(case.run(), case.reference)
     assert_no_meta_or_foreign_device(case.pipe)
 
 
@@ -930,6 +964,27 @@ def test_a_step_timed_again_under_the_plan_is_planned_for_once(
     assert second.timings["transformer"].compute_per_byte < first.timings["transformer"].compute_per_byte / 2
     assert torch.equal(run(3), reference[3])
     assert flux.pipe.residency_plan() is second, "once"
+
+
+def test_steps_are_timed_only_while_a_plan_will_use_them(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing a step records two events a block on the host: in the measuring call (its plan is
+    chosen from the step) and in the first call under that plan (timed again), not after."""
+    reference = _run(flux, 3)
+    budget = streaming_budget(flux, MIN_RESERVE_BYTES)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    group = pipeline_state(flux.pipe).group
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + 1000)
+    timestamp, stamps = _device.compute_timestamp, []
+    monkeypatch.setattr(_device, "compute_timestamp", lambda device: stamps.append(device) or timestamp(device))
+    per_call = []
+    for _ in range(4):
+        stamps.clear()
+        assert torch.equal(_run(flux, 3), reference)
+        per_call.append(len(stamps))
+    assert per_call[0] > 0 and per_call[1] > 0, per_call
+    assert per_call[2:] == [0, 0], per_call
+    assert group.budget_watch.on_call_start is None, "timed again, and done"
+    assert flux.pipe.residency_report()["transformer"].step_compute_seconds is not None, "the last step timed stands"
 
 
 def test_a_step_timed_under_a_plan_that_retried_is_not_planned_for(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
