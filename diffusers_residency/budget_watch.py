@@ -151,10 +151,10 @@ class BudgetWatch:
                 if kept_for is not None:
                     # The cache kept over the room of the component it was kept for did not fit
                     # what ran since: give it back there from now on, rather than plan more room.
-                    self.retention.release_over_limit_before.add(kept_for)
+                    self.retention.learn_release_before(kept_for)
                     self.retention.kept_over_limit = None
                     logger.info(
-                        "The allocator retried while %r ran, with the cache kept as %r started: releasing it there from now on",
+                        "The allocator retried while %r ran, with the cache kept as %r started: releasing it there",
                         ran,
                         kept_for,
                     )

@@ -12,6 +12,7 @@ has physical headroom.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ OBSERVED_PEAK_MARGIN = 1.25
 MAX_CAPACITY_FRACTION = 0.25
 # Release whenever less than this fraction of the device is physically free, whatever the budget.
 MIN_FREE_FRACTION = 0.05
+# Releases at a boundary learned from one retry are made this many times, then the cache is kept
+# there once more, to see: one retry is no proof (another process allocating on the device makes
+# the allocator retry too), and a release kept for good costs a device synchronisation and the
+# memory mapped again at every call (SDXL at 8 GB ran up to twice as slow a call that way).
+RELEASES_BEFORE_RETEST = 2
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,11 @@ class RetentionBudget:
         # Components the cache over reserved_limit is released for as they start: the allocator
         # retried after the boundary into them kept it (see kept_over_limit).
         self.release_over_limit_before: set[str] = set()
+        # Of those, the ones learned from one retry in this process, with the releases left before
+        # the cache is kept there again (see RELEASES_BEFORE_RETEST); and the ones being kept again,
+        # which a second retry confirms. Only confirmed ones go into a residency profile.
+        self._unconfirmed: dict[str, int] = {}
+        self._retesting: set[str] = set()
         # The component the last boundary that evicted anything kept cache over reserved_limit
         # for, if it did. Switches that evict nothing leave it: the cache kept there is still
         # held while the components after it run (FLUX.1 at 30 GB: kept as the transformer
@@ -129,7 +140,38 @@ class RetentionBudget:
         self.kept_over_limit = None
         decision = self._decide(starting)
         self._apply(decision)
+        if decision.reason == "over-vram-budget" and starting in self._unconfirmed:
+            self._unconfirmed[starting] -= 1
+            if not self._unconfirmed[starting]:
+                # Kept at the next boundary into it: a retry after that confirms the release.
+                del self._unconfirmed[starting]
+                self.release_over_limit_before.discard(starting)
+                self._retesting.add(starting)
         return decision
+
+    def learn_release_before(self, component: str) -> None:
+        """The allocator retried after the boundary into ``component`` kept cache over
+        ``reserved_limit``: release it there from now on. Learned from one retry, the release is
+        made :data:`RELEASES_BEFORE_RETEST` times and then tried without once; a retry then
+        confirms it, and only then does a residency profile keep it (see
+        :meth:`confirmed_release_before`)."""
+        self.release_over_limit_before.add(component)
+        if component in self._retesting:
+            self._retesting.discard(component)
+        else:
+            self._unconfirmed[component] = RELEASES_BEFORE_RETEST
+
+    def confirmed_release_before(self) -> frozenset[str]:
+        """The boundaries that release cache over ``reserved_limit`` but those learned from a single
+        retry: what a residency profile keeps for later processes."""
+        return frozenset(self.release_over_limit_before - self._unconfirmed.keys())
+
+    def set_release_before(self, components: Iterable[str] = ()) -> None:
+        """Release over ``reserved_limit`` before ``components`` (confirmed: from a residency profile),
+        and nowhere else; what was being learned starts over."""
+        self.release_over_limit_before = set(components)
+        self._unconfirmed.clear()
+        self._retesting.clear()
 
     def release(self, reason: str = "forced") -> RetentionDecision:
         """Release the cache unconditionally (failure paths, sleep)."""

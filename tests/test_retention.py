@@ -9,6 +9,7 @@ from torch import nn
 
 from diffusers_residency import ResidencyGroup, RetentionBudget, _device, attach_staging_hook
 from diffusers_residency._device import MemoryTelemetry
+from diffusers_residency.retention import RELEASES_BEFORE_RETEST
 
 GB = 10**9
 DEVICE = torch.device("cuda", 0)
@@ -95,6 +96,33 @@ def test_cache_in_the_room_a_vram_budget_keeps_for_activations_is_kept_until_it_
     # Released for another reason, it is not counted as kept.
     figures["telemetry"] = telemetry(cached=20 * GB, free=50 * GB, allocated=10 * GB)
     assert budget.at_boundary("unet").reason == "cached-over-budget" and budget.kept_over_limit is None
+
+
+def test_a_release_learned_from_one_retry_is_tried_without_again_and_kept_for_later_processes_once_confirmed(
+    figures: dict,
+) -> None:
+    # One retry is no proof: another process allocating on the device makes the allocator retry too,
+    # and a release kept for good costs every later call (and process, through the profile).
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)
+    budget.reserved_limit = 12 * GB
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)  # over the limit
+    budget.learn_release_before("vae")
+    assert budget.confirmed_release_before() == frozenset(), "learned once: for this process only"
+    reasons = [budget.at_boundary("vae").reason for _ in range(RELEASES_BEFORE_RETEST + 1)]
+    assert reasons == ["over-vram-budget"] * RELEASES_BEFORE_RETEST + ["over-vram-budget-kept"], "then kept once, to see"
+    assert budget.kept_over_limit == "vae"
+    assert budget.at_boundary("vae").reason == "over-vram-budget-kept", "no retry after it: kept from then on"
+    assert budget.confirmed_release_before() == frozenset()
+    budget.learn_release_before("vae")  # a retry after keeping it again confirms the release
+    assert budget.confirmed_release_before() == {"vae"}
+    assert all(budget.at_boundary("vae").reason == "over-vram-budget" for _ in range(2 * RELEASES_BEFORE_RETEST + 2))
+    # A profile's releases are confirmed ones; set anew, what was being learned starts over.
+    budget.learn_release_before("unet")
+    budget.set_release_before(["text_encoder"])
+    assert budget.release_over_limit_before == {"text_encoder"} and budget.confirmed_release_before() == {"text_encoder"}
+    budget.learn_release_before("vae")
+    assert budget.confirmed_release_before() == {"text_encoder"}, "learned once again after the reset"
 
 
 @pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])

@@ -854,7 +854,7 @@ def test_a_denoisers_staged_blocks_load_ahead_while_the_encoder_before_it_runs(m
     where the room for weights while it runs holds them: their copies, and the host's queueing of
     them, are out of the UNet's first step."""
     whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
-    case, group, expected, budget, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
+    case, group, expected, _, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
     staged = group.units_of("unet")[1].stream.staged_blocks()
     assert len(staged) == len(expected["unet"].staged_blocks)
     queued: list[str] = []
