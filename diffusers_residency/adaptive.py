@@ -401,7 +401,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     covering = None if shape in state.estimates_failed else covering_shape(shapes, shape)
     if covering is not None and _plan_from_figures(state, shapes[covering], f"{ESTIMATED} {covering}", estimated=True):
         return
-    state.group.retention.set_release_before()
+    state.group.retention.set_release_before(learned_for=state.shape)
     _apply_least_plan(state)
     _watch(state, measure=True)
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", state.shape)
@@ -417,7 +417,7 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
         logger.warning("The figures %s fit no plan with these policies; measuring this call of %s", source, state.shape)
         return False
     group = state.group
-    group.retention.set_release_before(figures.release_before)
+    group.retention.set_release_before(figures.release_before, learned_for=state.shape)
     plan = replace(plan, source=source, shape=state.shape)
     apply_plan(state, plan)
     if estimated:

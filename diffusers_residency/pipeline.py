@@ -268,7 +268,7 @@ def enable_pinned_offload(
         # What retries taught was for the budget and plan before: learned again for these.
         previous.retry_replans.clear()
         previous.retries_left_alone.clear()
-        previous.group.retention.set_release_before()
+        previous.group.retention.forget_releases()
         previous.group.budget_watch = None  # watched again for the new plan, the peak reset
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)

@@ -160,6 +160,13 @@ class ResidencyGroup:
         # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_room: Callable[[str], int] | None = None
+        # Inside pipeline calls, the component that started after each start, by that start's
+        # component and how many times it had started before in its call, as the last call ran
+        # them: loading ahead goes there rather than to the next in call order, which a call may
+        # leave (a negative prompt runs the text encoders twice; img2img encodes with the VAE
+        # before the UNet). And the call those counts are for, the counts, and the last start.
+        self._next_start: dict[tuple[str, int], str] = {}
+        self._starts_of_call: tuple[int, dict[str, int], tuple[str, int] | None] = (-1, {}, None)
         # The budget watched at each switch, under a budget (see adaptive, which sets it).
         self.budget_watch: BudgetWatch | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
@@ -333,7 +340,7 @@ class ResidencyGroup:
         else:
             unit.stager.ready()  # loaded ahead: the compute stream waits for the copy from here
         if switched:
-            self._load_ahead(unit.component)
+            self._load_ahead(self._note_start(unit.component))
 
     def evict_others(self, component: str | None) -> None:
         """Offload the evictable units of every component but ``component``, which becomes the active
@@ -359,20 +366,44 @@ class ResidencyGroup:
     def loaded_bytes(self) -> int:
         return sum(unit.stager.weight_bytes for unit in self.units if unit.stager.loaded)
 
-    def _load_ahead(self, component: str) -> None:
-        """Start loading the component after ``component`` in call order, whole, if the room for weights
-        while ``component`` runs holds it beside what is loaded: its copy then runs behind this
-        component's compute. A streamed one loads its trunk, then its staged blocks (those it keeps
-        while it runs) in the order its forward takes them, as many as the room holds: their copies,
-        and the host's work of queueing them, then run while this component computes, not inside
-        the first step, which waits for each block. SDXL's UNet at 8 GB has 55 staged blocks whose
-        loads cost the host about 27 ms a call, and its steps wait on the host."""
-        if self.weight_room is None or component not in self.call_order:
+    def _note_start(self, component: str) -> tuple[str, int]:
+        """``component`` starts (a switch to it): noted as what followed the start before it, inside
+        a pipeline call. Returns this start (see ``_next_start``)."""
+        call, counts, last = self._starts_of_call
+        if call != self.calls:
+            call, counts, last = self.calls, {}, None
+        if last is not None and self.calls_running:
+            self._next_start[last] = component
+        start = (component, counts.get(component, 0))
+        counts[component] = start[1] + 1
+        self._starts_of_call = (call, counts, start)
+        return start
+
+    def _following(self, start: tuple[str, int]) -> str | None:
+        """The component expected to start after ``start``: the one that did in the last call that
+        ran it, else the next in call order (outside a call, or before one ran it)."""
+        following = self._next_start.get(start) if self.calls_running else None
+        if following is None and start[0] in self.call_order:
+            order = self.call_order
+            following = order[(order.index(start[0]) + 1) % len(order)]
+        return following
+
+    def _load_ahead(self, start: tuple[str, int]) -> None:
+        """Start loading the component expected after ``start`` (see :meth:`_following`), whole, if
+        the room for weights while ``start``'s component runs holds it beside what is loaded: its
+        copy then runs behind this component's compute. A streamed one loads its trunk, then its
+        staged blocks (those it keeps while it runs) in the order its forward takes them, as many
+        as the room holds: their copies, and the host's work of queueing them, then run while this
+        component computes, not inside the first step, which waits for each block. SDXL's UNet at
+        8 GB has 55 staged blocks whose loads cost the host about 27 ms a call, and its steps wait
+        on the host. Loaded ahead for a component that does not come next, they would be evicted
+        unused, the next component's compute waiting for their copies first."""
+        component = start[0]
+        following = self._following(start)
+        if self.weight_room is None or following is None:
             return
         if any(u.stream is not None for u in self.units_of(component)):
             return  # a streaming component's next blocks need the room the plan gave its window
-        order = self.call_order
-        following = order[(order.index(component) + 1) % len(order)]
         units = [u for u in self.units_of(following) if not u.sleep_level]
         whole = [u for u in units if u.stream is None and not u.stager.loaded]
         room = self.weight_room(component) - self.loaded_bytes()
@@ -380,7 +411,8 @@ class ResidencyGroup:
         if needed > room:
             return
         stream = next((u.stream for u in units if u.stream is not None), None)
-        staged = [u for u in stream.staged_blocks() if not u.stager.loaded] if stream is not None else []
+        blocks = stream.staged_blocks() if stream is not None else ()
+        staged = [u for u in blocks if not u.stager.loaded and not u.sleep_level]
         if whole or staged:
             logger.debug("Loading %r ahead", following)
         for unit in whole:

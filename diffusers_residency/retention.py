@@ -85,6 +85,10 @@ class RetentionBudget:
         # which a second retry confirms. Only confirmed ones go into a residency profile.
         self._unconfirmed: dict[str, int] = {}
         self._retesting: set[str] = set()
+        # Those two as learned for each call shape set before (see set_release_before), and the
+        # shape they are for now: calls alternating two shapes each learn their own.
+        self._learning: dict[str | None, tuple[dict[str, int], set[str]]] = {}
+        self._learning_for: str | None = None
         # The component the last boundary that evicted anything kept cache over reserved_limit
         # for, if it did. Switches that evict nothing leave it: the cache kept there is still
         # held while the components after it run (FLUX.1 at 30 GB: kept as the transformer
@@ -137,6 +141,10 @@ class RetentionBudget:
     def at_boundary(self, starting: str | None = None) -> RetentionDecision:
         """Decide, at a component boundary, whether to release the cache, and do it. ``starting``:
         the component about to run, whose room ``reserved_limit`` leaves."""
+        if self.kept_over_limit in self._retesting:
+            # Kept there again, and no retry since (a retry is told before this boundary, see
+            # BudgetWatch.component_starts): the release was not needed. Learned anew if it ever is.
+            self._retesting.discard(self.kept_over_limit)
         self.kept_over_limit = None
         decision = self._decide(starting)
         self._apply(decision)
@@ -166,12 +174,21 @@ class RetentionBudget:
         retry: what a residency profile keeps for later processes."""
         return frozenset(self.release_over_limit_before - self._unconfirmed.keys())
 
-    def set_release_before(self, components: Iterable[str] = ()) -> None:
-        """Release over ``reserved_limit`` before ``components`` (confirmed: from a residency profile),
-        and nowhere else; what was being learned starts over."""
-        self.release_over_limit_before = set(components)
-        self._unconfirmed.clear()
-        self._retesting.clear()
+    def set_release_before(self, components: Iterable[str] = (), *, learned_for: str | None = None) -> None:
+        """Release over ``reserved_limit`` before ``components`` (confirmed ones: a residency
+        profile's for the call shape ``learned_for``), and before those that one retry taught for
+        that shape in this process, still being confirmed; what is being learned for the shape
+        before is kept for when it comes back."""
+        self._learning[self._learning_for] = (self._unconfirmed, self._retesting)
+        self._learning_for = learned_for
+        self._unconfirmed, self._retesting = self._learning.pop(learned_for, ({}, set()))
+        self.release_over_limit_before = set(components) | self._unconfirmed.keys()
+
+    def forget_releases(self) -> None:
+        """Release nowhere over ``reserved_limit``, and forget what retries taught, for every shape."""
+        self.release_over_limit_before = set()
+        self._unconfirmed, self._retesting = {}, set()
+        self._learning, self._learning_for = {}, None
 
     def release(self, reason: str = "forced") -> RetentionDecision:
         """Release the cache unconditionally (failure paths, sleep)."""

@@ -112,17 +112,47 @@ def test_a_release_learned_from_one_retry_is_tried_without_again_and_kept_for_la
     reasons = [budget.at_boundary("vae").reason for _ in range(RELEASES_BEFORE_RETEST + 1)]
     assert reasons == ["over-vram-budget"] * RELEASES_BEFORE_RETEST + ["over-vram-budget-kept"], "then kept once, to see"
     assert budget.kept_over_limit == "vae"
-    assert budget.at_boundary("vae").reason == "over-vram-budget-kept", "no retry after it: kept from then on"
-    assert budget.confirmed_release_before() == frozenset()
     budget.learn_release_before("vae")  # a retry after keeping it again confirms the release
     assert budget.confirmed_release_before() == {"vae"}
     assert all(budget.at_boundary("vae").reason == "over-vram-budget" for _ in range(2 * RELEASES_BEFORE_RETEST + 2))
-    # A profile's releases are confirmed ones; set anew, what was being learned starts over.
-    budget.learn_release_before("unet")
-    budget.set_release_before(["text_encoder"])
-    assert budget.release_over_limit_before == {"text_encoder"} and budget.confirmed_release_before() == {"text_encoder"}
+
+
+def test_a_release_kept_again_with_no_retry_after_it_is_learned_anew(figures: dict) -> None:
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)
+    budget.reserved_limit = 12 * GB
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
     budget.learn_release_before("vae")
-    assert budget.confirmed_release_before() == {"text_encoder"}, "learned once again after the reset"
+    for _ in range(RELEASES_BEFORE_RETEST + 1):
+        budget.at_boundary("vae")
+    assert budget.kept_over_limit == "vae", "kept again, to see"
+    assert budget.at_boundary("text_encoder").reason == "over-vram-budget-kept", "no retry told before the next boundary"
+    budget.learn_release_before("vae")  # much later: one retry is no proof again
+    assert budget.confirmed_release_before() == frozenset()
+    assert budget.at_boundary("vae").reason == "over-vram-budget"
+
+
+def test_what_retries_taught_for_one_call_shape_comes_back_with_it(figures: dict) -> None:
+    # Calls alternating two shapes: each shape's releases, and what is being confirmed, are its own.
+    budget = RetentionBudget(DEVICE)
+    budget.grow(5 * GB)
+    budget.reserved_limit = 12 * GB
+    figures["telemetry"] = telemetry(cached=3 * GB, free=50 * GB, allocated=10 * GB)
+    budget.set_release_before(learned_for="1024")
+    budget.learn_release_before("vae")
+    assert budget.at_boundary("vae").reason == "over-vram-budget"
+    budget.set_release_before(["unet"], learned_for="768")  # a profile's confirmed release for the other shape
+    assert budget.release_over_limit_before == {"unet"} and budget.confirmed_release_before() == {"unet"}
+    assert budget.at_boundary("vae").reason == "over-vram-budget-kept"
+    budget.set_release_before(learned_for="1024")
+    assert budget.at_boundary("vae").reason == "over-vram-budget", "the one release left before the retest"
+    assert budget.at_boundary("vae").reason == "over-vram-budget-kept", "kept again, to see"
+    budget.learn_release_before("vae")
+    assert budget.confirmed_release_before() == {"vae"}, "confirmed across the other shape's calls"
+    budget.forget_releases()
+    assert budget.release_over_limit_before == set()
+    budget.set_release_before(learned_for="1024")
+    assert budget.release_over_limit_before == set(), "forgotten for every shape"
 
 
 @pytest.mark.parametrize("telemetry", [None, "broken"], ids=["absent", "raising"])

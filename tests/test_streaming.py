@@ -852,7 +852,7 @@ def test_a_denoisers_staged_blocks_load_ahead_while_the_encoder_before_it_runs(m
     """With its text encoders whole (as a residency profile hooks SDXL's at 8 GB), the UNet's staged
     blocks start loading as text_encoder_2 starts, in the order the UNet's forward takes them,
     where the room for weights while it runs holds them: their copies, and the host's queueing of
-    them, are out of the UNet's first step."""
+    them, are out of the UNet's first step. Where the room holds fewer, fewer."""
     whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
     case, group, expected, _, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
     staged = group.units_of("unet")[1].stream.staged_blocks()
@@ -860,16 +860,48 @@ def test_a_denoisers_staged_blocks_load_ahead_while_the_encoder_before_it_runs(m
     queued: list[str] = []
     for block in staged:
         block.load = functools.partial(lambda block, load, **kwargs: queued.append(block.name) or load(**kwargs), block, block.load)
-    at_encoder: list[tuple[bool, ...]] = []
+    at_encoder: list[tuple[tuple[bool, ...], int]] = []
     inside_encoder = case.pipe.text_encoder_2.text_model  # runs once the encoder's hook has made it ready
-    inside_encoder.register_forward_pre_hook(lambda *_: at_encoder.append(tuple(b.stager.loaded for b in staged)))
+    inside_encoder.register_forward_pre_hook(
+        lambda *_: at_encoder.append((tuple(b.stager.loaded for b in staged), group.loaded_bytes()))
+    )
     assert torch.equal(case.run(), case.reference)
-    assert at_encoder == [(True,) * len(staged)], "loaded as text_encoder_2 started"
+    (loaded, held), = at_encoder
+    assert loaded == (True,) * len(staged), "loaded as text_encoder_2 started"
+    assert held <= group.weight_room("text_encoder_2"), "within the room for weights while it runs"
     assert queued == [b.name for b in staged], "in the order the forward takes them (see staged_blocks), once a call"
-    room = group.weight_room("text_encoder_2")
-    assert group.loaded_bytes() <= room or not any(b.stager.loaded for b in staged)
+
+    room = group.weight_room
+    monkeypatch.setattr(group, "weight_room", lambda component: held - 1 if component == "text_encoder_2" else room(component))
+    at_encoder.clear()
+    queued.clear()
     assert torch.equal(case.run(), case.reference)
+    assert at_encoder[0][0][-1] is False and at_encoder[0][1] < held, "the last block does not fit: left to the UNet"
+    assert sorted(queued) == sorted(b.name for b in staged), "each loaded once all the same"
     assert_no_meta_or_foreign_device(case.pipe)
+
+
+def test_loading_ahead_goes_where_the_last_call_went_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A negative prompt runs SDXL's text encoders twice: from the second such call on, the UNet's
+    staged blocks load as the second text_encoder_2 starts, not as the first does, whose next
+    component (text_encoder again) would evict them unused."""
+    whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
+    case, group, _, _, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
+    def negative() -> dict[str, Any]:  # a generator of its own for each call
+        return {**call_kwargs("sdxl", "tiny"), "negative_prompt": "blurry"}
+
+    reference = pipeline_output(PipelineCase("sdxl").pipe, negative())
+    staged = group.units_of("unet")[1].stream.staged_blocks()
+    at_encoder: list[bool] = []
+    inside_encoder = case.pipe.text_encoder_2.text_model
+    inside_encoder.register_forward_pre_hook(lambda *_: at_encoder.append(all(b.stager.loaded for b in staged)))
+    assert torch.equal(pipeline_output(case.pipe, negative()), reference)  # runs the encoders twice: learned
+    at_encoder.clear()
+    loads = sum(b.stager.loads for b in staged)
+    assert torch.equal(pipeline_output(case.pipe, negative()), reference)
+    assert at_encoder == [False, True], "loaded as the second text_encoder_2 started"
+    assert sum(b.stager.loads for b in staged) - loads == len(staged), "once: none evicted unused"
+    assert torch.equal(case.run(), case.reference), "and back to one prompt"
 
 
 def test_the_measuring_call_times_the_denoisers_step_for_the_plan(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
