@@ -5,7 +5,7 @@ and casts it back to float16). A call's first cast converts the masters on the h
 page-locks the results (see :mod:`.conversions`); later calls find both sets of masters kept and
 convert nothing. A residency profile keeps, per call shape, the round trips a call made, and a
 pipeline enabled from it makes them as it is enabled, so that its first call finds what later
-calls find.
+calls find; without one, the round trips a pipeline's code is known to make are made instead.
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ def _holds_every_value_of(wide: torch.dtype | None, narrow: torch.dtype) -> bool
         return torch.promote_types(narrow, wide) == wide
     except RuntimeError:  # float8 types promote to nothing
         return False
+
+
+def casts_known_to_decode(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
+    """The round trips ``pipe``'s calls are known to make before any call was made: diffusers'
+    pipelines that define ``upcast_vae`` (SDXL, Kolors and their kin, with their img2img,
+    inpainting and ControlNet variants) cast a float16 VAE whose config asks for ``force_upcast``
+    to float32 to decode or encode, and back, in every call that does. Others (SD 1.5's VAE has
+    ``force_upcast`` too, but its pipeline never reads it) make none. A call that does not decode
+    (``output_type="latent"``) leaves the float32 masters made for it unused, and let go of after a
+    few loads (see conversions.LOADS_KEEPING_CONVERSIONS)."""
+    vae = getattr(pipe, "vae", None)
+    if not callable(getattr(type(pipe), "upcast_vae", None)) or not isinstance(vae, nn.Module):
+        return {}
+    if not getattr(getattr(vae, "config", None), "force_upcast", False):
+        return {}
+    return {"vae": (torch.float32, torch.float16)}  # warm_casts skips a VAE that is not float16
 
 
 def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[torch.dtype, ...]]) -> None:

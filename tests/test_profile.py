@@ -26,6 +26,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.bench.first_calls import PROFILE_SOURCE, PROFILED_PLAN_SAYS
+from diffusers_residency.casts import casts_known_to_decode
 from diffusers_residency.components import component_sizes, default_reserve_for, module_components
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
@@ -178,22 +179,84 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert torch.equal(second.run(), second.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
 
-    # A profile loaded by hand makes them too, but not for a component asleep.
+    # Without a profile, the casts the pipeline's code is known to make are made all the same.
     third = sdxl_in_float16()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
         third.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    assert third.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes
-    file = pipeline_state(first.pipe).profile_file
-    sleep(third.pipe)
-    assert load_residency_profile(third.pipe, file)
-    assert third.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "asleep: not cast"
-    wake_up(third.pipe)
-    assert load_residency_profile(third.pipe, file)
+    assert residency_profile(third.pipe).shapes == {}
     assert third.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
     compared.clear()
     assert torch.equal(third.run(), third.reference)
     assert compared and set(compared) == {torch.uint8}
+
+
+def test_known_casts_are_those_of_pipelines_that_upcast_a_float16_vae_asking_for_it() -> None:
+    """SDXL's pipeline reads its VAE's ``force_upcast``; SD3's VAE asks for it too, but its pipeline
+    never reads it, and upcasting it at enable would only take host memory."""
+    sdxl, sd3 = sdxl_in_float16(), PipelineCase("sd3", dtype=torch.float16)
+    assert sd3.pipe.vae.config.force_upcast
+    assert casts_known_to_decode(sdxl.pipe) == {"vae": (torch.float32, torch.float16)}
+    assert casts_known_to_decode(sd3.pipe) == {}
+    sdxl.pipe.vae.register_to_config(force_upcast=False)
+    assert casts_known_to_decode(sdxl.pipe) == {}
+    sd3.pipe.enable_pinned_offload("cpu", vram_budget=_budget(sd3))
+    vae = sd3.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.weight_bytes, "nothing cast at enable"
+
+
+def test_a_profile_loaded_by_hand_makes_its_casts_but_not_for_a_component_asleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pipeline whose code is not known to cast its VAE (its config does not ask for it) that a
+    step callback casts up and back: the profile keeps the round trip, and loading it makes it."""
+
+    def kwargs() -> dict:  # a fresh generator each call
+        return {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": _vae_up_and_back}
+
+    def build() -> PipelineCase:
+        case = sdxl_in_float16()
+        case.pipe.vae.register_to_config(force_upcast=False)
+        case.reference = pipeline_output(case.pipe, kwargs())
+        case.pipe.vae.to(torch.float32)  # ordinary tensors again (see sdxl_in_float16)
+        case.pipe.vae.to(torch.float16)
+        return case
+
+    first = build()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(pipeline_output(first.pipe, kwargs()), first.reference)
+    (figures,) = residency_profile(first.pipe).shapes.values()
+    assert figures.casts == {"vae": (torch.float32, torch.float16)}
+    file = pipeline_state(first.pipe).profile_file
+
+    second = build()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
+        second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    vae = second.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.weight_bytes, "not known to cast: nothing cast at enable"
+    sleep(second.pipe)
+    assert load_residency_profile(second.pipe, file)
+    assert second.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "asleep: not cast"
+    wake_up(second.pipe)
+    assert load_residency_profile(second.pipe, file)
+    assert second.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
+    compared: list[torch.dtype] = []
+    same_bits = conversions.same_bits
+    monkeypatch.setattr(
+        conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
+    )
+    assert torch.equal(pipeline_output(second.pipe, kwargs()), second.reference)
+    assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
+
+
+def _vae_up_and_back(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+    if step == 0:
+        pipe.vae.to(dtype=torch.float32)
+        pipe.vae.to(dtype=torch.float16)
+    return callback_kwargs
 
 
 def test_a_profile_loaded_inside_a_call_leaves_the_casts_to_that_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,14 +295,9 @@ def test_a_call_that_casts_nothing_or_casts_again_leaves_the_round_trip_kept_and
     real = adaptive.write_profile
     monkeypatch.setattr(adaptive, "write_profile", lambda *a: writes.append(a) or real(*a))
 
-    def casting_again(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
-        if step == 0:  # up and back once more, as an img2img call's encode does before its decode
-            pipe.vae.to(dtype=torch.float32)
-            pipe.vae.to(dtype=torch.float16)
-        return callback_kwargs
-
     pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "output_type": "latent"})
-    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": casting_again})
+    # Up and back once more, as an img2img call's encode does before its decode.
+    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "callback_on_step_end": _vae_up_and_back})
     assert torch.equal(case.run(), case.reference)
     (figures,) = residency_profile(case.pipe).shapes.values()
     assert figures.casts == {"vae": (torch.float32, torch.float16)}
