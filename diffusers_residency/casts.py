@@ -55,9 +55,9 @@ def casts_known_to_decode(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
     pipelines that define ``upcast_vae`` (SDXL, Kolors and their kin, with their img2img,
     inpainting and ControlNet variants) cast a float16 VAE whose config asks for ``force_upcast``
     to float32 to decode or encode, and back, in every call that does. Others (SD 1.5's VAE has
-    ``force_upcast`` too, but its pipeline never reads it) make none. A call that does not decode
-    (``output_type="latent"``) leaves the float32 masters made for it unused, and let go of after a
-    few loads (see conversions.LOADS_KEEPING_CONVERSIONS)."""
+    ``force_upcast`` too, but its pipeline never reads it) make none. Calls that never decode
+    (``output_type="latent"``) leave the float32 masters made for them unused; loaded without a cast
+    a few times, the VAE lets them go (see conversions.LOADS_KEEPING_CONVERSIONS)."""
     vae = getattr(pipe, "vae", None)
     if not callable(getattr(type(pipe), "upcast_vae", None)) or not isinstance(vae, nn.Module):
         return {}
