@@ -444,7 +444,7 @@ def plan_ahead(state: PipelineResidency, known_casts: Mapping[str, tuple[torch.d
     pipeline's code is ``known_casts`` to make (see casts.casts_known_to_decode)."""
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is None:
-        warm_casts(state.group, known_casts)
+        warm_casts(state.group, known_casts, guessed=True)
     else:
         warm_casts(state.group, state.profile.shapes[shape].casts)
         begin_call(state, shape)

@@ -55,9 +55,11 @@ def casts_known_to_decode(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
     pipelines that define ``upcast_vae`` (SDXL, Kolors and their kin, with their img2img,
     inpainting and ControlNet variants) cast a float16 VAE whose config asks for ``force_upcast``
     to float32 to decode or encode, and back, in every call that does. Others (SD 1.5's VAE has
-    ``force_upcast`` too, but its pipeline never reads it) make none. Calls that never decode
-    (``output_type="latent"``) leave the float32 masters made for them unused; loaded without a cast
-    a few times, the VAE lets them go (see conversions.LOADS_KEEPING_CONVERSIONS)."""
+    ``force_upcast`` too, but its pipeline never reads it) make none. A guess, not a record: the
+    first call that does not make a round trip made on it (one returning latents) lets go of what
+    was kept for it (see ResidencyGroup.casts_made_ahead). Some of these pipelines upcast for good
+    in some paths (AuraFlow, SDXL ControlNet inpainting): their first call then takes the float32
+    masters made here as they are."""
     vae = getattr(pipe, "vae", None)
     if not callable(getattr(type(pipe), "upcast_vae", None)) or not isinstance(vae, nn.Module):
         return {}
@@ -66,7 +68,9 @@ def casts_known_to_decode(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
     return {"vae": (torch.float32, torch.float16)}  # warm_casts skips a VAE that is not float16
 
 
-def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[torch.dtype, ...]]) -> None:
+def warm_casts(
+    group: ResidencyGroup, casts_by_component: Mapping[str, tuple[torch.dtype, ...]], *, guessed: bool = False
+) -> None:
     """Make now, as in a call, the round trips (see :func:`lossless_round_trip`) that a call made of
     each component and a residency profile kept (SDXL's VAE to float32 to decode, then float16
     again): made here, the first call finds the masters of both dtypes kept and converts nothing,
@@ -76,14 +80,17 @@ def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[tor
     of the component's own (see ``lossless_round_trip``; a profile is a file, and may have been
     edited), of a component whose floating-point tensors all have that dtype (one kept in float32
     inside a float16 VAE would be rounded), awake (asleep, its masters may map files, and a cast
-    would put them in memory). Not inside a call (a callback loading a profile): it makes its own.
-    A cast that fails here is undone and left to the first call."""
+    would put them in memory), and not kept from a cast already (enabled again after calls: made
+    again, the round trip would only unload the component). Not inside a call (a callback loading
+    a profile): it makes its own. A cast that fails here is undone and left to the first call.
+    ``guessed``: casts no call was seen to make (see :func:`casts_known_to_decode`), let go of
+    after a first call that does not make them."""
     with group.call_lock:  # checked and cast with no call of another thread under way
         if group.calls_running:
             return
         for name, casts in casts_by_component.items():
             units = group.units_of(name)
-            if not casts or not units or any(unit.sleep_level for unit in units):
+            if not casts or not units or any(unit.sleep_level or unit.stager.keeps_conversions for unit in units):
                 continue
             module = units[0].module  # the component (a streamed one's trunk unit holds it whole)
             # ``module.to(dtype)`` casts complex tensors too (to real): one of those is not left as it is.
@@ -92,16 +99,19 @@ def warm_casts(group: ResidencyGroup, casts_by_component: Mapping[str, tuple[tor
                 continue
             logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
             with group.running_call():
-                _cast_through(name, module, casts)
+                made = _cast_through(name, module, casts)
+            if made and guessed:
+                group.casts_made_ahead.add(name)
 
 
-def _cast_through(name: str, module: nn.Module, casts: tuple[torch.dtype, ...]) -> None:
+def _cast_through(name: str, module: nn.Module, casts: tuple[torch.dtype, ...]) -> bool:
     """Cast ``module`` to each of ``casts`` in turn; on a failure, back to the last, with a warning
-    (the first call then makes the casts itself). A failure to cast back too raises: the weights
-    may be left in a wider dtype than the pipeline expects."""
+    (the first call then makes the casts itself), and False. A failure to cast back too raises:
+    the weights may be left in a wider dtype than the pipeline expects."""
     try:
         for dtype in casts:
             module.to(dtype=dtype)
+        return True
     except BaseException as error:
         try:
             module.to(dtype=casts[-1])
@@ -113,3 +123,4 @@ def _cast_through(name: str, module: nn.Module, casts: tuple[torch.dtype, ...]) 
         if not isinstance(error, Exception):
             raise
         logger.warning("Could not cast %r before the first call (%s); its first call casts it", name, error)
+        return False

@@ -273,6 +273,11 @@ class ConversionReuse:
     def _loads_since_conversion(self) -> int:
         return self.loads - (self._loads_at_conversion or 0)
 
+    @property
+    def keeps_conversions(self) -> bool:
+        """Whether masters from before the last conversion are kept (see :meth:`convert`)."""
+        return bool(self._kept_groups)
+
     def forget_conversions(self) -> None:
         """Let go of the masters kept from before the last conversion (their memory, if nothing else holds it)."""
         self._kept_groups = ()

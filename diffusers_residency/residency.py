@@ -150,6 +150,9 @@ class ResidencyGroup:
         # before the first of them, then each it was cast to: a profile keeps the round trips, to
         # make them before a later process's first call (see casts.warm_casts).
         self.casts_in_call: dict[str, list[torch.dtype | None]] = {}
+        # Components whose round trip was made before the first call (see casts.warm_casts) on no
+        # more than a guess: the first call that does not make it lets go of what it kept.
+        self.casts_made_ahead: set[str] = set()
         # Set while a unit's hook casts its weights: the cast recurses into the unit's blocks, whose
         # hooks leave the timing to the outermost one (see ResidencyUnit.host_seconds).
         self.casting = False
@@ -199,6 +202,19 @@ class ResidencyGroup:
             yield
         finally:
             self.calls_running -= 1
+            if not self.calls_running and self.casts_made_ahead:
+                self._let_go_of_casts_not_made()
+
+    def _let_go_of_casts_not_made(self) -> None:
+        """The first call since casts were made ahead of it ended: a component it did not cast (a
+        pipeline returning latents never decodes) lets go of the masters kept for the round trip,
+        which would otherwise take host memory for good (a VAE that never loads never lets go of
+        them on its own, see ConversionReuse). Nothing reads them: a load of their dtype would
+        have followed a cast."""
+        unused, self.casts_made_ahead = self.casts_made_ahead - self.casts_in_call.keys(), set()
+        for name in unused:
+            for unit in self.units_of(name):
+                unit.stager.forget_conversions()
 
     def note_cast(self, component: str, module: nn.Module, dtype: torch.dtype) -> None:
         """``module``, of ``component``, is about to be cast to ``dtype``: noted if a call runs."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import multiprocessing
 from dataclasses import replace
 from pathlib import Path
@@ -203,6 +204,39 @@ def test_known_casts_are_those_of_pipelines_that_upcast_a_float16_vae_asking_for
     sd3.pipe.enable_pinned_offload("cpu", vram_budget=_budget(sd3))
     vae = sd3.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.weight_bytes, "nothing cast at enable"
+    # A float32 SDXL's pipeline never upcasts: the guess is there, the cast is not made.
+    in_float32 = PipelineCase("sdxl")
+    assert casts_known_to_decode(in_float32.pipe) == {"vae": (torch.float32, torch.float16)}
+    in_float32.pipe.enable_pinned_offload("cpu", vram_budget=_budget(in_float32))
+    vae = in_float32.pipe.residency_report()["vae"]
+    assert vae.pageable_bytes == vae.weight_bytes, "not float16: nothing cast at enable"
+    assert torch.equal(in_float32.run(), in_float32.reference)
+
+
+@pytest.mark.parametrize("budget", ["a budget", "no budget"])
+def test_casts_guessed_at_enable_are_let_go_after_a_call_that_does_not_make_them(
+    budget: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pipeline returning latents never decodes: the float32 masters made at enable for a decode
+    would take host memory for good. The first call that does not cast the VAE lets them go; a
+    later call that decodes makes them again, and gives what resident gives. Enabled again after
+    calls, the round trip kept from them is not made once more."""
+    case = sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case) if budget == "a budget" else None)
+    vae = case.pipe.residency_report()["vae"]
+    assert case.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
+    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "output_type": "latent"})
+    assert case.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "let go"
+    assert torch.equal(case.run(), case.reference)
+    assert case.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes, "made by the call"
+    pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "output_type": "latent"})
+    assert case.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes, "made by a call: kept"
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="diffusers_residency.casts"):
+        case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case) if budget == "a budget" else None)
+    assert "Casting 'vae'" not in caplog.text, "kept from the calls before"
+    assert torch.equal(case.run(), case.reference)
 
 
 def test_a_profile_loaded_by_hand_makes_its_casts_but_not_for_a_component_asleep(
