@@ -433,18 +433,18 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
     return True
 
 
-def plan_ahead(state: PipelineResidency, known_casts: Mapping[str, tuple[torch.dtype, ...]]) -> None:
+def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch.dtype, ...]]) -> None:
     """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
     holds first (a service's first call is most often of its usual shape), make the casts its calls
     make and undo (see :func:`warm_casts`), and start loading what
     that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
     its first call rather than in it. A first call of that shape then finds its plan in place and
     its resident weights loaded; one of another shape plans for itself as it starts (see
-    begin_call), and the loads made here are partly undone. Without a profile, make the casts the
-    pipeline's code is ``known_casts`` to make (see casts.casts_known_to_decode)."""
+    begin_call), and the loads made here are partly undone. Without a profile, make the
+    ``guessed_casts``, those the pipeline's code is expected to make (see casts.guessed_casts)."""
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is None:
-        warm_casts(state.group, known_casts, guessed=True)
+        warm_casts(state.group, guessed_casts, guessed=True)
     else:
         warm_casts(state.group, state.profile.shapes[shape].casts)
         begin_call(state, shape)

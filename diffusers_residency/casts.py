@@ -5,7 +5,7 @@ and casts it back to float16). A call's first cast converts the masters on the h
 page-locks the results (see :mod:`.conversions`); later calls find both sets of masters kept and
 convert nothing. A residency profile keeps, per call shape, the round trips a call made, and a
 pipeline enabled from it makes them as it is enabled, so that its first call finds what later
-calls find; without one, the round trips a pipeline's code is known to make are made instead.
+calls find; without one, those a pipeline's code is expected to make are made instead.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def _holds_every_value_of(wide: torch.dtype | None, narrow: torch.dtype) -> bool
         return False
 
 
-def casts_known_to_decode(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
-    """The round trips ``pipe``'s calls are known to make before any call was made: diffusers'
-    pipelines that define ``upcast_vae`` (SDXL, Kolors and their kin, with their img2img,
+def guessed_casts(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
+    """The round trips ``pipe``'s calls are expected to make, guessed before any call was made:
+    diffusers' pipelines that define ``upcast_vae`` (SDXL, Kolors and their kin, with their img2img,
     inpainting and ControlNet variants) cast a float16 VAE whose config asks for ``force_upcast``
     to float32 to decode or encode, and back, in every call that does. Others (SD 1.5's VAE has
     ``force_upcast`` too, but its pipeline never reads it) make none. A guess, not a record: the
@@ -83,8 +83,8 @@ def warm_casts(
     would put them in memory), and not kept from a cast already (enabled again after calls: made
     again, the round trip would only unload the component). Not inside a call (a callback loading
     a profile): it makes its own. A cast that fails here is undone and left to the first call.
-    ``guessed``: casts no call was seen to make (see :func:`casts_known_to_decode`), let go of
-    after a first call that does not make them."""
+    ``guessed``: casts no call was seen to make (see :func:`guessed_casts`), let go of after a
+    first call that does not make them."""
     with group.call_lock:  # checked and cast with no call of another thread under way
         if group.calls_running:
             return

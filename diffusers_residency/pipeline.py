@@ -22,7 +22,7 @@ from torch import nn
 
 from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
 from .calls import wrap_every_pipeline_call
-from .casts import casts_known_to_decode, warm_casts
+from .casts import guessed_casts, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
@@ -272,7 +272,7 @@ def enable_pinned_offload(
         previous.group.budget_watch = None  # watched again for the new plan, the peak reset
         apply_plan(previous, plan)
         _load_excluded(pipe, previous)
-        plan_ahead(previous, casts_known_to_decode(pipe))
+        plan_ahead(previous, guessed_casts(pipe))
         return
     sources = file_sources(pipe, modules, placement, offload_folder)
     if previous is not None:
@@ -338,7 +338,7 @@ def enable_pinned_offload(
         hooked_modules=lambda: [unit.module for unit in state.group.units],
         state_attribute=STATE_ATTR,
     )
-    plan_ahead(state, casts_known_to_decode(pipe))
+    plan_ahead(state, guessed_casts(pipe))
     logger.info("Pinned offload on %s:\n%s", group.device, state.plan)
 
 

@@ -27,7 +27,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.bench.first_calls import PROFILE_SOURCE, PROFILED_PLAN_SAYS
-from diffusers_residency.casts import casts_known_to_decode
+from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import component_sizes, default_reserve_for, module_components
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
@@ -192,21 +192,21 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert compared and set(compared) == {torch.uint8}
 
 
-def test_known_casts_are_those_of_pipelines_that_upcast_a_float16_vae_asking_for_it() -> None:
+def test_guessed_casts_are_those_of_pipelines_that_upcast_a_float16_vae_asking_for_it() -> None:
     """SDXL's pipeline reads its VAE's ``force_upcast``; SD3's VAE asks for it too, but its pipeline
     never reads it, and upcasting it at enable would only take host memory."""
     sdxl, sd3 = sdxl_in_float16(), PipelineCase("sd3", dtype=torch.float16)
     assert sd3.pipe.vae.config.force_upcast
-    assert casts_known_to_decode(sdxl.pipe) == {"vae": (torch.float32, torch.float16)}
-    assert casts_known_to_decode(sd3.pipe) == {}
+    assert guessed_casts(sdxl.pipe) == {"vae": (torch.float32, torch.float16)}
+    assert guessed_casts(sd3.pipe) == {}
     sdxl.pipe.vae.register_to_config(force_upcast=False)
-    assert casts_known_to_decode(sdxl.pipe) == {}
+    assert guessed_casts(sdxl.pipe) == {}
     sd3.pipe.enable_pinned_offload("cpu", vram_budget=_budget(sd3))
     vae = sd3.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.weight_bytes, "nothing cast at enable"
     # A float32 SDXL's pipeline never upcasts: the guess is there, the cast is not made.
     in_float32 = PipelineCase("sdxl")
-    assert casts_known_to_decode(in_float32.pipe) == {"vae": (torch.float32, torch.float16)}
+    assert guessed_casts(in_float32.pipe) == {"vae": (torch.float32, torch.float16)}
     in_float32.pipe.enable_pinned_offload("cpu", vram_budget=_budget(in_float32))
     vae = in_float32.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == vae.weight_bytes, "not float16: nothing cast at enable"
