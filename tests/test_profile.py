@@ -180,7 +180,7 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert torch.equal(second.run(), second.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
 
-    # Without a profile, the casts the pipeline's code is known to make are made all the same.
+    # Without a profile, the casts guessed from the pipeline's code are made all the same.
     third = sdxl_in_float16()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
@@ -224,7 +224,7 @@ def test_casts_guessed_at_enable_are_let_go_after_a_call_that_does_not_make_them
     case = sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case) if budget == "a budget" else None)
     vae = case.pipe.residency_report()["vae"]
-    assert case.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
+    assert vae.pageable_bytes == 4 * vae.weight_bytes
     pipeline_output(case.pipe, {**call_kwargs("sdxl", "tiny"), "output_type": "latent"})
     assert case.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "let go"
     assert torch.equal(case.run(), case.reference)
@@ -242,7 +242,7 @@ def test_casts_guessed_at_enable_are_let_go_after_a_call_that_does_not_make_them
 def test_a_profile_loaded_by_hand_makes_its_casts_but_not_for_a_component_asleep(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A pipeline whose code is not known to cast its VAE (its config does not ask for it) that a
+    """A pipeline whose casts of its VAE are not guessed (its config does not ask for them) that a
     step callback casts up and back: the profile keeps the round trip, and loading it makes it."""
 
     def kwargs() -> dict:  # a fresh generator each call
@@ -270,7 +270,7 @@ def test_a_profile_loaded_by_hand_makes_its_casts_but_not_for_a_component_asleep
         patch.setenv("DIFFUSERS_RESIDENCY_NO_PROFILES", "1")
         second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     vae = second.pipe.residency_report()["vae"]
-    assert vae.pageable_bytes == vae.weight_bytes, "not known to cast: nothing cast at enable"
+    assert vae.pageable_bytes == vae.weight_bytes, "not guessed: nothing cast at enable"
     sleep(second.pipe)
     assert load_residency_profile(second.pipe, file)
     assert second.pipe.residency_report()["vae"].pageable_bytes == vae.weight_bytes, "asleep: not cast"
