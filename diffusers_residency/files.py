@@ -138,10 +138,10 @@ def _same_as_file(master: torch.Tensor, source: MappedBytes, scratch: torch.Tens
     if master.numel() != source.view.numel():
         return False
     if source.file is None or _view_written(source.view):
-        return _equal_bytes(master, source.view)
+        return equal_bytes(master, source.view)
     for start in range(0, master.numel(), scratch.numel()):
         chunk = master[start : start + scratch.numel()]
-        if not read_into(source.file, source.offset + start, [bytes_of(scratch[: chunk.numel()])]) or not _equal_bytes(
+        if not read_into(source.file, source.offset + start, [bytes_of(scratch[: chunk.numel()])]) or not equal_bytes(
             chunk, scratch[: chunk.numel()]
         ):
             return False
@@ -153,11 +153,14 @@ _LIBC.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _LIBC.memcmp.restype = ctypes.c_int
 
 
-def _equal_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """``torch.equal`` for two flat byte tensors of one size, by ``memcmp``: ``torch.equal`` runs its
-    own intra-op threads, and called from every reader thread at once, those teams would compete
-    for the same cores; ``memcmp`` stays on the thread that calls it (and ctypes lets go of the GIL)."""
-    return not first.numel() or _LIBC.memcmp(first.data_ptr(), second.data_ptr(), first.numel()) == 0
+def equal_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two contiguous host tensors of one size in bytes hold the same bytes, by ``memcmp``.
+    ``torch.equal`` runs a team of intra-op threads, each busy for the whole comparison: called from
+    every reader thread at once, those teams would compete for the same cores, and called between
+    the kernel launches of a pipeline whose pace the host sets, they compete with the thread that
+    launches them. ``memcmp`` stays on the thread that calls it (and ctypes lets go of the GIL)."""
+    nbytes = first.numel() * first.element_size()
+    return not nbytes or _LIBC.memcmp(first.data_ptr(), second.data_ptr(), nbytes) == 0
 
 
 def hold_the_same_bytes(masters: Sequence[torch.Tensor], sources: Sequence[MappedBytes]) -> list[bool]:
