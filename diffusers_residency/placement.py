@@ -79,8 +79,8 @@ class DeviceSlots:
     has to cover instead of resident blocks (docs/benchmarks-history.md has the reserved and allocated
     peaks). Storages kept here never return to that cache while the component streams.
 
-    Slots are keyed by layout (the storages' sizes, and on the CPU their alignment), which the blocks
-    of one class share. A block of another layout (FLUX.1's single-stream blocks after its
+    Slots are keyed by layout (the one buffer's size, or the storages' sizes and on the CPU their
+    alignment), which the blocks of one class share. A block of another layout (FLUX.1's single-stream blocks after its
     double-stream ones) finds none, and the slots of other layouts are dropped, so the allocator
     serves it from their memory rather than from more: the pool never holds more than the window of
     blocks the planner made room for.
@@ -121,6 +121,8 @@ class DeviceCopies:
     _maps_files: bool
     _copy: _device.TimedCopy
     _device_storages: list[torch.Tensor]
+    # How the last load's storage was laid out, for DeviceSlots (see _device_storage).
+    _slot_layout: tuple
     _placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]]
     file_ring: ring.Ring | None
     read_bytes: int
@@ -206,8 +208,14 @@ class DeviceCopies:
         self, groups: tuple[StorageGroup, ...], slots: DeviceSlots | None, buffer_bytes: int | None
     ) -> list[torch.Tensor]:
         """Storage to load into: a dropped block's from ``slots``, else one buffer of ``buffer_bytes``,
-        else one storage per group; held by the stager from here on (see ``_device_storages``)."""
-        storages = slots.take(self._layout()) if slots is not None else None
+        else one storage per group; held by the stager from here on (see ``_device_storages``).
+
+        A dropped block's storage fits when it was laid out the same: one buffer of the same size
+        (its groups' places in it depend on where their masters lie on the host, see
+        :func:`place_copies`, so equal groups alone do not make equal buffers), or storages of the
+        same sizes (see :meth:`_layout`)."""
+        self._slot_layout = self._layout() if buffer_bytes is None else ("one buffer", buffer_bytes)
+        storages = slots.take(self._slot_layout) if slots is not None else None
         if storages is None and buffer_bytes is not None:
             storages = [_device.allocate_device_storage(buffer_bytes, self.device, alignment=0)]
         elif storages is None:

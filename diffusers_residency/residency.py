@@ -32,7 +32,7 @@ from .policy import Policy
 from .retention import RetentionBudget
 from .staging import ModuleStager
 from .streaming import BlockStream
-from .weights import module_stored_tensors, module_tensors
+from .weights import module_stored_tensors, module_tensors, storage_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 # to diffusers: read to tell a unit whose weights its forwards move to storage of their own (see
 # ResidencyUnit.load).
 DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
+# The largest block (bytes of its weights when staged) whose load takes one device buffer, like a
+# whole component's. A block loaded one allocation per storage costs the host an allocation and a
+# copy per weight at each load, about a quarter of a millisecond for one of SDXL's UNet or text
+# encoder blocks, which load over a hundred times a call at 8 GB. Larger blocks keep one allocation
+# per storage: one buffer per block of FLUX.1-dev (270 and 648 MiB) ran its transformer out of room
+# under a 16 GB cap, where storages of their own fit between the activations.
+ONE_BUFFER_BLOCK_BYTES = 128 << 20
 _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
 
@@ -280,13 +287,14 @@ class ResidencyGroup:
         policy = Policy.parse(policy, name)
         self.check_can_add(module, name, exclude)
         original_device = next((t.device for t in module_tensors((module,), exclude)), torch.device("cpu"))
-        # A whole component, or a streamed one's trunk, may load into one device buffer; its blocks
-        # load one allocation per storage (see ModuleStager._placed). So do units under layerwise
-        # casting: it moves each cast weight to storage of its own at every forward and leaves the
-        # rest (norms, embeddings) where the load put them, which in one buffer would hold every
-        # replaced copy's memory too, for as long as the unit is loaded. (Asked at each load: it
-        # may be enabled after the hooks.)
+        # A whole component, or a streamed one's trunk, may load into one device buffer, and so may
+        # a block of at most ONE_BUFFER_BLOCK_BYTES; larger blocks load one allocation per storage
+        # (see ModuleStager._placed). So do units under layerwise casting: it moves each cast weight
+        # to storage of its own at every forward and leaves the rest (norms, embeddings) where the
+        # load put them, which in one buffer would hold every replaced copy's memory too, for as
+        # long as the unit is loaded. (Asked at each load: it may be enabled after the hooks.)
         whole = component is None or component == name
+        one_buffer = whole or storage_bytes(module_tensors((module,))) <= ONE_BUFFER_BLOCK_BYTES
         stager = ModuleStager(
             module,
             self.device,
@@ -295,7 +303,7 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
-            one_buffer=lambda: whole and not casts_layerwise(module),
+            one_buffer=lambda: one_buffer and not casts_layerwise(module),
             file_backing=self.file_backing.get(id(module)),
             host_copy=self.host_copy,
         )

@@ -106,6 +106,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # synchronise before dropping it, and, for a load into DeviceSlots, while loaded, so that
         # the offload can hand it to the next block's load.
         self._device_storages: list[torch.Tensor] = []
+        self._slot_layout: tuple = ()
         # Each tensor's binding, the address the last load bound it to and its version counter then
         # (None for an inference tensor, which has none), and the wrappers' counters: at offload, a
         # tensor with a new layout was replaced while loaded, and one where the load put it whose
@@ -342,7 +343,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             # would get the next block's weights copied into it.
             # Just rebound, every bound tensor is on its master: only their identity is left to check.
             if slots is not None and storages and self._holds_only_bound_tensors():
-                slots.give(self._layout(), storages)
+                slots.give(self._slot_layout, storages)
             return
         # Tensors replaced while loaded (layers cast to a storage dtype, weights assigned through
         # `.data`) are the module's weights now, and rebinding them to their masters would undo

@@ -18,6 +18,7 @@ from diffusers_residency import (
     _device,
     attach_block_streaming,
     detach_staging_hook,
+    residency,
 )
 from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
@@ -27,6 +28,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
 from diffusers_residency.plans import PREFETCH_BLOCKS
 from diffusers_residency.policy import Policy
+from diffusers_residency.residency import ResidencyUnit
 from diffusers_residency.step_timing import StepTiming
 from diffusers_residency.streaming import STEPS_TIMED, repeated_blocks
 
@@ -232,6 +234,10 @@ def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase)
     detach_staging_hook(flux.pipe.transformer)
 
 
+def _allocations_per_load(unit: ResidencyUnit) -> int:
+    return 1 if unit.stager.one_buffer else len(unit.stager._layout())
+
+
 def _stream_single_blocks(flux: PipelineCase, prefetch_blocks: int) -> tuple[ResidencyGroup, list]:
     """Stream the tiny FLUX transformer's single-stream blocks (one layout) through a script's group,
     its double-stream blocks resident; returns the group and the streamed units."""
@@ -244,17 +250,23 @@ def _stream_single_blocks(flux: PipelineCase, prefetch_blocks: int) -> tuple[Res
     return group, streamed
 
 
+@pytest.mark.parametrize("in_one_buffer", [True, False], ids=["blocks-in-one-buffer", "blocks-per-storage"])
 def test_streamed_blocks_load_into_the_storage_of_the_blocks_they_follow(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, in_one_buffer: bool
 ) -> None:
     # Only the single-stream blocks stream: one layout, so the window's storage is allocated once.
+    # The tiny blocks load into one buffer each; blocks over ONE_BUFFER_BLOCK_BYTES, an allocation per storage.
+    if not in_one_buffer:
+        monkeypatch.setattr(residency, "ONE_BUFFER_BLOCK_BYTES", 0)
     group, streamed = _stream_single_blocks(flux, prefetch_blocks=2)
     allocations = count_device_allocations(monkeypatch)
 
     assert torch.equal(flux.run(), flux.reference)
-    window = 3 * len(streamed[0].stager._layout())  # blocks: an allocation per storage
-    others = sum(1 if u.stager.one_buffer else len(u.stager._layout()) for u in group.units if u not in streamed)
-    assert group.units[0].stager.one_buffer and not streamed[0].stager.one_buffer, "the trunk's load is one buffer"
+    window = 3 * _allocations_per_load(streamed[0])
+    others = sum(_allocations_per_load(u) for u in group.units if u not in streamed)
+    assert group.units[0].stager.one_buffer, "the trunk's load is one buffer"
+    assert streamed[0].stager.one_buffer is in_one_buffer
+    assert len(streamed[0].stager._layout()) > 1, "blocks of several storages"
     assert len(allocations) == window + others
     loads = sum(u.stager.loads for u in streamed)
     assert torch.equal(flux.run(), flux.reference)
@@ -686,7 +698,7 @@ def test_blocks_loaded_before_a_failed_load_are_dropped_by_the_next_entry(
 ) -> None:
     _, streamed = _stream_single_blocks(flux, prefetch_blocks=1)
     stream = streamed[0].stream
-    allocate, room = _device.allocate_device_storage, len(streamed[0].stager._layout())
+    allocate, room = _device.allocate_device_storage, _allocations_per_load(streamed[0])
 
     def out_of_memory_after_one_block(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
         nonlocal room
