@@ -10,7 +10,10 @@ converting anything, when nothing can have written the masters it converts from 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -19,6 +22,8 @@ from torch import nn
 from .files import equal_bytes
 from .masters import StorageGroup, TensorBinding, Views, bound_as_taken
 from .retention import RetentionBudget
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -73,6 +78,48 @@ def conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
     return (source.data_ptr(), source.dtype, tuple(source.shape), source.stride(), dtype)
 
 
+@dataclass(eq=False)
+class SourcesCheck:
+    """A comparison of a stager's masters with the copy made of them (see
+    :meth:`ConversionReuse._note_conversion`), run on a thread of its own from the start of a
+    pipeline call (see :func:`check_sources_ahead`)."""
+
+    groups: tuple[StorageGroup, ...]
+    copies: tuple[torch.Tensor, ...]
+    call: int
+    done: threading.Event = field(default_factory=threading.Event)
+    same: bool = False
+
+    def run(self) -> None:
+        try:
+            self.same = all(same_bits(group.master, copy) for group, copy in zip(self.groups, self.copies))
+        except Exception:
+            # Not known to be the same: the cast converts afresh, which is always right.
+            logger.debug("Comparing masters with their copy failed", exc_info=True)
+        finally:
+            self.done.set()
+
+
+def check_sources_ahead(stagers: Sequence[ConversionReuse], call: int) -> None:
+    """Pipeline call ``call`` begins: compare, on one thread, the masters of each stager that keeps a
+    copy of them with that copy, for the call's first cast to take (see
+    :meth:`ConversionReuse._sources_unchanged`).
+
+    SDXL's VAE compares 160 MB at its upcast, which comes after the whole denoising loop: compared
+    there, on the thread that launches the call's kernels, every millisecond of it is a millisecond
+    of the call (its UNet's steps wait on that thread). Compared meanwhile, the upcast only waits
+    for the answer. The thread holds the GIL only between comparisons (``memcmp`` lets go of it)."""
+    checks = [check for stager in stagers if (check := stager._start_sources_check(call)) is not None]
+    if checks:
+        name = "diffusers_residency-sources-check"
+        threading.Thread(target=_run_checks, args=(checks,), name=name, daemon=True).start()
+
+
+def _run_checks(checks: Sequence[SourcesCheck]) -> None:
+    for check in checks:
+        check.run()
+
+
 class ConversionReuse:
     """:meth:`convert` and the masters it keeps. Part of :class:`~.staging.ModuleStager`, whose
     masters, loads and retakes it uses."""
@@ -100,6 +147,8 @@ class ConversionReuse:
         # A copy of the masters that the first conversion of a call converted from, with those masters,
         # made where it converted them afresh: the next call's first conversion compares with it.
         self._sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None = None
+        # The comparison with that copy started as the latest pipeline call began (see check_sources_ahead).
+        self._sources_check: SourcesCheck | None = None
 
     def _conversions_to_forget(self) -> bool:
         """Whether the kept masters can go (see LOADS_KEEPING_CONVERSIONS), asked before a load."""
@@ -218,7 +267,9 @@ class ConversionReuse:
         Between calls, anything may have written them: the counters must stand too, and the
         masters must equal the copy made when they were last converted afresh
         (:meth:`_note_conversion`), a comparison of the sources' bytes alone, where converting and
-        comparing the results reads three times as many for SDXL's VAE."""
+        comparing the results reads three times as many for SDXL's VAE. Compared as this call began
+        (see :func:`check_sources_ahead`), they are taken as they were then: from there on, as for a
+        cast within one call, the counters tell."""
         last = self._last_conversion
         if self._maps_files or last is None or last[1] is not self._groups:
             return False
@@ -230,7 +281,21 @@ class ConversionReuse:
         copy = self._sources_copy
         if copy is None or copy[0] is not self._groups:
             return False
+        check = self._sources_check
+        if check is not None and check.call == call and check.groups is self._groups and check.copies is copy[1]:
+            check.done.wait()
+            return check.same
         return all(same_bits(group.master, bytes_then) for group, bytes_then in zip(self._groups, copy[1]))
+
+    def _start_sources_check(self, call: int) -> SourcesCheck | None:
+        """The comparison :meth:`_sources_unchanged` would make in pipeline call ``call``, to run
+        ahead of it (see :func:`check_sources_ahead`), or None where it would make none."""
+        copy = self._sources_copy
+        if copy is None or copy[0] is not self._groups or self._maps_files:
+            self._sources_check = None
+            return None
+        self._sources_check = SourcesCheck(copy[0], copy[1], call)
+        return self._sources_check
 
     def _note_conversion(self, call: int | None, before: tuple[StorageGroup, ...], *, fresh: bool) -> None:
         """Record what :meth:`_sources_unchanged` asks after a conversion from ``before``; ``fresh``:
@@ -247,7 +312,7 @@ class ConversionReuse:
         self._last_conversion = (call, self._groups, versions)
         if not fresh:
             return
-        self._sources_copy = None
+        self._sources_copy = self._sources_check = None
         if first_of_call and self._kept_groups is before:
             with torch.inference_mode(False):
                 self._sources_copy = (before, tuple(group.master.clone() for group in before))
@@ -261,7 +326,7 @@ class ConversionReuse:
         """The masters were taken again: what the last conversion noted of the ones before goes
         (it would hold them, and tensors the modules no longer have), and the copy of its sources."""
         self._last_conversion = None
-        self._sources_copy = None
+        self._sources_copy = self._sources_check = None
 
     def _swap_kept_masters(self) -> None:
         """Make the kept masters current and the current ones kept, after a conversion that bound

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import _device, files, pinning
 from .budget_watch import BudgetWatch
+from .conversions import check_sources_ahead
 from .host_copy import HostCopy
 from .mapped_masters import FileBacking
 from .masters import staged_by
@@ -200,11 +201,13 @@ class ResidencyGroup:
     @contextlib.contextmanager
     def running_call(self) -> Iterator[None]:
         """A pipeline call runs these units (or work that stands for one: see casts.warm_casts):
-        counted, and its casts noted afresh if it is the outermost."""
+        counted; if it is the outermost, its casts noted afresh and the comparisons its first casts
+        make started (see conversions.check_sources_ahead)."""
         self.calls += 1
         self.calls_running += 1
         if self.calls_running == 1:
             self.casts_in_call = {}
+            check_sources_ahead([unit.stager for unit in self.units], self.calls)
         try:
             yield
         finally:

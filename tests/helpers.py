@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from diffusers_residency import BudgetTooSmallError, StagingHook, _device
+from diffusers_residency import BudgetTooSmallError, StagingHook, _device, conversions
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.components import component_sizes, module_components
 from diffusers_residency.planner import plan_residency
@@ -84,6 +86,30 @@ def assert_no_meta_or_foreign_device(pipe, device: str = "cpu") -> None:
         if isinstance(module, torch.nn.Module):
             for key, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 assert tensor.device.type == device, f"{name}.{key} on {tensor.device}"
+
+
+def record_comparisons(monkeypatch, what: Callable[[torch.Tensor], object]) -> list:
+    """Spy on the comparisons of kept masters (``conversions.same_bits``): ``what(fresh)`` for each,
+    in order."""
+    recorded = []
+    same_bits = conversions.same_bits
+
+    def recording(kept: torch.Tensor, fresh: torch.Tensor) -> bool:
+        recorded.append(what(fresh))
+        return same_bits(kept, fresh)
+
+    monkeypatch.setattr(conversions, "same_bits", recording)
+    return recorded
+
+
+def dtypes_compared(monkeypatch) -> list[torch.dtype]:
+    """The dtype of each comparison of kept masters (see record_comparisons)."""
+    return record_comparisons(monkeypatch, lambda fresh: fresh.dtype)
+
+
+def threads_comparing(monkeypatch) -> list[threading.Thread]:
+    """The thread each comparison of kept masters ran on (see record_comparisons)."""
+    return record_comparisons(monkeypatch, lambda fresh: threading.current_thread())
 
 
 def count_device_allocations(monkeypatch) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import accelerate
 import pytest
 import torch
@@ -14,8 +16,10 @@ from .helpers import (
     PipelineCase,
     assert_no_meta_or_foreign_device,
     assert_weights_equal,
+    dtypes_compared,
     sdxl_in_float16,
     staging_hooks,
+    threads_comparing,
     vae_through_bfloat16,
 )
 
@@ -243,16 +247,31 @@ def test_sdxl_vae_casts_convert_nothing_once_a_call_has_made_them(monkeypatch: p
     case = sdxl_in_float16()
     case.pipe.enable_pinned_offload("cpu")
     assert torch.equal(case.run(), case.reference)
-    compared: list[torch.dtype] = []
-    same_bits = diffusers_residency.conversions.same_bits
-    monkeypatch.setattr(
-        diffusers_residency.conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
-    )
+    compared = dtypes_compared(monkeypatch)
     for _ in range(2):
         assert torch.equal(case.run(), case.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone"
     vae = case.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == 4 * vae.weight_bytes, "float16 and float32 masters, and the float16 ones' copy"
+
+
+def test_the_upcast_takes_the_comparison_started_on_another_thread_as_its_call_began(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The float16 masters are compared with their copy as each call begins, on a thread of its
+    own: the upcast, after the denoising loop, takes the answer. A cast between calls, which no
+    call's comparison covers, compares on its own thread."""
+    case = sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+    threads = threads_comparing(monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+    assert threads and threading.main_thread() not in threads
+    threads.clear()
+    case.pipe.vae.to(torch.float32)
+    case.pipe.vae.to(torch.float16)
+    assert threads and set(threads) == {threading.main_thread()}
+    assert torch.equal(case.run(), case.reference)
 
 
 def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast() -> None:

@@ -36,7 +36,7 @@ from diffusers_residency.policy import Policy
 from diffusers_residency.profile import FORMAT, CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
 from diffusers_residency.step_timing import StepTiming
 
-from .helpers import PipelineCase, sdxl_in_float16, vae_through_bfloat16
+from .helpers import PipelineCase, dtypes_compared, sdxl_in_float16, vae_through_bfloat16
 
 MB = 10**6
 
@@ -172,11 +172,7 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     assert second.pipe.vae.dtype == torch.float16, "cast back, as calls leave it"
     vae = second.pipe.residency_report()["vae"]
     assert vae.pageable_bytes == 4 * vae.weight_bytes, "float16 and float32 masters, and the float16 ones' copy"
-    compared: list[torch.dtype] = []
-    same_bits = conversions.same_bits
-    monkeypatch.setattr(
-        conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
-    )
+    compared = dtypes_compared(monkeypatch)
     assert torch.equal(second.run(), second.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
 
@@ -277,11 +273,7 @@ def test_a_profile_loaded_by_hand_makes_its_casts_but_not_for_a_component_asleep
     wake_up(second.pipe)
     assert load_residency_profile(second.pipe, file)
     assert second.pipe.residency_report()["vae"].pageable_bytes == 4 * vae.weight_bytes
-    compared: list[torch.dtype] = []
-    same_bits = conversions.same_bits
-    monkeypatch.setattr(
-        conversions, "same_bits", lambda kept, fresh: (compared.append(fresh.dtype), same_bits(kept, fresh))[1]
-    )
+    compared = dtypes_compared(monkeypatch)
     assert torch.equal(pipeline_output(second.pipe, kwargs()), second.reference)
     assert compared and set(compared) == {torch.uint8}, "the float16 masters' bytes alone: nothing converted"
 
