@@ -80,10 +80,10 @@ class DeviceSlots:
     peaks). Storages kept here never return to that cache while the component streams.
 
     Slots are keyed by layout (the one buffer's size, or the storages' sizes and on the CPU their
-    alignment), which the blocks of one class share. A block of another layout (FLUX.1's single-stream blocks after its
-    double-stream ones) finds none, and the slots of other layouts are dropped, so the allocator
-    serves it from their memory rather than from more: the pool never holds more than the window of
-    blocks the planner made room for.
+    alignment), which the blocks of one class share. A block of another layout (FLUX.1's
+    single-stream blocks after its double-stream ones) finds none, and the slots of other layouts
+    are dropped, so the allocator serves it from their memory rather than from more: the pool never
+    holds more than the window of blocks the planner made room for.
     """
 
     def __init__(self) -> None:

@@ -43,11 +43,11 @@ logger = logging.getLogger(__name__)
 # ResidencyUnit.load).
 DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
 # The largest block (bytes of its weights when staged) whose load takes one device buffer, like a
-# whole component's. A block loaded one allocation per storage costs the host an allocation and a
-# copy per weight at each load, about a quarter of a millisecond for one of SDXL's UNet or text
-# encoder blocks, which load over a hundred times a call at 8 GB. Larger blocks keep one allocation
-# per storage: one buffer per block of FLUX.1-dev (270 and 648 MiB) ran its transformer out of room
-# under a 16 GB cap, where storages of their own fit between the activations.
+# whole component's: one allocation, and one copy per run of masters side by side on the host,
+# where a load per storage makes one of each per weight (SDXL's UNet and text encoder blocks load
+# over a hundred times a call at 8 GB). Larger blocks keep one allocation per storage: one buffer
+# per block of FLUX.1-dev (270 and 648 MiB) ran its transformer out of room under a 16 GB cap,
+# where storages of their own fit between the activations.
 ONE_BUFFER_BLOCK_BYTES = 128 << 20
 _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
