@@ -109,10 +109,21 @@ def check_sources_ahead(stagers: Sequence[ConversionReuse], call: int) -> None:
     there, on the thread that launches the call's kernels, every millisecond of it is a millisecond
     of the call (its UNet's steps wait on that thread). Compared meanwhile, the upcast only waits
     for the answer. The thread holds the GIL only between comparisons (``memcmp`` lets go of it)."""
-    checks = [check for stager in stagers if (check := stager._start_sources_check(call)) is not None]
-    if checks:
-        name = "diffusers_residency-sources-check"
-        threading.Thread(target=_run_checks, args=(checks,), name=name, daemon=True).start()
+    started = [(stager, check) for stager in stagers if (check := stager._start_sources_check(call)) is not None]
+    if not started:
+        return
+    checks = [check for _, check in started]
+    thread = threading.Thread(target=_run_checks, args=(checks,), name="diffusers_residency-sources-check", daemon=True)
+    try:
+        thread.start()
+    except BaseException as error:
+        # No thread to be had (or the interpreter shutting down): the casts compare on their own
+        # thread, as between calls. A check left behind would be waited for and never answered.
+        for stager, _ in started:
+            stager._sources_check = None
+        if not isinstance(error, Exception):
+            raise
+        logger.debug("Could not start comparing masters ahead of the call's casts", exc_info=True)
 
 
 def _run_checks(checks: Sequence[SourcesCheck]) -> None:

@@ -205,10 +205,10 @@ class ResidencyGroup:
         make started (see conversions.check_sources_ahead)."""
         self.calls += 1
         self.calls_running += 1
-        if self.calls_running == 1:
-            self.casts_in_call = {}
-            check_sources_ahead([unit.stager for unit in self.units], self.calls)
         try:
+            if self.calls_running == 1:
+                self.casts_in_call = {}
+                check_sources_ahead([unit.stager for unit in self.units], self.calls)
             yield
         finally:
             self.calls_running -= 1

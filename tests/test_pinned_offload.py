@@ -274,6 +274,30 @@ def test_the_upcast_takes_the_comparison_started_on_another_thread_as_its_call_b
     assert torch.equal(case.run(), case.reference)
 
 
+def test_a_call_whose_comparison_thread_cannot_start_compares_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread to be had as a call begins (a process at its thread limit): the call runs, its
+    upcast compares on the caller's thread, and nothing is left waiting for an answer that never
+    comes (a cast between calls after it would wait forever)."""
+    case = sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+    threads = threads_comparing(monkeypatch)
+
+    def no_thread(thread: threading.Thread) -> None:
+        raise RuntimeError("injected: can't start new thread")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", no_thread)
+        assert torch.equal(case.run(), case.reference)
+    assert threads and set(threads) == {threading.main_thread()}
+    vae = staging_hooks(case.pipe)["vae"]
+    assert not vae.group.calls_running
+    assert all(unit.stager._sources_check is None for unit in vae.group.units)
+    case.pipe.vae.to(torch.float32)
+    case.pipe.vae.to(torch.float16)
+    assert torch.equal(case.run(), case.reference)
+
+
 def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast() -> None:
     """No version counter sees a write through ``.data``: the upcast's comparison with the copy of
     the float16 masters does, and converts afresh."""
