@@ -33,7 +33,7 @@ from .policy import Policy
 from .retention import RetentionBudget
 from .staging import ModuleStager
 from .streaming import BlockStream
-from .weights import module_stored_tensors, module_tensors, storage_bytes
+from .weights import module_stored_tensors, module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # to diffusers: read to tell a unit whose weights its forwards move to storage of their own (see
 # ResidencyUnit.load).
 DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
-# The largest block (bytes of its weights when staged) whose load takes one device buffer, like a
+# The largest block (bytes of its weights, at each load) whose load takes one device buffer, like a
 # whole component's: one allocation, and one copy per run of masters side by side on the host,
 # where a load per storage makes one of each per weight (SDXL's UNet and text encoder blocks load
 # over a hundred times a call at 8 GB). Larger blocks keep one allocation per storage: one buffer
@@ -297,7 +297,6 @@ class ResidencyGroup:
         # load put them, which in one buffer would hold every replaced copy's memory too, for as
         # long as the unit is loaded. (Asked at each load: it may be enabled after the hooks.)
         whole = component is None or component == name
-        one_buffer = whole or storage_bytes(module_tensors((module,))) <= ONE_BUFFER_BLOCK_BYTES
         stager = ModuleStager(
             module,
             self.device,
@@ -306,7 +305,7 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
-            one_buffer=lambda: one_buffer and not casts_layerwise(module),
+            one_buffer=lambda nbytes: (whole or nbytes <= ONE_BUFFER_BLOCK_BYTES) and not casts_layerwise(module),
             file_backing=self.file_backing.get(id(module)),
             host_copy=self.host_copy,
         )

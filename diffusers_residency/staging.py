@@ -69,7 +69,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         copy_stream: torch.Stream | None = None,
         retention: RetentionBudget | None = None,
         exclude: Iterable[nn.Module] = (),
-        one_buffer: bool | Callable[[], bool] = True,
+        one_buffer: bool | Callable[[int], bool] = True,
         file_backing: FileBacking | None = None,
         host_copy: HostCopy | None = None,
     ) -> None:
@@ -92,11 +92,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # Bytes this process may keep page-locked when this stager pins a master; None: never pin.
         self.pin_budget = pinning.resolve_pin_budget(pin_budget) if pin_memory else None
         self.retention = retention
-        # Whether a load may take one device buffer for all its storages (see _placed): asked at
-        # each load, for what may change between two (diffusers' layerwise casting enabled late).
-        self._one_buffer_wanted = one_buffer if callable(one_buffer) else lambda: one_buffer
-        # What the last load did.
-        self.one_buffer = self._one_buffer_wanted()
+        # Whether a load may take one device buffer for all its storages (see _placed), or a
+        # function of the load's bytes that says so: asked at each load, for what may change
+        # between two (diffusers' layerwise casting enabled late, a cast to a wider dtype).
+        self._one_buffer = one_buffer
         self.loaded = False
         self.loads = 0
         # Moved by all timed loads (all but those that read their masters back from files), a figure
@@ -135,6 +134,8 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._shared_versions = None
         self._wrapper_versions = {}
         self._groups, copied_host = snapshot(self.tensors(), None if file_backing else self.pin_budget, (), host_copy)
+        # What the last load did (before one, what it would do).
+        self.one_buffer = self._one_buffer_wanted()
         self._find_wrappers()
         self._init_conversions()
         claim(self, self._groups)
@@ -182,6 +183,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._device_storages = []
         self._loaded_state, self._loaded_wrapper_versions = (), ()
         self.loaded = False
+
+    def _one_buffer_wanted(self) -> bool:
+        wanted = self._one_buffer
+        return wanted(self.weight_bytes) if callable(wanted) else wanted
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         if self.loads and not self._maps_files and self._reading_ahead is None:

@@ -106,6 +106,23 @@ def test_meta_tensors_are_refused_before_anything_changes() -> None:
     assert storage_of(module.first) == before
 
 
+def test_a_load_asks_for_one_buffer_with_the_bytes_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that a cast makes wider than the limit for one buffer loads one allocation per storage."""
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    expected = [t.double() for t in module_tensors((module,))]
+    stager = ModuleStager(module, CPU, pin_memory=False, one_buffer=lambda nbytes: nbytes <= 4 * 2 * (64 + 8))
+    allocations = count_device_allocations(monkeypatch)
+    stager.load()
+    assert stager.one_buffer and len(allocations) == 1
+    stager.offload()
+    module.double()
+    stager.load()  # queues the old masters' copy first, finds the modules changed, and loads again
+    assert not stager.one_buffer
+    assert allocations[-4:] == [8 * 8 * 8, 8 * 8, 8 * 8 * 8, 8 * 8], "one allocation per storage"
+    assert all(torch.equal(t, e) for t, e in zip(module_tensors((module,)), expected))
+    stager.offload()
+
+
 def test_retake_masters_after_a_cast() -> None:
     module = SharedStorage()
     stager = ModuleStager(module, CPU, pin_memory=False)
