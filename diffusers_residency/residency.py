@@ -417,38 +417,26 @@ class ResidencyGroup:
     def _load_ahead(self, start: tuple[str, int]) -> None:
         """Start loading the component expected after ``start`` (see :meth:`_following`), whole, if
         the room for weights while ``start``'s component runs holds it beside what is loaded: its
-        copy then runs behind this component's compute. A streamed one loads its trunk, then its
-        staged blocks (those it keeps while it runs) in the order its forward takes them, as many
-        as the room holds: their copies, and the host's work of queueing them, then run while this
-        component computes, not inside the first step, which waits for each block. SDXL's UNet at
-        8 GB has 55 staged blocks whose loads cost the host about 27 ms a call, and its steps wait
-        on the host. Loaded ahead for a component that does not come next, they would be evicted
-        unused, the next component's compute waiting for their copies first."""
+        copy then runs behind this component's compute. A streamed one loads only what is whole
+        (its trunk): its staged blocks load ahead of its own first pass, as its window reaches them
+        (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
+        to the device until that pass (its latents and timesteps, a text encoder's token ids), and
+        torch holds the host until such a blocking copy is done: SDXL's UNet at 8 GB started only
+        once its 55 staged blocks (3.6 GB) had crossed the bus (docs/vram-budget.md). Loaded ahead for a
+        component that does not come next, weights would be evicted unused, the next component's
+        compute waiting for their copies first."""
         component = start[0]
         following = self._following(start)
         if self.weight_room is None or following is None:
             return
         if any(u.stream is not None for u in self.units_of(component)):
             return  # a streaming component's next blocks need the room the plan gave its window
-        units = [u for u in self.units_of(following) if not u.sleep_level]
-        whole = [u for u in units if u.stream is None and not u.stager.loaded]
-        room = self.weight_room(component) - self.loaded_bytes()
-        needed = sum(u.stager.weight_bytes for u in whole)
-        if needed > room:
+        whole = [u for u in self.units_of(following) if u.stream is None and not u.stager.loaded and not u.sleep_level]
+        if not whole or sum(u.stager.weight_bytes for u in whole) > self.weight_room(component) - self.loaded_bytes():
             return
-        stream = next((u.stream for u in units if u.stream is not None), None)
-        blocks = stream.staged_blocks() if stream is not None else ()
-        staged = [u for u in blocks if not u.stager.loaded and not u.sleep_level]
-        if whole or staged:
-            logger.debug("Loading %r ahead", following)
+        logger.debug("Loading %r ahead", following)
         for unit in whole:
             unit.load(ahead=True)
-        room -= needed
-        for block in staged:
-            room -= block.stager.weight_bytes
-            if room < 0:
-                break
-            block.load(ahead=True)
 
     def offload_component(self, component: str, *, for_writing: bool = False) -> None:
         """Offload every unit of ``component``; with ``for_writing``, also wait until no copy still

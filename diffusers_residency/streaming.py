@@ -166,11 +166,6 @@ class BlockStream:
                 ahead.append(candidate)
         return tuple(ahead)
 
-    def staged_blocks(self) -> tuple[Block, ...]:
-        """The staged blocks in the order the forward takes them: the order their loads ahead of
-        the component's first pass go in (see ResidencyGroup._load_ahead)."""
-        return tuple(unit for unit in self._order if unit.policy is Policy.STAGED)
-
     def replan(self, prefetch_blocks: int | None = None) -> None:
         """Recompute the windows after block policies changed (other resident blocks), loading
         ``prefetch_blocks`` ahead from here on where given."""

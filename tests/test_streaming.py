@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -860,59 +859,51 @@ def test_a_denoiser_keeps_its_staged_blocks_through_the_call_and_leaves_their_ro
     assert_no_meta_or_foreign_device(case.pipe)
 
 
-def test_a_denoisers_staged_blocks_load_ahead_while_the_encoder_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_denoisers_staged_blocks_load_in_its_first_pass_not_while_the_encoder_before_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With its text encoders whole (as a residency profile hooks SDXL's at 8 GB), the UNet's staged
-    blocks start loading as text_encoder_2 starts, in the order the UNet's forward takes them,
-    where the room for weights while it runs holds them: their copies, and the host's queueing of
-    them, are out of the UNet's first step. Where the room holds fewer, fewer."""
+    blocks are not queued as text_encoder_2 starts: every copy the pipeline makes to the device
+    before the UNet runs (the encoder's token ids, the latents) would wait behind them, holding the
+    host. None is loaded when the UNet is called; each loads once in the call, in its first pass."""
     whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
     case, group, expected, _, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
-    staged = group.units_of("unet")[1].stream.staged_blocks()
+    staged = [block for block in group.units_of("unet")[1:] if block.policy is Policy.STAGED]
     assert len(staged) == len(expected["unet"].staged_blocks)
-    queued: list[str] = []
-    for block in staged:
-        block.load = functools.partial(lambda block, load, **kwargs: queued.append(block.name) or load(**kwargs), block, block.load)
-    at_encoder: list[tuple[tuple[bool, ...], int]] = []
+    loaded_at: list[tuple[str, bool]] = []
     inside_encoder = case.pipe.text_encoder_2.text_model  # runs once the encoder's hook has made it ready
-    inside_encoder.register_forward_pre_hook(
-        lambda *_: at_encoder.append((tuple(b.stager.loaded for b in staged), group.loaded_bytes()))
-    )
+    for name, module in (("text_encoder_2", inside_encoder), ("unet", case.pipe.unet)):  # unet: before its hook
+        module.register_forward_pre_hook(
+            lambda *_, name=name: loaded_at.append((name, any(b.stager.loaded for b in staged)))
+        )
+    loads = [block.stager.loads for block in staged]
     assert torch.equal(case.run(), case.reference)
-    (loaded, held), = at_encoder
-    assert loaded == (True,) * len(staged), "loaded as text_encoder_2 started"
-    assert held <= group.weight_room("text_encoder_2"), "within the room for weights while it runs"
-    assert queued == [b.name for b in staged], "in the order the forward takes them (see staged_blocks), once a call"
-
-    room = group.weight_room
-    monkeypatch.setattr(group, "weight_room", lambda component: held - 1 if component == "text_encoder_2" else room(component))
-    at_encoder.clear()
-    queued.clear()
-    assert torch.equal(case.run(), case.reference)
-    assert at_encoder[0][0][-1] is False and at_encoder[0][1] < held, "the last block does not fit: left to the UNet"
-    assert sorted(queued) == sorted(b.name for b in staged), "each loaded once all the same"
+    assert loaded_at[:2] == [("text_encoder_2", False), ("unet", False)], loaded_at
+    assert [block.stager.loads - before for block, before in zip(staged, loads)] == [1] * len(staged)
     assert_no_meta_or_foreign_device(case.pipe)
 
 
 def test_loading_ahead_goes_where_the_last_call_went_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A negative prompt runs SDXL's text encoders twice: from the second such call on, the UNet's
-    staged blocks load as the second text_encoder_2 starts, not as the first does, whose next
-    component (text_encoder again) would evict them unused."""
+    """A negative prompt runs SDXL's text encoders twice: from the second such call on, the first
+    text_encoder_2 to start loads text_encoder ahead, which the call runs next, and the second one
+    does not, the UNet coming next; before that call, each loads the UNet's part ahead, in call order."""
     whole = {"text_encoder": "staged", "text_encoder_2": "staged"}
     case, group, _, _, _ = _sdxl_with_staged_unet_blocks(monkeypatch, whole)
     def negative() -> dict[str, Any]:  # a generator of its own for each call
         return {**call_kwargs("sdxl", "tiny"), "negative_prompt": "blurry"}
 
     reference = pipeline_output(PipelineCase("sdxl").pipe, negative())
-    staged = group.units_of("unet")[1].stream.staged_blocks()
+    (first_encoder,) = group.units_of("text_encoder")
     at_encoder: list[bool] = []
     inside_encoder = case.pipe.text_encoder_2.text_model
-    inside_encoder.register_forward_pre_hook(lambda *_: at_encoder.append(all(b.stager.loaded for b in staged)))
+    inside_encoder.register_forward_pre_hook(lambda *_: at_encoder.append(first_encoder.stager.loaded))
     assert torch.equal(pipeline_output(case.pipe, negative()), reference)  # runs the encoders twice: learned
+    assert at_encoder == [False, False], "not yet learned: the UNet is next in call order"
     at_encoder.clear()
-    loads = sum(b.stager.loads for b in staged)
+    loads = first_encoder.stager.loads
     assert torch.equal(pipeline_output(case.pipe, negative()), reference)
-    assert at_encoder == [False, True], "loaded as the second text_encoder_2 started"
-    assert sum(b.stager.loads for b in staged) - loads == len(staged), "once: none evicted unused"
+    assert at_encoder == [True, False], "loaded as the first text_encoder_2 started"
+    assert first_encoder.stager.loads - loads == 2, "once for each run: none evicted unused"
     assert torch.equal(case.run(), case.reference), "and back to one prompt"
 
 
