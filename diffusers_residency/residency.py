@@ -422,9 +422,9 @@ class ResidencyGroup:
         (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
         to the device until that pass (its latents and timesteps, a text encoder's token ids), and
         torch holds the host until such a blocking copy is done: SDXL's UNet at 8 GB started only
-        once its 55 staged blocks (3.6 GB) had crossed the bus (docs/vram-budget.md). Loaded ahead for a
-        component that does not come next, weights would be evicted unused, the next component's
-        compute waiting for their copies first."""
+        once its 52 staged blocks (3.6 GB) had crossed the bus (docs/vram-budget.md). Loaded ahead
+        for a component that does not come next, weights would be evicted unused, the next
+        component's compute waiting for their copies first."""
         component = start[0]
         following = self._following(start)
         if self.weight_room is None or following is None:
