@@ -418,8 +418,8 @@ class ResidencyGroup:
         """Start loading the component expected after ``start`` (see :meth:`_following`), whole, if
         the room for weights while ``start``'s component runs holds it beside what is loaded: its
         copy then runs behind this component's compute. A streamed one loads only what is whole
-        (its trunk): its staged blocks load ahead of its own first pass, as its window reaches them
-        (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
+        (its trunk): its staged blocks load in its own first pass, each as the window ahead of the
+        running block reaches it (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
         to the device until that pass (its latents and timesteps, a text encoder's token ids), and
         torch holds the host until such a blocking copy is done: SDXL's UNet at 8 GB started only
         once its 52 staged blocks (3.6 GB) had crossed the bus (docs/vram-budget.md). Loaded ahead
