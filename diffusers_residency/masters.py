@@ -33,6 +33,11 @@ class Owner(Protocol):
     closed: bool
 
 
+# What a group's tensors are viewed over: a flat byte tensor (a master, a load's storage), or a
+# storage of the group's bytes alone (a slice of a load's one buffer, see placement).
+Backing = torch.Tensor | torch.UntypedStorage
+
+
 @dataclass(frozen=True)
 class TensorBinding:
     """One tensor's place in its storage: enough to rebuild it over any copy of the storage's bytes."""
@@ -44,12 +49,17 @@ class TensorBinding:
     stride: tuple[int, ...]
     storage_offset: int
 
-    def view_over(self, backing: torch.Tensor) -> torch.Tensor:
-        """This tensor over ``backing``, a flat byte tensor that may start inside its storage."""
-        offset = backing.storage_offset() // self.dtype.itemsize + self.storage_offset
-        return torch.empty(0, dtype=self.dtype, device=backing.device).set_(
-            backing.untyped_storage(), offset, self.shape, self.stride
-        )
+    def view_over(self, backing: Backing, into: torch.Tensor | None = None) -> torch.Tensor:
+        """This tensor over ``backing``: a flat byte tensor that may start inside its storage, or a
+        storage of the group's bytes alone. ``into``: a tensor of this dtype on the backing's device
+        to set over it, rather than a new one."""
+        if isinstance(backing, torch.UntypedStorage):
+            storage, offset = backing, self.storage_offset
+        else:
+            storage, offset = backing.untyped_storage(), backing.storage_offset() // self.dtype.itemsize + self.storage_offset
+        if into is None:
+            into = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return into.set_(storage, offset, self.shape, self.stride)
 
 
 @dataclass(frozen=True)
@@ -255,6 +265,19 @@ def _view_holding(tensor: torch.Tensor, views: Sequence[StorageGroup]) -> Storag
     return group if end <= first + group.nbytes and (start - first) % tensor.element_size() == 0 else None
 
 
+def _bind_through_scratch(places: Iterable[tuple[TensorBinding, Backing]]) -> None:
+    """Bind each binding's tensor to its place over its backing, under the caller's inference mode.
+
+    ``.data =`` takes the storage and layout of the tensor it is given, not that tensor: one scratch
+    tensor per dtype, set over each place in turn, binds them all. A view made for each, as the
+    masters' are (those are kept, see MasterBindings._master_views), costs an empty device tensor
+    apiece, half the host time of binding a load, and a load binds at every step of a streamed block."""
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    for binding, backing in places:
+        scratch[binding.dtype] = view = binding.view_over(backing, scratch.get(binding.dtype))
+        binding.target.data = view
+
+
 def bound_as_taken(binding: TensorBinding, master: torch.Tensor) -> bool:
     """Whether the binding's tensor is still bound to ``master`` as it was (its place and layout)."""
     tensor = binding.target
@@ -368,7 +391,7 @@ class MasterBindings:
             held["pageable"] += sum(copy.numel() for copy in self._sources_copy[1])
         return held
 
-    def _views_over(self, backings: Iterable[torch.Tensor]) -> Views:
+    def _views_over(self, backings: Iterable[Backing]) -> Views:
         """Every bound tensor with its view over its group's backing, ordinary tensors and inference
         tensors apart.
 
@@ -404,8 +427,18 @@ class MasterBindings:
         if self._wrappers.tensors:
             self._wrappers.follow()
 
-    def _bind(self, backings: Iterable[torch.Tensor]) -> None:
-        self._assign(self._views_over(backings))
+    def _bind(self, backings: Iterable[Backing]) -> None:
+        """Bind every tensor to its place in its group's backing (a load's device storage), each
+        with the inference-ness of its views (see :meth:`_views_over`)."""
+        places = [(binding, backing) for backing, group in zip(backings, self._groups) for binding in group.bindings]
+        with torch.inference_mode(False):
+            _bind_through_scratch(place for place in places if not place[0].inference)
+        inference = [place for place in places if place[0].inference]
+        if inference:
+            with torch.inference_mode():
+                _bind_through_scratch(inference)
+        if self._wrappers.tensors:
+            self._wrappers.follow()
 
     def _master_views(self) -> Views:
         """The views over the masters, made once per set of masters: an offload rebinds every tensor
@@ -453,16 +486,16 @@ class MasterBindings:
             count += 1
         return count == len(bound)
 
-    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor]]:
-        """Tensors given a new dtype, shape or stride since the last load (by id), and tensors
+    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor], bool]:
+        """Tensors given a new dtype, shape or stride since the last load (by id), tensors
         written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
-        their version counters, or their wrapper's, moved).
+        their version counters, or their wrapper's, moved), and whether any moved elsewhere.
 
         A tensor elsewhere with its old layout is neither: diffusers' layerwise casting casts each
         weight up and back down at every forward, leaving equal values in new storage, which the
         masters still hold. Nor is a write through ``.data``, which no counter sees."""
         in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
-        replaced, written = set(), []
+        replaced, written, moved = set(), [], False
         for binding, address, version in self._loaded_state:
             target = binding.target
             at_address = target.data_ptr() == address
@@ -476,7 +509,9 @@ class MasterBindings:
                 replaced.add(id(target))
             elif at_address:
                 written.append(target)
-        return frozenset(replaced), written
+            else:
+                moved = True
+        return frozenset(replaced), written, moved
 
     def _keep_writes(self, written: list[torch.Tensor]) -> frozenset[int]:
         """Copy tensors written in place while loaded back into their masters: the one device-to-host

@@ -12,8 +12,7 @@ from dataclasses import replace
 import torch
 
 from . import _device, file_reads, pinning, ring
-from .masters import StorageGroup
-from .weights import flat_bytes
+from .masters import Backing, StorageGroup
 
 # Where each storage's copy starts in a load's device buffer: the caching allocator's own rounding.
 _DEVICE_ALIGNMENT = 512
@@ -124,6 +123,8 @@ class DeviceCopies:
     # How the last load's storage was laid out, for DeviceSlots (see _device_storage).
     _slot_layout: tuple
     _placement: tuple[tuple, tuple[int, ...], int, tuple[tuple[int, int], ...]]
+    # _placed for the current masters, reset where they change (see ModuleStager._groups).
+    _current_placement: tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]] | None
     file_ring: ring.Ring | None
     read_bytes: int
     read_seconds: float
@@ -148,6 +149,9 @@ class DeviceCopies:
         size, which a capped device may not have (docs/benchmarks-history.md). So do units under diffusers'
         layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
+        current = groups is None or (groups is self._groups and locked_in is None)
+        if current and self._current_placement is not None:
+            return self._current_placement
         groups = self._groups if groups is None else groups
         key = (self._layout(), tuple(group.source.data_ptr() for group in groups))
         # Keyed by addresses alone: a read-back's pieces (see _copy_to_device) become the
@@ -157,9 +161,11 @@ class DeviceCopies:
             locked_in = [group.pin for group in groups] if locked_in is None else locked_in
             placed = place_copies(groups, locked_in, accelerated=_device.is_accelerator(self.device))
             self._placement = (key, *placed)
+        if current:
+            self._current_placement = self._placement[1:]
         return self._placement[1:]
 
-    def _copy_to_device(self, slots: DeviceSlots | None, reading: file_reads.ReadBack | None) -> list[torch.Tensor]:
+    def _copy_to_device(self, slots: DeviceSlots | None, reading: file_reads.ReadBack | None) -> list[Backing]:
         """Allocate the device storage, queue the copies into it and return a storage per group to
         bind; with ``reading``, each copy from a master being read back waits for its piece, and the
         groups take the masters read back once all are queued; without, masters mapped from files
@@ -287,7 +293,7 @@ class DeviceCopies:
 
 def _storage_per_group(
     buffer: torch.Tensor, offsets: tuple[int, ...], groups: tuple[StorageGroup, ...]
-) -> list[torch.Tensor]:
+) -> list[torch.UntypedStorage]:
     """A storage of its own for each group's bytes in a load's one buffer.
 
     A slice of an untyped storage is a storage of its own over those bytes that holds a reference
@@ -295,4 +301,4 @@ def _storage_per_group(
     refuses to save tensors that share one, and a later snapshot groups by storage), and the buffer
     lives until the last of them is let go. Made once the copies are queued: host time they hide."""
     whole, start = buffer.untyped_storage(), buffer.storage_offset()
-    return [flat_bytes(whole[start + at : start + at + group.nbytes]) for at, group in zip(offsets, groups)]
+    return [whole[start + at : start + at + group.nbytes] for at, group in zip(offsets, groups)]

@@ -295,7 +295,8 @@ class ResidencyGroup:
         # (see ModuleStager._placed). So do units under layerwise casting: it moves each cast weight
         # to storage of its own at every forward and leaves the rest (norms, embeddings) where the
         # load put them, which in one buffer would hold every replaced copy's memory too, for as
-        # long as the unit is loaded. (Asked at each load: it may be enabled after the hooks.)
+        # long as the unit is loaded. (Asked when masters are taken, and at an offload that finds
+        # weights moved to storage of their own: it may be enabled after the hooks; see ModuleStager.)
         whole = component is None or component == name
         stager = ModuleStager(
             module,
@@ -305,7 +306,8 @@ class ResidencyGroup:
             copy_stream=self.copy_stream,
             retention=self.retention,
             exclude=exclude,
-            one_buffer=lambda nbytes: (whole or nbytes <= ONE_BUFFER_BLOCK_BYTES) and not casts_layerwise(module),
+            one_buffer=lambda nbytes: whole or nbytes <= ONE_BUFFER_BLOCK_BYTES,
+            moves_weights=lambda: casts_layerwise(module),
             file_backing=self.file_backing.get(id(module)),
             host_copy=self.host_copy,
         )

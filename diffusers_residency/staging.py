@@ -26,6 +26,7 @@ from .conversions import ConversionReuse
 from .host_copy import HostCopy, HostCopyReads
 from .mapped_masters import FileBackedMasters, FileBacking
 from .masters import (
+    Backing,
     MasterBindings,
     StorageGroup,
     TensorBinding,
@@ -70,10 +71,14 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         retention: RetentionBudget | None = None,
         exclude: Iterable[nn.Module] = (),
         one_buffer: bool | Callable[[int], bool] = True,
+        moves_weights: Callable[[], bool] | None = None,
         file_backing: FileBacking | None = None,
         host_copy: HostCopy | None = None,
     ) -> None:
-        """``file_backing``: masters to keep in checkpoint files (see :class:`~.mapped_masters.FileBacking`).
+        """``moves_weights``: whether the modules' forwards move weights to storage of their own
+        (diffusers' layerwise casting does), in which case a load never takes one buffer: the weights
+        left where the load put them would hold every moved one's place in it too.
+        ``file_backing``: masters to keep in checkpoint files (see :class:`~.mapped_masters.FileBacking`).
         Their weights are taken as masters where they are, neither copied nor page-locked (locking a
         mapping of a file would copy each page of it into anonymous memory), and then swapped for
         the views of the files. ``host_copy``: the copy of the weights that the ranks of this host
@@ -93,9 +98,13 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.pin_budget = pinning.resolve_pin_budget(pin_budget) if pin_memory else None
         self.retention = retention
         # Whether a load may take one device buffer for all its storages (see _placed), or a
-        # function of the load's bytes that says so: asked at each load, for what may change
-        # between two (diffusers' layerwise casting enabled late, a cast to a wider dtype).
+        # function of the load's bytes that says so: asked at each load (a cast to a wider dtype
+        # changes them). Whether the forwards move weights walks every submodule: asked where the
+        # masters are taken, and where an offload finds weights moved to storage of their own
+        # (layerwise casting enabled after the masters were taken, on weights of its storage dtype).
         self._one_buffer = one_buffer
+        self._ask_moves_weights = moves_weights
+        self._note_moves_weights()
         self.loaded = False
         self.loads = 0
         # Moved by all timed loads (all but those that read their masters back from files), a figure
@@ -155,6 +164,9 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def _groups(self, groups: tuple[StorageGroup, ...]) -> None:
         self._current_groups = groups
         self._current_bound_ids = bound_ids(groups)
+        # Where the copies go in a load's one buffer: worked out once per set of masters, not at
+        # every load (see _placed).
+        self._current_placement = None
         # Whether a load has masters to read back from files: found here, where the masters change,
         # and not at every load (a streamed block loads at every step).
         self._maps_files = any(group.mapped for group in groups)
@@ -186,7 +198,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
 
     def _one_buffer_wanted(self) -> bool:
         wanted = self._one_buffer
-        return wanted(self.weight_bytes) if callable(wanted) else wanted
+        return (wanted(self.weight_bytes) if callable(wanted) else wanted) and not self._moves_weights
+
+    def _note_moves_weights(self) -> None:
+        self._moves_weights = self._ask_moves_weights is not None and self._ask_moves_weights()
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
         if self.loads and not self._maps_files and self._reading_ahead is None:
@@ -233,7 +248,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._bind_loaded(backings, slots, timed=reading is None and not from_files, from_files=from_files)
 
     def _bind_loaded(
-        self, backings: list[torch.Tensor], slots: DeviceSlots | None, *, timed: bool, from_files: bool
+        self, backings: list[Backing], slots: DeviceSlots | None, *, timed: bool, from_files: bool
     ) -> None:
         """Bind the modules' tensors to the storage a load's copies were queued into."""
         self._bind(backings)
@@ -337,7 +352,9 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self.ready()
         if self._maps_files:
             self._settle_mapped_masters()
-        replaced, written = self._changed_while_loaded()
+        replaced, written, moved = self._changed_while_loaded()
+        if moved and not self._moves_weights:
+            self._note_moves_weights()
         if written:
             replaced |= self._keep_writes(written)
         storages, self._device_storages = self._device_storages, []
@@ -392,6 +409,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
         self.forget_last_conversion()
         self._find_wrappers()
+        self._note_moves_weights()
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         try:
