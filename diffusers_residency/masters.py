@@ -51,8 +51,8 @@ class TensorBinding:
 
     def view_over(self, backing: Backing, into: torch.Tensor | None = None) -> torch.Tensor:
         """This tensor over ``backing``: a flat byte tensor that may start inside its storage, or a
-        storage of the group's bytes alone. ``into``: a tensor of this dtype on the backing's device
-        to set over it, rather than a new one."""
+        storage of the group's bytes alone. ``into``: a tensor of this dtype and inference-ness on
+        the backing's device to set over it, rather than a new one (unchecked: a load binds with it)."""
         if isinstance(backing, torch.UntypedStorage):
             storage, offset = backing, self.storage_offset
         else:
@@ -335,8 +335,8 @@ def bound_ids(groups: Iterable[StorageGroup]) -> frozenset[int]:
 
 
 class MasterBindings:
-    """A stager's masters and the tensors bound to them: views over a backing (the masters, or a
-    load's device storage), binding to them, and the checks that what is bound is what was taken.
+    """A stager's masters and the tensors bound to them: views over the masters, binding to them
+    or to a load's device storage, and the checks that what is bound is what was taken.
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
     ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` and

@@ -147,7 +147,7 @@ class DeviceCopies:
         stagers so): under a VRAM budget their storages come and go while activations come and go
         too, and a buffer of a whole block (hundreds of MB for FLUX.1-dev's) needs a free range that
         size, which a capped device may not have (docs/benchmarks-history.md). So do units under diffusers'
-        layerwise casting (see ResidencyUnit.load), and every device but the CPU and CUDA (see
+        layerwise casting (see ResidencyGroup.add), and every device but the CPU and CUDA (see
         _device.slices_storages)."""
         current = groups is None or (groups is self._groups and locked_in is None)
         if current and self._current_placement is not None:

@@ -106,6 +106,11 @@ class ResidencyUnit:
             # Masters mapped from files (level 2) are copied from the files, and read back into
             # memory of their own after (see ModuleStager.read_ahead).
             logger.info("Waking %r (asleep at level %d)", self.name, self.sleep_level)
+        if self.name == self.component:
+            # A whole component (or a trunk) loads at most once a call: asked at each of its loads
+            # whether layerwise casting is on, where a block's stager learns it at an offload (see
+            # ResidencyGroup.add), a resident component enabled late would never offload to learn it.
+            self.stager.note_moves_weights()
         self.stager.load(ahead=ahead, slots=slots)
         self.sleep_level = 0
 
@@ -295,8 +300,9 @@ class ResidencyGroup:
         # (see ModuleStager._placed). So do units under layerwise casting: it moves each cast weight
         # to storage of its own at every forward and leaves the rest (norms, embeddings) where the
         # load put them, which in one buffer would hold every replaced copy's memory too, for as
-        # long as the unit is loaded. (Asked when masters are taken, and at an offload that finds
-        # weights moved to storage of their own: it may be enabled after the hooks; see ModuleStager.)
+        # long as the unit is loaded. (Asked when masters are taken, at an offload that finds weights
+        # moved to storage of their own, and at each load of a whole component: it may be enabled
+        # after the hooks; see ModuleStager and ResidencyUnit.load.)
         whole = component is None or component == name
         stager = ModuleStager(
             module,

@@ -76,8 +76,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         host_copy: HostCopy | None = None,
     ) -> None:
         """``moves_weights``: whether the modules' forwards move weights to storage of their own
-        (diffusers' layerwise casting does), in which case a load never takes one buffer: the weights
-        left where the load put them would hold every moved one's place in it too.
+        (diffusers' layerwise casting does), in which case a load does not take one buffer: the
+        weights left where the load put them would hold every moved one's place in it too. Asked
+        where masters are taken, where an offload finds weights moved, and where the owner says
+        (:meth:`note_moves_weights`).
         ``file_backing``: masters to keep in checkpoint files (see :class:`~.mapped_masters.FileBacking`).
         Their weights are taken as masters where they are, neither copied nor page-locked (locking a
         mapping of a file would copy each page of it into anonymous memory), and then swapped for
@@ -104,7 +106,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # (layerwise casting enabled after the masters were taken, on weights of its storage dtype).
         self._one_buffer = one_buffer
         self._ask_moves_weights = moves_weights
-        self._note_moves_weights()
+        self.note_moves_weights()
         self.loaded = False
         self.loads = 0
         # Moved by all timed loads (all but those that read their masters back from files), a figure
@@ -200,11 +202,13 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         wanted = self._one_buffer
         return (wanted(self.weight_bytes) if callable(wanted) else wanted) and not self._moves_weights
 
-    def _note_moves_weights(self) -> None:
+    def note_moves_weights(self) -> None:
+        """Ask again whether the modules' forwards move weights (see ``moves_weights``)."""
         self._moves_weights = self._ask_moves_weights is not None and self._ask_moves_weights()
 
     def _load_once(self, slots: DeviceSlots | None) -> None:
-        if self.loads and not self._maps_files and self._reading_ahead is None:
+        same_placing = self.one_buffer == self._one_buffer_wanted()
+        if self.loads and not self._maps_files and self._reading_ahead is None and same_placing:
             # The masters were current at the last load, and nearly always still are: the copies
             # are queued first, and the modules are checked while the device runs them: checked
             # before, the walk delays the first byte of a large UNet by milliseconds, a tenth of
@@ -214,7 +218,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             # the load itself changes them.
             try:
                 backings = self._copy_to_device(slots, None)
-                current = self.one_buffer == self._one_buffer_wanted() and self.masters_current()
+                current = self.masters_current()
             except BaseException:
                 # Nothing is bound to the copies yet, but a weight replaced while offloaded has no
                 # master yet either: the failed load's fallback (see _load) rebinds every tensor to
@@ -354,7 +358,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             self._settle_mapped_masters()
         replaced, written, moved = self._changed_while_loaded()
         if moved and not self._moves_weights:
-            self._note_moves_weights()
+            self.note_moves_weights()
         if written:
             replaced |= self._keep_writes(written)
         storages, self._device_storages = self._device_storages, []
@@ -409,7 +413,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._groups, copied_host = snapshot(tensors, self.pin_budget, self._groups + self._kept_groups, self.host_copy)
         self.forget_last_conversion()
         self._find_wrappers()
-        self._note_moves_weights()
+        self.note_moves_weights()
         active = {id(group.master) for group in self._groups}
         self._kept_groups = tuple(group for group in self._kept_groups if id(group.master) not in active)
         try:

@@ -173,6 +173,17 @@ def resident_transformer(case: PipelineCase) -> None:
     assert next(u for u in group.units if u.name == "transformer").stager.loaded
 
 
+def cast_to_storage_dtype(transformer: torch.nn.Module) -> None:
+    """Cast to FP8 the weights that layerwise casting would store in FP8 (as it casts those of a
+    twin: it leaves some, norms among them, as they were), without enabling it."""
+    twin = PipelineCase("flux").pipe.transformer
+    twin.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    with torch.no_grad():
+        for name, cast in twin.named_parameters():
+            if cast.dtype == FP8:
+                transformer.get_parameter(name).data = transformer.get_parameter(name).data.to(FP8)
+
+
 @pytest.mark.parametrize("order", ["casting-then-offload", "offload-then-casting", "casting-in-its-storage-dtype"])
 def test_layerwise_casting_lets_the_loaded_copies_it_replaces_go(
     flux: PipelineCase, order: str, monkeypatch: pytest.MonkeyPatch
@@ -180,30 +191,41 @@ def test_layerwise_casting_lets_the_loaded_copies_it_replaces_go(
     """Layerwise casting moves each cast weight to storage of its own at every forward and leaves
     the others (norms, embeddings) where the load put them. Loaded into one buffer, those would keep
     every replaced copy's memory too, for as long as the component stays on the device."""
-    loads: list[tuple[int, StorageWeakRef]] = []
-    allocate = _device.allocate_device_storage
-
-    def recorded(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
-        storage = allocate(nbytes, device, alignment=alignment)
-        loads.append((nbytes, StorageWeakRef(storage.untyped_storage())))
-        return storage
-
     transformer = flux.pipe.transformer
+
+    def assert_load_let_go(load) -> None:
+        """After ``load()`` (a load of the transformer) and a call, the load holds no more than
+        the weights the casting left in place."""
+        loads: list[tuple[int, StorageWeakRef]] = []
+        allocate = _device.allocate_device_storage
+
+        def recorded(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+            storage = allocate(nbytes, device, alignment=alignment)
+            loads.append((nbytes, StorageWeakRef(storage.untyped_storage())))
+            return storage
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_device, "allocate_device_storage", recorded)
+            load()
+        flux.run()
+        gc.collect()
+        alive = sum(nbytes for nbytes, ref in loads if not ref.expired())
+        tensors = {id(t): t for t in [*transformer.parameters(), *transformer.buffers()]}.values()
+        left_in_place = sum(t.untyped_storage().nbytes() for t in tensors if t.dtype != FP8)
+        assert any(t.dtype == FP8 for t in tensors) and alive <= left_in_place, (
+            f"{alive} bytes of the load still held, for {left_in_place} bytes of weights the casting left in place"
+        )
+
     if order == "casting-then-offload":
         transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
     if order == "casting-in-its-storage-dtype":
         # Weights of the storage dtype when their masters are taken: enabling the casting after
-        # replaces none of them, only its forwards show it. (Those the casting casts, as it casts
-        # them on a twin: it leaves some, norms among them, as they were.)
-        twin = PipelineCase("flux").pipe.transformer
-        twin.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
-        with torch.no_grad():
-            for name, cast in twin.named_parameters():
-                if cast.dtype == FP8:
-                    transformer.get_parameter(name).data = transformer.get_parameter(name).data.to(FP8)
+        # replaces none of them, only its forwards show it.
+        cast_to_storage_dtype(transformer)
         flux.pipe.enable_pinned_offload(device="cpu", components={"transformer": "resident"})
         transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
-        flux.run()
+        flux.pipe.sleep(offload=["transformer"])  # not loaded yet: its wake is its first load
+        assert_load_let_go(lambda: flux.pipe.wake_up(["transformer"]))  # and it is never offloaded after
     else:
         resident_transformer(flux)  # its first load, before casting in the other order
     if order == "offload-then-casting":
@@ -211,17 +233,41 @@ def test_layerwise_casting_lets_the_loaded_copies_it_replaces_go(
         flux.pipe.sleep(offload=["transformer"])  # loaded again, now with casting on
         flux.pipe.wake_up()
     flux.pipe.sleep(offload=["transformer"])
-    with monkeypatch.context() as patch:
-        patch.setattr(_device, "allocate_device_storage", recorded)
-        flux.pipe.wake_up(["transformer"])  # a load of the transformer alone, recorded
-    flux.run()
-    gc.collect()
-    alive = sum(nbytes for nbytes, ref in loads if not ref.expired())
-    tensors = {id(t): t for t in [*transformer.parameters(), *transformer.buffers()]}.values()
-    left_in_place = sum(t.untyped_storage().nbytes() for t in tensors if t.dtype != FP8)
-    assert any(t.dtype == FP8 for t in tensors) and alive <= left_in_place, (
-        f"{alive} bytes of the load still held, for {left_in_place} bytes of weights the casting left in place"
-    )
+    assert_load_let_go(lambda: flux.pipe.wake_up(["transformer"]))  # a load of the transformer alone
+
+
+def test_layerwise_casting_enabled_on_weights_of_its_storage_dtype_reaches_streamed_blocks(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enabled after the masters were taken, on weights already of its storage dtype, the casting
+    replaces no weight: a streamed block's stager learns it at the offload after its first forward
+    (weights moved to storage of their own), and its later loads allocate per storage, not one
+    buffer that the weights left in place would keep whole."""
+    resident = PipelineCase("flux")
+    for case in (resident, flux):
+        cast_to_storage_dtype(case.pipe.transformer)
+    resident.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    expected = resident.run()
+    enable_with_transformer(flux, "streamed")
+    flux.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    assert torch.equal(flux.run(), expected)
+
+    sizes: list[int] = []
+    recording = []
+    allocate = _device.allocate_device_storage
+
+    def recorded(nbytes: int, device: torch.device, *, alignment: int) -> torch.Tensor:
+        if recording:
+            sizes.append(nbytes)
+        return allocate(nbytes, device, alignment=alignment)
+
+    transformer = flux.pipe.transformer
+    transformer.register_forward_pre_hook(lambda module, args: recording.append(True))
+    transformer.register_forward_hook(lambda module, args, output: recording.clear())
+    monkeypatch.setattr(_device, "allocate_device_storage", recorded)
+    assert torch.equal(flux.run(), expected)
+    largest = max(t.untyped_storage().nbytes() for t in [*transformer.parameters(), *transformer.buffers()])
+    assert sizes and max(sizes) <= largest, f"a load of {max(sizes)} bytes, where no weight takes more than {largest}"
 
 
 def test_lora_fused_hotswapped_and_unfused_on_a_loaded_component_survive_its_offload(flux: PipelineCase) -> None:
