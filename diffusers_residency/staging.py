@@ -102,8 +102,9 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # Whether a load may take one device buffer for all its storages (see _placed), or a
         # function of the load's bytes that says so: asked at each load (a cast to a wider dtype
         # changes them). Whether the forwards move weights walks every submodule: asked where the
-        # masters are taken, and where an offload finds weights moved to storage of their own
-        # (layerwise casting enabled after the masters were taken, on weights of its storage dtype).
+        # masters are taken, where an offload finds weights moved to storage of their own
+        # (layerwise casting enabled after the masters were taken, on weights of its storage
+        # dtype), and where the owner says (see note_moves_weights).
         self._one_buffer = one_buffer
         self._ask_moves_weights = moves_weights
         self.note_moves_weights()
