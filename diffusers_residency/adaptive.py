@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .budget_watch import RESERVE_MARGIN, BudgetWatch
+from .budget_watch import BudgetWatch
 from .casts import lossless_round_trip, warm_casts
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
@@ -30,6 +30,9 @@ from .text import format_bytes
 
 logger = logging.getLogger(__name__)
 
+# Kept on top of what a component was measured to need above its weights, as a fraction of the
+# budget: the next call's activations may differ a little (another prompt length, say).
+RESERVE_MARGIN = 0.02
 # How a plan made from a larger call shape's figures (see begin_call) says where they come from.
 ESTIMATED = "estimated from calls of"
 # How far a step timed under the plan may be from the one the plan was made for before it is planned
@@ -136,8 +139,6 @@ def _watch(state: PipelineResidency, *, measure: bool, estimated: bool = False) 
         # Under an estimate a component is not given the most room, and under a cap a retry is
         # all that shows it was short: told as the call returns, for the plan of its shape.
         retries_while_measuring=estimated,
-        # What learn_first_step plans for: the others' blocks would be dropped all the same.
-        keeping=[s.name for s in state.plan.sizes if s.per_step and s.name not in state.plan.activations],
     )
 
 
@@ -346,10 +347,10 @@ def _first_call(state: PipelineResidency) -> str:
 
 
 def learn_first_step(state: PipelineResidency, component: str, need: int) -> None:
-    """A measured call's per-step ``component`` ran its first step, with no block planned to stay
-    (its blocks kept where there was room, see BudgetWatch.room_to_keep), and needed ``need`` bytes
-    above the weights. For the call's other steps it keeps the blocks its own moment has room for:
-    staged, so that they leave the device to the components after it, whose needs are not known yet."""
+    """A measured call's per-step ``component`` ran its first step, streaming every block, and
+    needed ``need`` bytes above the weights. For the call's other steps it keeps the blocks its own
+    moment has room for: staged, so that they leave the device to the components after it, whose
+    needs are not known yet."""
     sizes = next(s for s in state.plan.sizes if s.name == component)
     if not sizes.per_step or component in state.plan.activations:
         return

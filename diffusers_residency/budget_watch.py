@@ -9,7 +9,7 @@ given (see :mod:`.adaptive`, which plans again from them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 
@@ -17,15 +17,6 @@ from . import _device
 from .retention import RetentionBudget
 
 logger = logging.getLogger(__name__)
-
-# Kept on top of what a component was measured to need above its weights, as a fraction of the
-# budget: the next call's activations may differ a little (another prompt length, say).
-RESERVE_MARGIN = 0.02
-# In a measured call's first pass of a streamed component, its blocks are kept while the weights
-# loaded leave room for this many times the most any of its blocks so far needed above them, and a
-# margin: a later block may need more than the earlier ones (a UNet's up blocks, at the input's
-# resolution, beside the skip connections).
-KEEP_FACTOR = 2
 
 
 class BudgetWatch:
@@ -52,8 +43,7 @@ class BudgetWatch:
     does not count. While measuring, a peak over the budget is measured, not
     told, and retries are not told either (with ``retries_while_measuring``, they are, right after
     ``on_first_call``, unless it calls :meth:`drop_retries`); ``on_first_step(component, bytes)`` is told what a
-    streamed component needed in its first pass (see :meth:`first_pass_ran`), which is measured block
-    by block (see :meth:`room_to_keep`)."""
+    streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
 
     def __init__(
         self,
@@ -68,12 +58,10 @@ class BudgetWatch:
         call_start: str | None = None,
         call_end: str | None = None,
         retries_while_measuring: bool = False,
-        keeping: Collection[str] = (),
     ) -> None:
         """``loaded_bytes()``: the weight bytes on the device now (what a peak holds besides a
         component's needs); ``retention``: the budget whose cache kept over its limit a retry may
-        blame; ``keeping``: the components whose blocks a measured call's first pass may keep (see
-        :meth:`room_to_keep`)."""
+        blame."""
         self.device = device
         self.retention = retention
         self.loaded_bytes = loaded_bytes
@@ -91,7 +79,6 @@ class BudgetWatch:
         self._call_start = call_start
         self._call_end = call_end
         self.retries_while_measuring = retries_while_measuring
-        self.keeping = frozenset(keeping)
         self._call_started = self._call_end_ran = False
         if on_first_call is not None:
             # Cache an earlier workload left behind would take room the call is measured to need.
@@ -208,49 +195,15 @@ class BudgetWatch:
         # hit the cap (and the allocator's synchronising retries).
         return (_device.peak_reserved(self.device) or peak_allocated) - self.loaded_bytes()
 
-    def _measures_pass_of(self, component: str) -> bool:
-        return self.on_first_call is not None and self.on_first_step is not None and component == self.running
-
-    def _block_ran(self) -> int | None:
-        """What the running component needed above the weights since the last block of its first pass
-        was entered (or since it started), counted in its need; the peak is reset for the next block.
-        None where the platform reports no peak."""
-        peak = _device.peak_allocated(self.device)
-        if peak is None:
-            return None
-        need = max(self._measured.get(self.running, 0), self._need_above_weights(peak))
-        self._measured[self.running] = need
-        _device.reset_peak_allocated(self.device)
-        return need
-
-    def room_to_keep(self, component: str, loading: int) -> bool:
-        """A block of streamed ``component`` is entered in its first pass, the blocks before it having
-        run and ``loading`` bytes about to load: whether the blocks it would drop may stay instead. In a
-        measured call they may while the weights loaded leave room for KEEP_FACTOR times the most any
-        block needed so far, and a margin, if it is one of ``keeping`` (one that runs at every step,
-        whose need the plan does not know yet): its other steps then find them loaded (the plan its
-        first pass makes keeps them, staged, where they fit), rather than load them all a second
-        time. (A component run once a call would gain nothing, nor one whose plan is made already,
-        and blocks kept each take new device memory rather than the storage of the one dropped before.)
-
-        Measured block by block, not from one peak over the pass: the weights loaded grow as blocks
-        stay, and a peak reached with fewer of them loaded, less the weights loaded now, would
-        understate the need."""
-        if component not in self.keeping or not self._measures_pass_of(component):
-            return False
-        need = self._block_ran()
-        margin = int(self.vram_budget * RESERVE_MARGIN)
-        return need is not None and self.loaded_bytes() + loading + KEEP_FACTOR * need + margin <= self.vram_budget
-
     def first_pass_ran(self, component: str) -> None:
         """A streamed component's first pass (a denoiser's first step) ran. In a measured call, what
         it needed above the weights is told now (``on_first_step``), so that its other steps can
         keep what that leaves room for, rather than stream every block to the call's end."""
-        if not self._measures_pass_of(component):
+        if self.on_first_call is None or self.on_first_step is None or component != self.running:
             return
-        need = self._block_ran()
-        if need is not None:
-            self.on_first_step(component, need)
+        peak = _device.peak_allocated(self.device)
+        if peak is not None:
+            self.on_first_step(component, self._need_above_weights(peak))
 
     def measure_from_here(self) -> None:
         # Only while measuring: each component's own peak, from what is left once the others are

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -254,14 +254,6 @@ class ResidencyGroup:
         """A streamed component's first pass (a denoiser's first step) ran: told to the budget watch."""
         if self.budget_watch is not None:
             self.budget_watch.first_pass_ran(component)
-
-    def room_to_keep(self, component: str, loading: Sequence[ResidencyUnit]) -> bool:
-        """Whether a block stream in its first pass may keep the blocks it would drop, ``loading``
-        about to load (see BudgetWatch.room_to_keep): only in a measured call."""
-        watch = self.budget_watch
-        if watch is None or not watch.measures_next_call:
-            return False
-        return watch.room_to_keep(component, sum(unit.stager.weight_bytes for unit in loading if not unit.stager.loaded))
 
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them

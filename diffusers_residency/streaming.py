@@ -60,10 +60,6 @@ class StreamOwner(Protocol):
     def first_pass_ran(self, component: str) -> None:
         """Told once a component's blocks have run through once in a call."""
 
-    def room_to_keep(self, component: str, loading: Sequence[Block]) -> bool:
-        """Asked at each block entered in a component's first pass, ``loading`` about to load: whether
-        the blocks the stream would drop may stay on the device instead."""
-
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost submodules of a repeated-block class, in definition order.
@@ -117,11 +113,8 @@ class BlockStream:
         self._recording: list[Block] | None = []
         self._windows: dict[int, tuple[Block, ...]] = {}
         self._staged_windows: dict[int, tuple[Block, ...]] = {}
-        # Streamed blocks this stream loaded and has not dropped yet, and those of them its first pass
-        # kept where there was room (see ResidencyGroup.room_to_keep): dropped, if they still stream
-        # then, once the next pass begins.
+        # Streamed blocks this stream loaded and has not dropped yet.
         self._held: list[Block] = []
-        self._kept: list[Block] = []
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
         # The pass being timed: (start, end) compute timestamps per block, and the block running
@@ -209,8 +202,6 @@ class BlockStream:
                 self._first_step = self._stamps
             self._stamps = None
         self._passes += 1
-        self._held += self._kept
-        self._kept = []
         if 2 <= self._passes <= STEPS_TIMED + 1 and self.group.times_steps:
             self._stamps = {}
         if self._passes == 2:
@@ -249,16 +240,12 @@ class BlockStream:
         keep = (unit, *window)
         held = []
         try:
-            kept = self._kept if self._passes == 1 and self.group.room_to_keep(self.component, keep) else None
             for other in self._held:  # dropped first: their room is what the next loads take
                 if other in keep:
                     held.append(other)
-                elif other.policy is not Policy.STREAMED:
-                    continue  # planned to stay since it loaded (a measuring call's first step): it stays
-                elif kept is not None:
-                    kept.append(other)
-                else:
+                elif other.policy is Policy.STREAMED:
                     other.stager.offload(slots=self.slots)
+                # else planned to stay since it loaded (a measuring call's first step): it stays.
             if unit.stager.loaded:
                 unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
             else:
@@ -279,7 +266,6 @@ class BlockStream:
         except BaseException:
             # Blocks loaded before the failure are held, so that a later entry drops them.
             self._held = [block for block in self.blocks if block.stager.loaded and block.policy is Policy.STREAMED]
-            self._kept = []
             raise
         finally:
             # Storage dropped here and not taken back (fewer blocks loaded than dropped, or a load

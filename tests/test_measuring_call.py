@@ -8,7 +8,6 @@ import torch
 
 from diffusers_residency import _device
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
-from diffusers_residency.budget_watch import KEEP_FACTOR, RESERVE_MARGIN
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.policy import Policy
 
@@ -47,51 +46,11 @@ def test_after_its_first_step_the_denoiser_of_a_measuring_call_keeps_its_blocks(
 
     assert policies_in_step[0] == [Policy.STREAMED] * len(blocks)
     assert all(policy is Policy.STAGED for policy in policies_in_step[-1]), "kept from the second step on"
-    # Each block moved once, in the first step: kept there, the room allowing (see
-    # BudgetWatch.room_to_keep), and staged for the other steps, not loaded again for them.
-    assert moved == [1] * len(blocks), moved
+    # Each block moved in the first step (the first ones once more, loaded ahead as it ended),
+    # and then stayed: not once per step.
+    assert max(moved) <= 2 < STEPS, moved
     assert loaded_while_decoding and not any(loaded_while_decoding), "dropped: the VAE is measured with all the room"
     assert "first step needed" in caplog.text
-
-
-def test_the_first_step_of_a_measuring_call_keeps_blocks_only_where_twice_the_need_so_far_leaves_room(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    reference = _run(flux)
-    budget = _budget(flux)
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    group = pipeline_state(flux.pipe).group
-    blocks = group.units_of("transformer")[1:]
-    margin = int(budget * RESERVE_MARGIN)
-    need = [1000]  # each component's, above the weights; the transformer's set as its first block starts
-    monkeypatch.setattr(_device, "peak_allocated", lambda device: group.loaded_bytes() + need[0])
-    # As each block of the first step starts: the bytes loaded, and the blocks on the device.
-    loaded: list[int] = []
-    on_device: list[list[bool]] = []
-
-    def block_starts(*_: object) -> None:
-        if len(on_device) == len(blocks):
-            return  # the first step is over
-        if not on_device:
-            # Room to keep about half the blocks beside what is loaded now (the trunk and the resident).
-            room = budget - margin - group.loaded_bytes()
-            need[0] = (room - sum(block.stager.weight_bytes for block in blocks) // 2) // KEEP_FACTOR
-        loaded.append(group.loaded_bytes())
-        on_device.append([block.stager.loaded for block in blocks])
-
-    for block in blocks:
-        block.module.register_forward_pre_hook(block_starts)
-    assert torch.equal(_run(flux), reference)
-
-    # Blocks on the device as the last one starts, other than the ones just before it (its window
-    # loaded them ahead): those the entries before kept.
-    depth = pipeline_state(flux.pipe).plan["transformer"].prefetch_blocks
-    kept = sum(on_device[-1][: -1 - depth])
-    assert 0 < kept < len(blocks) - 1 - depth, on_device
-    # Each kept only while the loaded bytes left room for twice the need and the margin (a block
-    # starts with the next one loaded ahead, kept only where there was room for it too).
-    largest = max(block.stager.weight_bytes for block in blocks)
-    assert max(loaded) + KEEP_FACTOR * need[0] + margin <= budget + largest * depth, loaded
 
 
 def test_the_plan_a_measuring_call_makes_is_loaded_as_it_returns(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
