@@ -10,6 +10,7 @@ once it returns, so that what one shape taught never lands in another shape's pl
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,10 +20,11 @@ import torch
 
 from .budget_watch import BudgetWatch
 from .casts import lossless_round_trip, warm_casts
+from .dry_runs import CallDryRuns
 from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
-from .profile import CallFigures, ResidencyProfile, covering_shape, write_profile
+from .profile import CallFigures, ResidencyProfile, covering_shape, shape_parts, write_profile
 from .report import report_for
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
@@ -33,8 +35,11 @@ logger = logging.getLogger(__name__)
 # Kept on top of what a component was measured to need above its weights, as a fraction of the
 # budget: the next call's activations may differ a little (another prompt length, say).
 RESERVE_MARGIN = 0.02
-# How a plan made from a larger call shape's figures (see begin_call) says where they come from.
-ESTIMATED = "estimated from calls of"
+# How a plan made from estimates says where they come from: a larger call shape's figures (see
+# begin_call), or dry runs of the call under way (see estimate_at_start).
+ESTIMATED = "estimated"
+COVERING = f"{ESTIMATED} from calls of"
+DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
 # How far a step timed under the plan may be from the one the plan was made for before it is planned
 # for again (see _Retime), as a fraction of the latter's compute or load time per byte.
 RETIME_TOLERANCE = 0.1
@@ -81,6 +86,10 @@ class PipelineResidency:
     # Set while a pipeline call is under way (see calls._wrap_call): calls within it are not
     # planned for on their own. Pipelines are not thread-safe, and neither is this.
     in_call: bool = False
+    # What estimates a measured call's needs before they are measured (None: the pipeline's calls
+    # are not denoiser then decoder), and the decoder's estimate for the call under way.
+    dry_runs: CallDryRuns | None = None
+    decoder_need: int | None = None
 
     @property
     def active(self) -> bool:
@@ -365,6 +374,39 @@ def learn_first_step(state: PipelineResidency, component: str, need: int) -> Non
                 component, format_bytes(need), len(plan[component].staged_blocks))  # fmt: skip
 
 
+def estimate_at_start(state: PipelineResidency, component: str, args: tuple, kwargs: dict) -> None:
+    """Told the inputs of each component that starts in a call measured with dry runs at hand (see
+    begin_call): as the denoiser first starts, estimate its need from a dry run of its inputs, and
+    plan the rest of the call for that, the decoder's estimate, and what the components that ran
+    before it (text encoders) were measured to need. The denoiser's steps then keep what the
+    budget has room for from the first one on, and the decoder finds room beside what stays,
+    rather than the call streaming every block and loading what stays once it returns. The call
+    is measured all the same, and its plan made again from what it measured."""
+    runs, watch = state.dry_runs, state.group.budget_watch
+    if component != runs.denoiser or watch is None or not watch.measures_next_call or component == watch.running:
+        return
+    state.group.estimate_from_inputs = None
+    need = runs.forward.need(args, kwargs)
+    if need is None:
+        return
+    margin = int(state.plan.budget * RESERVE_MARGIN)
+    estimates = {component: need, runs.decoder.name: state.decoder_need}
+    needs = {**watch.measured_so_far(), **estimates}
+    try:
+        plan = replan_in_place(state, {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}})
+    except BudgetTooSmallError:
+        return  # measured with the least on the device, as a call without estimates
+    apply_plan(state, replace(plan, source=DRY_RUN))
+    # Under an estimate a retry is all that shows a component was short (see _watch).
+    watch.retries_while_measuring = True
+    logger.info(
+        "Dry runs estimate for calls of %s, above the weights: %s. Planned for them: %s",
+        state.shape,
+        ", ".join(f"{name} {format_bytes(bytes_)}" for name, bytes_ in estimates.items()),
+        _plan_summary(state.plan),
+    )
+
+
 def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
     """What the hooks in place allow: the components that stream (their blocks have hooks of their
     own), pinned so, and those that can only move whole."""
@@ -391,6 +433,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     if state.profile is None or shape == state.shape:
         return
     state.shape = shape
+    state.group.estimate_from_inputs = None
     state.retry_replans.clear()
     state.retries_left_alone.clear()
     shapes = state.profile.shapes
@@ -399,12 +442,18 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
         if _plan_from_figures(state, shapes[shape], source, estimated=False):
             return
     covering = None if shape in state.estimates_failed else covering_shape(shapes, shape)
-    if covering is not None and _plan_from_figures(state, shapes[covering], f"{ESTIMATED} {covering}", estimated=True):
+    if covering is not None and _plan_from_figures(state, shapes[covering], f"{COVERING} {covering}", estimated=True):
         return
     state.group.retention.set_release_before(learned_for=state.shape)
     _apply_least_plan(state)
     _watch(state, measure=True)
-    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device", state.shape)
+    parts = shape_parts(shape)
+    runs = state.dry_runs
+    state.decoder_need = None if runs is None or parts is None or shape in state.estimates_failed else runs.decoder.need(parts)
+    if state.decoder_need is not None:
+        state.group.estimate_from_inputs = functools.partial(estimate_at_start, state)
+    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device%s",
+                state.shape, " until its denoiser starts" if state.decoder_need is not None else "")  # fmt: skip
 
 
 def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str, *, estimated: bool) -> bool:
@@ -454,6 +503,7 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
     """The pipeline call raised ``error``: nothing it measured is kept, and the next call plans for
     its shape again (measuring it afresh if it is still new, with the least on the device if this
     call ran out of memory under an estimate)."""
+    state.group.estimate_from_inputs = None
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
     if isinstance(error, torch.OutOfMemoryError) and state.shape is not None and state.plan.source.startswith(ESTIMATED):
@@ -464,6 +514,7 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
 def end_call(state: PipelineResidency) -> None:
     """The pipeline call returned: tell now what it measured, overshot or retried (rather than as
     the next call starts, which may be of another shape), and keep the figures its shape has now."""
+    state.group.estimate_from_inputs = None  # a call that never reached its denoiser (prompt embeddings)
     watch = state.group.budget_watch
     if watch is not None:
         watch.end_call()

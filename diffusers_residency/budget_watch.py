@@ -189,6 +189,15 @@ class BudgetWatch:
         self._watch_first_call(component)
         return self.on_first_call is not None
 
+    def measured_so_far(self) -> dict[str, int]:
+        """What each component of the measured call under way needed above the weights so far, the
+        one running included (what it needed until now)."""
+        measured = dict(self._measured)
+        peak = _device.peak_allocated(self.device)
+        if self.running is not None and peak is not None:
+            measured[self.running] = max(measured.get(self.running, 0), self._need_above_weights(peak))
+        return measured
+
     def _need_above_weights(self, peak_allocated: int) -> int:
         # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
         # count against the budget's cap as much as tensors do; a plan made from allocated peaks

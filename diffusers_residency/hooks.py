@@ -178,6 +178,8 @@ class StagingHook(ModelHook):
 
     @_not_compiled
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if self.group.estimate_from_inputs is not None and self.unit.stream is None:
+            self.group.estimate_from_inputs(self.unit.component, args, kwargs)
         self.group.activate(self.unit)
         # A block's inputs come from its component's forward, whose hook moved the call's inputs
         # already: walking them again at every block costs more than many a block computes.

@@ -24,6 +24,7 @@ from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
 from .calls import wrap_every_pipeline_call
 from .casts import guessed_casts, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
+from .dry_runs import CallDryRuns
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .host_budget import file_backing, file_sources, place_on_host, resolve_host_budget
@@ -253,6 +254,7 @@ def enable_pinned_offload(
             whole_before = previous.hooked_whole if previous is not None else ()
             hooked_whole = _hooked_whole(profile, replan, _encoders(modules, given), whole_before)
             plan = replan({}, {}, hooked_whole, least=True)
+        dry_runs = CallDryRuns.of(pipe, modules, sequence, guessed_casts(pipe)) if measuring else None
     wrap_every_pipeline_call()
 
     if share_host_masters:
@@ -263,6 +265,7 @@ def enable_pinned_offload(
         previous.measuring = measuring
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
         previous.hooked_whole = tuple(hooked_whole)
+        previous.dry_runs = dry_runs
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
         # What retries taught was for the budget and plan before: learned again for these.
@@ -311,6 +314,7 @@ def enable_pinned_offload(
             profile=profile,
             profile_file=profile_file,
             hooked_whole=tuple(hooked_whole),
+            dry_runs=dry_runs,
         )
         group.call_order = tuple(modules)
         apply_plan(state, plan)

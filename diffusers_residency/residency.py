@@ -185,6 +185,9 @@ class ResidencyGroup:
         self._starts_of_call: tuple[int, dict[str, int], tuple[str, int] | None] = (-1, {}, None)
         # The budget watched at each switch, under a budget (see adaptive, which sets it).
         self.budget_watch: BudgetWatch | None = None
+        # Set while a measured call waits for a component's inputs to estimate its need from, before
+        # it starts (see adaptive.estimate_at_start): told each whole component's and trunk's inputs.
+        self.estimate_from_inputs: Callable[[str, tuple, dict], None] | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
         # budget: set before they are added (see host_budget), so that their weights are never
         # copied or page-locked on the way.

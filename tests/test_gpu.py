@@ -671,3 +671,47 @@ def test_kept_weights_take_segments_of_their_own_under_expandable_segments() -> 
     assert result["equal"] == [True, True]
     assert result["woken"] == [False], result
     assert result["other"] == [True], "an allocation of the process's own stays in an expandable segment"
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "pixels"),
+    [("flux_transformer", torch.bfloat16, 1024), ("flux_vae", torch.bfloat16, 1024), ("sdxl_vae", torch.float32, 1024)],
+)
+def test_a_dry_run_estimate_covers_what_the_device_needs_for_full_sized_components(name, dtype, pixels) -> None:
+    """What the estimate stands for, on the device itself: the allocator's reserved peak less the
+    weights (as a measuring call reads it), under expandable segments as the benchmark runs."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+    from diffusers_residency.bench.architectures import ARCHITECTURES
+    from diffusers_residency.dry_runs import ForwardDryRun, dry_run_need, meta_twin
+
+    cls = FluxTransformer2DModel if name == "flux_transformer" else AutoencoderKL
+    with torch.device(CUDA):
+        module = cls.from_config(ARCHITECTURES["full"][name]).to(dtype).eval()
+    if name == "flux_transformer":
+        tokens = (pixels // 16) ** 2
+        inputs = {
+            "hidden_states": torch.randn(1, tokens, 64), "encoder_hidden_states": torch.randn(1, 512, 4096),
+            "pooled_projections": torch.randn(1, 768), "timestep": torch.ones(1), "img_ids": torch.zeros(tokens, 3),
+            "txt_ids": torch.zeros(512, 3), "guidance": torch.ones(1),
+        }  # fmt: skip
+        inputs = {key: value.to(CUDA, dtype) for key, value in inputs.items()}
+        estimate = ForwardDryRun(module).need((), {**inputs, "return_dict": False})
+        run = lambda: module(**inputs, return_dict=False)  # noqa: E731
+    else:
+        latents = torch.randn(1, module.config.latent_channels, pixels // 8, pixels // 8, device=CUDA, dtype=dtype)
+        meta = torch.empty_like(latents, device="meta")
+        estimate = dry_run_need(meta_twin(module), lambda twin: twin.decode(meta, return_dict=False), [meta])
+        run = lambda: module.decode(latents, return_dict=False)  # noqa: E731
+    weights = sum(t.nbytes for t in module.state_dict().values())
+    needs = []
+    for _ in range(2):  # the second, with the CUDA libraries warmed up, as calls after the first
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            run()
+        torch.cuda.synchronize()
+        needs.append(torch.cuda.max_memory_reserved() - weights)
+    print(f"{name} at {pixels}x{pixels}: estimate {estimate / 1e9:.3f} GB, device {needs[0] / 1e9:.3f} then {needs[1] / 1e9:.3f} GB")
+    assert max(needs) <= estimate <= 1.35 * max(needs)

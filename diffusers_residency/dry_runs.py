@@ -1,0 +1,262 @@
+"""Estimating what a component needs above its weights before it runs: a dry run of the call on the
+meta device, where every tensor has a shape and a dtype but no memory, counting the bytes of the
+tensors alive at once.
+
+What a call needs depends on its shape (an SDXL VAE decoding at 1024x1024 needs four times what it
+needs at 512x512), so an estimate has to be made for the call being made: from the component's own
+inputs where its hook sees them (a denoiser's forward), or from the call's arguments where it does
+not (``vae.decode`` runs its hook without them, see ``hooks.StagingHook``). A dry run counts what the
+tensors of the call take; the device's allocator takes more (its caching, convolutions' workspaces),
+and :data:`ALLOCATOR_FACTOR` stands for that. The first call of each shape still measures every
+component, and the plan is made again from what it measured (see ``adaptive``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .streaming import repeated_blocks
+
+logger = logging.getLogger(__name__)
+
+# What the device's allocator held above the weights (its reserved peak) over the bytes of live
+# tensors a dry run counted, for the same component and call shape: 1.5 to 1.9 for FLUX.1-dev's
+# transformer and VAE and SDXL's UNet and VAE at 1024x1024 on the H200 (docs/measurements.md). The
+# difference is the allocator's rounding and cache, and what kernels take for themselves (a
+# convolution's workspace) without a tensor to show for it.
+ALLOCATOR_FACTOR = 2.0
+# Call arguments that bring an image or a video to encode or condition on: a call that takes one
+# runs encoders this estimate does not follow (``vae.encode``, a ControlNet), so it is measured.
+_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "ip_adapter_image", "latents")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages that the operations run under it create, while they are
+    alive, and the most alive at once. Storages it was told of (weights, inputs) are not counted
+    again when an operation returns a view of them."""
+
+    def __init__(self, known: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {id(tensor.untyped_storage()): 0 for tensor in known}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                key = id(storage)
+                if key not in self._sizes:
+                    # A storage's Python object lives exactly as long as the storage (torch keeps
+                    # it with the storage), so its finalizer says when the memory would be freed.
+                    self._sizes[key] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key)
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` as the device's fused kernels run it: its output and no
+    more. On the meta device it would take the math path, whose attention matrix (24 heads of
+    4608 x 4608 for FLUX.1-dev at 1024x1024, 1 GB) the device never holds."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query = args[0] if args else kwargs["query"]
+            value = args[2] if len(args) > 2 else kwargs["value"]
+            return query.new_empty((*query.shape[:-1], value.shape[-1]))
+        return func(*args, **kwargs)
+
+
+def meta_twin(module: nn.Module) -> nn.Module | None:
+    """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
+    dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
+    weights of another layout than its config's, a quantized one)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    try:
+        with torch.device("meta"):
+            # diffusers' models are built from their config by from_config, transformers' by __init__.
+            twin = type(module).from_config(config) if isinstance(module, ConfigMixin) else type(module)(config)
+        shapes = {name: torch.empty_like(tensor, device="meta") for name, tensor in module.state_dict().items()}
+        twin.load_state_dict(shapes, strict=True, assign=True)
+    except Exception as error:  # any failure means no estimate, never a failed call
+        logger.debug("No dry run of %s: %s", type(module).__name__, error)
+        return None
+    return twin.eval()
+
+
+def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    leaves = tree_flatten((args, dict(kwargs)))[0]
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf) for leaf in leaves)
+
+
+def _replaying_repeats(twin: nn.Module) -> Callable[[], None]:
+    """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time its
+    class sees inputs of their shapes; later ones return new tensors of the shapes it returned. The
+    same block on the same shapes needs the same room, and a denoiser's dozens of blocks would
+    otherwise cost the host a second of dispatch. Returns the undo."""
+    outputs: dict[tuple, Any] = {}
+    blocks = [block for _, block in repeated_blocks(twin)]
+    for block in blocks:
+        block.forward = functools.partial(_replayed, outputs, block, block.forward)
+    return lambda: [block.__dict__.pop("forward", None) for block in blocks]
+
+
+def _replayed(outputs: dict[tuple, Any], block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    key = (type(block), _signature(args, kwargs))
+    if key not in outputs:
+        out = forward(*args, **kwargs)
+        outputs[key] = tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        return out
+    return tree_map(
+        lambda leaf: torch.empty(leaf[0], dtype=leaf[1], device="meta") if _is_spec(leaf) else leaf,
+        outputs[key],
+        is_leaf=_is_spec,
+    )
+
+
+def _is_spec(leaf: Any) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[0], torch.Size)
+
+
+def dry_run_need(twin: nn.Module, run: Callable[[nn.Module], Any], inputs: Sequence[torch.Tensor] = ()) -> int | None:
+    """What ``run(twin)`` would need on the device above its weights, ``inputs`` (meta tensors
+    it reads, already on the device in a real call) counted: the most bytes of tensors alive at
+    once, times :data:`ALLOCATOR_FACTOR`. None where the dry run fails (code that reads values, which
+    meta tensors do not have)."""
+    counter = _LiveBytes([*twin.parameters(), *twin.buffers(), *inputs])
+    counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
+    undo = _replaying_repeats(twin)
+    try:
+        with torch.no_grad(), _FusedAttention(), counter:
+            run(twin)
+    except Exception as error:
+        logger.debug("The dry run of %s failed: %s", type(twin).__name__, error)
+        return None
+    finally:
+        undo()
+    return int(counter.peak * ALLOCATOR_FACTOR)
+
+
+def on_meta(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """``args`` and ``kwargs`` with each tensor replaced by an empty one of its shape and dtype on
+    the meta device, and those tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def to_meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(torch.empty_like(value, device="meta"))
+            return tensors[-1]
+        return value
+
+    return tree_map(to_meta, args), tree_map(to_meta, dict(kwargs)), tensors
+
+
+class DecoderDryRun:
+    """The need of a pipeline's latent decoder (``vae.decode``) in a call, estimated from the call's
+    size: its latents are ``batch x latent_channels x height/f x width/f`` for the pipelines that
+    make images from text (FLUX, SDXL, SD3, Qwen-Image...), with ``f`` the pipeline's
+    ``vae_scale_factor`` and the size its default where not given. ``dtype``: the one it decodes in
+    (SDXL casts a float16 VAE to float32 to decode)."""
+
+    def __init__(self, name: str, module: nn.Module, scale_factor: int, default_size: int, dtype: torch.dtype) -> None:
+        self.name = name
+        self.latent_channels: int = module.config.latent_channels
+        self.scale_factor = scale_factor
+        self.default_size = default_size
+        self.dtype = dtype
+        self._twin = meta_twin(module)
+        if self._twin is not None:
+            self._twin.to(dtype)
+        self._needs: dict[tuple[int, ...], int | None] = {}
+
+    @classmethod
+    def of(cls, pipe: object, casts: Mapping[str, tuple[torch.dtype, ...]]) -> DecoderDryRun | None:
+        """The decoder of ``pipe``, or None where its latents' shape cannot be told from a call's
+        size (no ``vae_scale_factor`` or default size). One whose latents have more dimensions
+        (a video's, Qwen-Image's) fails its dry run: no estimate."""
+        vae = getattr(pipe, "vae", None)
+        factor = getattr(pipe, "vae_scale_factor", None)
+        default = getattr(pipe, "default_sample_size", None)
+        channels = getattr(getattr(vae, "config", None), "latent_channels", None)
+        if not isinstance(vae, nn.Module) or not callable(getattr(vae, "decode", None)):
+            return None
+        if not all(isinstance(value, int) for value in (factor, default, channels)):
+            return None
+        dtype = casts.get("vae", (next(vae.parameters()).dtype,))[0]
+        return cls("vae", vae, factor, default * factor, dtype)
+
+    def need(self, parts: Mapping[str, Any]) -> int | None:
+        """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
+        None for calls this does not follow (images or latents given, frames, sizes it cannot read)."""
+        if "num_frames" in parts or any(parts.get(name) is not None for name in _IMAGE_ARGUMENTS):
+            return None
+        height, width = (parts.get(name) or self.default_size for name in ("height", "width"))
+        batch = parts.get("batch") or 1
+        per_prompt = parts.get("num_images_per_prompt") or 1
+        if not all(isinstance(value, int) and value > 0 for value in (height, width, batch, per_prompt)):
+            return None
+        shape = (batch * per_prompt, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
+        if shape not in self._needs and self._twin is not None:
+            latents = torch.empty(shape, dtype=self.dtype, device="meta")
+            self._needs[shape] = dry_run_need(self._twin, lambda twin: twin.decode(latents, return_dict=False), [latents])
+        return self._needs.get(shape)
+
+
+class ForwardDryRun:
+    """The need of a component's forward for the inputs its hook was given (a denoiser's step)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._twin = meta_twin(module)
+
+    def need(self, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+        if self._twin is None:
+            return None
+        meta_args, meta_kwargs, inputs = on_meta(args, kwargs)
+        return dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
+
+
+@dataclass(frozen=True)
+class CallDryRuns:
+    """The dry runs that estimate a text-to-image call's needs before they are measured: its
+    ``denoiser`` (the component before the decoder in the offload sequence), from its inputs as its
+    first step starts, and its decoder, from the call's size as the call starts. Components before
+    the denoiser (text encoders) have run and been measured by then."""
+
+    denoiser: str
+    forward: ForwardDryRun
+    decoder: DecoderDryRun
+
+    @classmethod
+    def of(
+        cls,
+        pipe: object,
+        modules: Mapping[str, nn.Module],
+        sequence: Sequence[str],
+        casts: Mapping[str, tuple[torch.dtype, ...]],
+    ) -> CallDryRuns | None:
+        """None for a pipeline whose call does not end denoiser, then decoder."""
+        decoder = DecoderDryRun.of(pipe, casts)
+        if decoder is None or len(sequence) < 2 or sequence[-1] != decoder.name or sequence[-2] == decoder.name:
+            return None
+        return cls(sequence[-2], ForwardDryRun(modules[sequence[-2]]), decoder)

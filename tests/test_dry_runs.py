@@ -1,0 +1,149 @@
+"""Needs estimated by dry runs on the meta device: close to what the device was measured to need,
+the same with repeated blocks replayed, and a first call planned from them as its denoiser starts,
+exact, its denoiser's blocks kept from its first step on and through the decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+from diffusers_residency import dry_runs
+from diffusers_residency.adaptive import DRY_RUN
+from diffusers_residency.bench.architectures import ARCHITECTURES
+from diffusers_residency.casts import guessed_casts
+from diffusers_residency.components import module_components, offload_sequence
+from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.policy import Policy
+from diffusers_residency.profile import CACHE_VARIABLE
+
+from .helpers import PipelineCase, sdxl_in_float16
+from .test_profile import _budget, _measure_on_the_cpu, _run
+
+GB = 10**9
+
+
+def _full_on_meta(cls: type, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device("meta"):
+        return cls.from_config(ARCHITECTURES["full"][name]).to(dtype)
+
+
+def _flux_step_inputs(pixels: int) -> dict[str, torch.Tensor]:
+    tokens, bf16 = (pixels // 16) ** 2, torch.bfloat16
+    return {
+        "hidden_states": torch.empty(1, tokens, 64, dtype=bf16, device="meta"),
+        "encoder_hidden_states": torch.empty(1, 512, 4096, dtype=bf16, device="meta"),
+        "pooled_projections": torch.empty(1, 768, dtype=bf16, device="meta"),
+        "timestep": torch.empty(1, dtype=bf16, device="meta"),
+        "img_ids": torch.empty(tokens, 3, dtype=bf16, device="meta"),
+        "txt_ids": torch.empty(512, 3, dtype=bf16, device="meta"),
+        "guidance": torch.empty(1, dtype=bf16, device="meta"),
+    }
+
+
+def _parts(size: int) -> dict:
+    return {"height": size, "width": size, "num_images_per_prompt": 1, "batch": 1}
+
+
+def test_estimates_of_full_sized_components_cover_what_the_device_was_measured_to_need() -> None:
+    # Measured on the H200 (docs/measurements.md), each its reserved peak less its weights at
+    # 1024x1024: FLUX.1-dev's transformer 0.74 to 0.91 GB a step, its VAE 3.10 GB; SDXL's VAE,
+    # cast to float32 by its pipeline, 6.22 GB. An estimate may be above (the plan keeps a little
+    # more room the first call), not below (the call would be short of room), and not far above.
+    transformer = _full_on_meta(FluxTransformer2DModel, "flux_transformer", torch.bfloat16)
+    step = ForwardDryRun(transformer).need((), {**_flux_step_inputs(1024), "return_dict": False})
+    assert 0.91 * GB <= step <= 1.25 * GB, step
+    for name, dtype, channels, measured in (("flux_vae", torch.bfloat16, 16, 3.10), ("sdxl_vae", torch.float32, 4, 6.22)):
+        vae = _full_on_meta(AutoencoderKL, name, dtype)
+        latents = torch.empty(1, channels, 128, 128, dtype=dtype, device="meta")
+        need = dry_run_need(meta_twin(vae), lambda twin: twin.decode(latents, return_dict=False), [latents])
+        assert measured * GB <= need <= 1.25 * measured * GB, (name, need)
+
+
+def test_replaying_repeated_blocks_changes_no_estimate(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs: list[tuple[tuple, dict]] = []
+    flux.pipe.transformer.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
+    flux.run()
+    replayed = ForwardDryRun(flux.pipe.transformer).need(*inputs[0])
+    monkeypatch.setattr(dry_runs, "repeated_blocks", lambda module: [])
+    every_block = ForwardDryRun(flux.pipe.transformer).need(*inputs[0])
+    assert replayed == every_block > 0
+
+
+def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeline_decodes_in(flux: PipelineCase) -> None:
+    decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
+    small, large = decoder.need(_parts(32)), decoder.need(_parts(64))
+    assert decoder.need({**_parts(32), "height": None, "width": None}) == decoder.need(_parts(decoder.default_size))
+    assert 3.5 * small <= large <= 4 * small, "the decoder's tensors grow with its pixels"
+    assert meta_twin(torch.nn.Linear(4, 4)) is None, "no config to build it from"
+    for given in ({"num_frames": 5}, {"image": [32, 32]}, {"latents": [1, 16, 16, 64]}):
+        assert decoder.need({**_parts(32), **given}) is None, "a call that encodes or conditions is not followed"
+    sdxl = sdxl_in_float16()
+    decoding = CallDryRuns.of(sdxl.pipe, module_components(sdxl.pipe), offload_sequence(sdxl.pipe), guessed_casts(sdxl.pipe))
+    assert decoding.decoder.dtype == torch.float32, "SDXL casts its float16 VAE to float32 to decode"
+    as_stored = DecoderDryRun("vae", sdxl.pipe.vae, decoding.decoder.scale_factor, 1024, torch.float16)
+    assert decoding.decoder.need(_parts(32)) > 1.8 * as_stored.need(_parts(32))
+
+
+def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_its_blocks(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="diffusers_residency")
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    state = pipeline_state(flux.pipe)
+    _measure_on_the_cpu(flux, monkeypatch)
+    blocks = state.group.units_of("transformer")[1:]
+    sources_in_step: list[str] = []
+    # Read in the first block: the transformer's own forward pre-hooks run before its staging hook.
+    blocks[0].module.register_forward_pre_hook(lambda *_: sources_in_step.append(state.plan.source))
+    loaded_while_decoding: list[bool] = []
+    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: loaded_while_decoding.extend(b.stager.loaded for b in blocks))
+    assert torch.equal(_run(flux), flux.reference)
+    assert set(sources_in_step) == {DRY_RUN}, "planned before the first step ran"
+    assert all(block.policy is Policy.RESIDENT for block in blocks), "room for every block beside the estimates"
+    assert [block.stager.loads for block in blocks] == [1] * len(blocks), "each loaded once, in the first step"
+    assert loaded_while_decoding and all(loaded_while_decoding), "kept while the decoder ran"
+    assert "Dry runs estimate" in caplog.text
+    plan = flux.pipe.residency_plan()
+    assert plan.source == "measured" and plan.activations["transformer"] == 1000 + int(_budget(flux) * 0.02)
+    assert torch.equal(_run(flux), flux.reference)
+
+
+def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    plans = []
+    for process in range(2):
+        # A cache folder each, as two machines: the second finds no profile of the first.
+        monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / str(process)))
+        case = PipelineCase("flux")
+        case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+        _measure_on_the_cpu(case, monkeypatch)
+        state = pipeline_state(case.pipe)
+        case.pipe.vae.decoder.register_forward_pre_hook(lambda *_, state=state: plans.append(state.plan))
+        assert torch.equal(case.run(), case.reference)
+    assert plans[0].source == DRY_RUN and plans[0].components == plans[1].components
+    assert plans[0].activations == plans[1].activations
+
+
+def test_a_call_short_of_memory_under_dry_run_estimates_leaves_its_shape_to_a_measuring_call(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    state = pipeline_state(flux.pipe)
+    _measure_on_the_cpu(flux, monkeypatch)
+    # The device running out of room in the denoiser's first block, once its plan is in place.
+    first_block = state.group.units_of("transformer")[1].module
+    hook = first_block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("short")))
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(flux)
+    hook.remove()
+    assert state.plan.source == DRY_RUN and state.estimates_failed == {state.plan.shape}
+    sources: list[str] = []
+    first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    assert torch.equal(_run(flux), flux.reference)
+    assert set(sources) == {""}, "measured with the least on the device, no estimate"
+    assert flux.pipe.residency_plan().source == "measured"
