@@ -383,7 +383,10 @@ def estimate_at_start(state: PipelineResidency, component: str, args: tuple, kwa
     rather than the call streaming every block and loading what stays once it returns. The call
     is measured all the same, and its plan made again from what it measured."""
     runs, watch = state.dry_runs, state.group.budget_watch
-    if component != runs.denoiser or watch is None or not watch.measures_next_call or component == watch.running:
+    if runs is None or watch is None or not watch.measures_next_call:
+        state.group.estimate_from_inputs = None  # set for a setup or a call that is gone
+        return
+    if component != runs.denoiser or component == watch.running:
         return
     state.group.estimate_from_inputs = None
     need = runs.forward.need(args, kwargs)

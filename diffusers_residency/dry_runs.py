@@ -33,10 +33,11 @@ from .streaming import repeated_blocks
 logger = logging.getLogger(__name__)
 
 # What the device's allocator held above the weights (its reserved peak) over the bytes of live
-# tensors a dry run counted, for the same component and call shape: 1.5 to 1.9 for FLUX.1-dev's
-# transformer and VAE and SDXL's UNet and VAE at 1024x1024 on the H200 (docs/measurements.md). The
-# difference is the allocator's rounding and cache, and what kernels take for themselves (a
-# convolution's workspace) without a tensor to show for it.
+# tensors a dry run counted, for the same component and call shape, at 1024x1024 on the H200
+# (docs/measurements.md): 1.89 and 1.85 for FLUX.1-dev's and SDXL's VAEs run alone, 1.99 for the
+# former in a measuring call, 1.56 for FLUX.1-dev's transformer there (1.24 to 1.32 alone). The
+# allocator's rounding and cache, and what kernels take for themselves (a convolution's workspace)
+# without a tensor to show for it. The decoders set it: short of room, they would fail the call.
 ALLOCATOR_FACTOR = 2.0
 # Call arguments that bring an image or a video to encode or condition on: a call that takes one
 # runs encoders this estimate does not follow (``vae.encode``, a ControlNet), so it is measured.
@@ -89,7 +90,7 @@ class _FusedAttention(TorchFunctionMode):
 def meta_twin(module: nn.Module) -> nn.Module | None:
     """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
     dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
-    weights of another layout than its config's, a quantized one)."""
+    tensors laid out otherwise than its config builds them: most quantized ones, adapters loaded)."""
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -106,31 +107,50 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
 
 
 def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
-    leaves = tree_flatten((args, dict(kwargs)))[0]
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf) for leaf in leaves)
+    """What a block's memory may depend on in its inputs: their structure (keyword names included),
+    tensors' shapes and dtypes, and the values of plain ones (a flag, a size)."""
+    leaves, spec = tree_flatten((args, dict(kwargs)))
+    return (str(spec), *(_described(leaf) for leaf in leaves))
 
 
-def _replaying_repeats(twin: nn.Module) -> Callable[[], None]:
-    """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time its
-    class sees inputs of their shapes; later ones return new tensors of the shapes it returned. The
-    same block on the same shapes needs the same room, and a denoiser's dozens of blocks would
-    otherwise cost the host a second of dispatch. Returns the undo."""
-    outputs: dict[tuple, Any] = {}
+def _described(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.dtype
+    return leaf if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
+
+
+def _replaying_repeats(twin: nn.Module, counter: _LiveBytes) -> Callable[[], None]:
+    """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time a
+    block of its class and tensors' shapes sees inputs of their shapes; later ones return new
+    tensors of the shapes it returned, and count the most it held above what was alive as it
+    started, above what is alive as they start (a UNet's skip connections pile up along its down
+    blocks). A denoiser's dozens of blocks would otherwise cost the host a second of dispatch. (A
+    UNet's blocks of one class differ in their channels: their tensors' shapes tell them apart.)
+    Returns the undo."""
+    seen: dict[tuple, tuple[Any, int]] = {}
     blocks = [block for _, block in repeated_blocks(twin)]
     for block in blocks:
-        block.forward = functools.partial(_replayed, outputs, block, block.forward)
+        layout = (type(block), tuple((name, tensor.shape) for name, tensor in block.state_dict().items()))
+        block.forward = functools.partial(_replayed, counter, seen, layout, block.forward)
     return lambda: [block.__dict__.pop("forward", None) for block in blocks]
 
 
-def _replayed(outputs: dict[tuple, Any], block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    key = (type(block), _signature(args, kwargs))
-    if key not in outputs:
+def _replayed(
+    counter: _LiveBytes, seen: dict[tuple, tuple[Any, int]], layout: tuple, forward: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    key = (layout, _signature(args, kwargs))
+    entry = counter.live
+    if key not in seen:
+        peak_before, counter.peak = counter.peak, entry
         out = forward(*args, **kwargs)
-        outputs[key] = tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        seen[key] = (tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out), counter.peak - entry)
+        counter.peak = max(counter.peak, peak_before)
         return out
+    shapes, held = seen[key]
+    counter.peak = max(counter.peak, entry + held)
     return tree_map(
         lambda leaf: torch.empty(leaf[0], dtype=leaf[1], device="meta") if _is_spec(leaf) else leaf,
-        outputs[key],
+        shapes,
         is_leaf=_is_spec,
     )
 
@@ -144,17 +164,19 @@ def dry_run_need(twin: nn.Module, run: Callable[[nn.Module], Any], inputs: Seque
     it reads, already on the device in a real call) counted: the most bytes of tensors alive at
     once, times :data:`ALLOCATOR_FACTOR`. None where the dry run fails (code that reads values, which
     meta tensors do not have)."""
-    counter = _LiveBytes([*twin.parameters(), *twin.buffers(), *inputs])
-    counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
-    undo = _replaying_repeats(twin)
+    undo = None
     try:
+        counter = _LiveBytes([*twin.parameters(), *twin.buffers(), *inputs])
+        counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
+        undo = _replaying_repeats(twin, counter)
         with torch.no_grad(), _FusedAttention(), counter:
             run(twin)
-    except Exception as error:
+    except Exception as error:  # any failure means no estimate, never a failed call
         logger.debug("The dry run of %s failed: %s", type(twin).__name__, error)
         return None
     finally:
-        undo()
+        if undo is not None:
+            undo()
     return int(counter.peak * ALLOCATOR_FACTOR)
 
 
@@ -232,7 +254,11 @@ class ForwardDryRun:
     def need(self, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
         if self._twin is None:
             return None
-        meta_args, meta_kwargs, inputs = on_meta(args, kwargs)
+        try:
+            meta_args, meta_kwargs, inputs = on_meta(args, kwargs)
+        except Exception as error:  # an input tensor with no meta counterpart: no estimate
+            logger.debug("No dry run of %s's inputs: %s", type(self._twin).__name__, error)
+            return None
         return dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
 
 

@@ -179,7 +179,9 @@ def enable_pinned_offload(
             same for every component. Default: measured per component, in the first call of each
             call shape under a budget that cannot keep everything on the device (or, from a
             residency profile, in an earlier process); that call runs with the least on the device
-            until its denoiser's first step is measured, then the plan keeps the most that fits
+            until its denoiser starts, then under a plan from dry runs of the denoiser's inputs and
+            of a decode of the call's size (see :mod:`.dry_runs`; calls they do not follow, until
+            the denoiser's first step is measured), and after it the plan keeps the most that fits
             what each component was measured to need (see :mod:`.adaptive`). Until then, and for
             a component not measured, a tenth of the budget, at least 3 GiB, but no more than the
             measuring plan's weights leave. Either way a component whose peak goes over the budget
@@ -266,6 +268,7 @@ def enable_pinned_offload(
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
         previous.hooked_whole = tuple(hooked_whole)
         previous.dry_runs = dry_runs
+        previous.group.estimate_from_inputs = None  # set for the setup before, if any
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
         # What retries taught was for the budget and plan before: learned again for these.

@@ -4,6 +4,7 @@ exact, its denoiser's blocks kept from its first step on and through the decodin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,8 @@ from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
 from diffusers_residency.pipeline import pipeline_state
-from diffusers_residency.policy import Policy
-from diffusers_residency.profile import CACHE_VARIABLE
+from diffusers_residency.plans import ResidencyPlan
+from diffusers_residency.profile import CACHE_VARIABLE, shape_parts
 
 from .helpers import PipelineCase, sdxl_in_float16
 from .test_profile import _budget, _measure_on_the_cpu, _run
@@ -49,34 +50,39 @@ def _parts(size: int) -> dict:
 
 
 def test_estimates_of_full_sized_components_cover_what_the_device_was_measured_to_need() -> None:
-    # Measured on the H200 (docs/measurements.md), each its reserved peak less its weights at
-    # 1024x1024: FLUX.1-dev's transformer 0.74 to 0.91 GB a step, its VAE 3.10 GB; SDXL's VAE,
-    # cast to float32 by its pipeline, 6.22 GB. An estimate may be above (the plan keeps a little
-    # more room the first call), not below (the call would be short of room), and not far above.
+    # Measured on the H200 at 1024x1024 (docs/measurements.md), the allocator's reserved peak less
+    # the weights: run alone, FLUX.1-dev's transformer 0.646 GB a step, its VAE 3.046 GB, SDXL's VAE
+    # in float32 (as its pipeline casts it to decode) 5.962 GB; in a measuring call, the
+    # transformer 0.764 GB and the VAE 3.21 GB. An estimate may be above (the first call keeps a
+    # little more room than it needs), not below (it would be short of room), and not far above.
     transformer = _full_on_meta(FluxTransformer2DModel, "flux_transformer", torch.bfloat16)
     step = ForwardDryRun(transformer).need((), {**_flux_step_inputs(1024), "return_dict": False})
-    assert 0.91 * GB <= step <= 1.25 * GB, step
-    for name, dtype, channels, measured in (("flux_vae", torch.bfloat16, 16, 3.10), ("sdxl_vae", torch.float32, 4, 6.22)):
+    assert 0.764 * GB <= step <= 1.6 * 0.646 * GB, step
+    for name, dtype, channels, measured in (("flux_vae", torch.bfloat16, 16, 3.21), ("sdxl_vae", torch.float32, 4, 5.962)):
         vae = _full_on_meta(AutoencoderKL, name, dtype)
         latents = torch.empty(1, channels, 128, 128, dtype=dtype, device="meta")
         need = dry_run_need(meta_twin(vae), lambda twin: twin.decode(latents, return_dict=False), [latents])
-        assert measured * GB <= need <= 1.25 * measured * GB, (name, need)
+        assert measured * GB <= need <= 1.1 * measured * GB, (name, need)
 
 
-def test_replaying_repeated_blocks_changes_no_estimate(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["flux", "sdxl"])
+def test_replaying_repeated_blocks_changes_no_estimate(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase(kind)
+    denoiser = case.pipe.transformer if kind == "flux" else case.pipe.unet
     inputs: list[tuple[tuple, dict]] = []
-    flux.pipe.transformer.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
-    flux.run()
-    replayed = ForwardDryRun(flux.pipe.transformer).need(*inputs[0])
+    denoiser.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
+    case.run()
+    replayed = ForwardDryRun(denoiser).need(*inputs[0])
     monkeypatch.setattr(dry_runs, "repeated_blocks", lambda module: [])
-    every_block = ForwardDryRun(flux.pipe.transformer).need(*inputs[0])
+    every_block = ForwardDryRun(denoiser).need(*inputs[0])
     assert replayed == every_block > 0
 
 
 def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeline_decodes_in(flux: PipelineCase) -> None:
     decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
     small, large = decoder.need(_parts(32)), decoder.need(_parts(64))
-    assert decoder.need({**_parts(32), "height": None, "width": None}) == decoder.need(_parts(decoder.default_size))
+    default = decoder.need({**_parts(32), "height": None, "width": None})
+    assert default is not None and default == decoder.need(_parts(decoder.default_size))
     assert 3.5 * small <= large <= 4 * small, "the decoder's tensors grow with its pixels"
     assert meta_twin(torch.nn.Linear(4, 4)) is None, "no config to build it from"
     for given in ({"num_frames": 5}, {"image": [32, 32]}, {"latents": [1, 16, 16, 64]}):
@@ -92,24 +98,51 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     state = pipeline_state(flux.pipe)
     _measure_on_the_cpu(flux, monkeypatch)
     blocks = state.group.units_of("transformer")[1:]
-    sources_in_step: list[str] = []
+    inputs: list[tuple[tuple, dict]] = []
+    flux.pipe.transformer.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
     # Read in the first block: the transformer's own forward pre-hooks run before its staging hook.
-    blocks[0].module.register_forward_pre_hook(lambda *_: sources_in_step.append(state.plan.source))
+    plans_in_step: list[ResidencyPlan] = []
+    blocks[0].module.register_forward_pre_hook(lambda *_: plans_in_step.append(state.plan))
     loaded_while_decoding: list[bool] = []
     flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: loaded_while_decoding.extend(b.stager.loaded for b in blocks))
     assert torch.equal(_run(flux), flux.reference)
-    assert set(sources_in_step) == {DRY_RUN}, "planned before the first step ran"
-    assert all(block.policy is Policy.RESIDENT for block in blocks), "room for every block beside the estimates"
+
+    first = plans_in_step[0]
+    assert {plan.source for plan in plans_in_step} == {DRY_RUN}, "planned before the first step ran"
+    margin = int(budget * 0.02)
+    assert first.activations["transformer"] == ForwardDryRun(flux.pipe.transformer).need(*inputs[0]) + margin
+    assert first.activations["vae"] == state.dry_runs.decoder.need(shape_parts(first.shape)) + margin
+    assert first.activations["text_encoder_2"] == 1000 + margin, "the text encoders as measured"
+    assert first["transformer"].resident_blocks == frozenset(range(len(blocks))), "room for every block"
     assert [block.stager.loads for block in blocks] == [1] * len(blocks), "each loaded once, in the first step"
     assert loaded_while_decoding and all(loaded_while_decoding), "kept while the decoder ran"
     assert "Dry runs estimate" in caplog.text
+    assert state.group.estimate_from_inputs is None, "asked for nothing after the call"
     plan = flux.pipe.residency_plan()
-    assert plan.source == "measured" and plan.activations["transformer"] == 1000 + int(_budget(flux) * 0.02)
+    assert plan.source == "measured" and plan.activations["transformer"] == 1000 + margin
     assert torch.equal(_run(flux), flux.reference)
+
+
+def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="diffusers_residency")
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    state = pipeline_state(flux.pipe)
+    _measure_on_the_cpu(flux, monkeypatch)
+    # As for a transformer with adapters loaded: its tensors are not those its config builds.
+    state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
+    sources: list[str] = []
+    state.group.units_of("transformer")[1].module.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    assert torch.equal(_run(flux), flux.reference)
+    assert DRY_RUN not in sources and sources[0] == "", "the least on the device, then its first step's plan"
+    assert "first step needed" in caplog.text and "Dry runs estimate" not in caplog.text
+    assert flux.pipe.residency_plan().source == "measured"
 
 
 def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
@@ -142,6 +175,7 @@ def test_a_call_short_of_memory_under_dry_run_estimates_leaves_its_shape_to_a_me
         _run(flux)
     hook.remove()
     assert state.plan.source == DRY_RUN and state.estimates_failed == {state.plan.shape}
+    assert state.group.estimate_from_inputs is None
     sources: list[str] = []
     first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
     assert torch.equal(_run(flux), flux.reference)
