@@ -87,9 +87,8 @@ class PipelineResidency:
     # planned for on their own. Pipelines are not thread-safe, and neither is this.
     in_call: bool = False
     # What estimates a measured call's needs before they are measured (None: the pipeline's calls
-    # are not denoiser then decoder), and the decoder's estimate for the call under way.
+    # are not denoiser then decoder).
     dry_runs: CallDryRuns | None = None
-    decoder_need: int | None = None
 
     @property
     def active(self) -> bool:
@@ -374,9 +373,9 @@ def learn_first_step(state: PipelineResidency, component: str, need: int) -> Non
                 component, format_bytes(need), len(plan[component].staged_blocks))  # fmt: skip
 
 
-def estimate_at_start(state: PipelineResidency, component: str, args: tuple, kwargs: dict) -> None:
+def estimate_at_start(state: PipelineResidency, decoder_need: int, component: str, args: tuple, kwargs: dict) -> None:
     """Told the inputs of each component that starts in a call measured with dry runs at hand (see
-    begin_call): as the denoiser first starts, estimate its need from a dry run of its inputs, and
+    begin_call, which estimated the decoder's ``decoder_need``): as the denoiser first starts, estimate its need from a dry run of its inputs, and
     plan the rest of the call for that, the decoder's estimate, and what the components that ran
     before it (text encoders) were measured to need. The denoiser's steps then keep what the
     budget has room for from the first one on, and the decoder finds room beside what stays,
@@ -393,7 +392,7 @@ def estimate_at_start(state: PipelineResidency, component: str, args: tuple, kwa
     if need is None:
         return
     margin = int(state.plan.budget * RESERVE_MARGIN)
-    estimates = {component: need, runs.decoder.name: state.decoder_need}
+    estimates = {component: need, runs.decoder.name: decoder_need}
     needs = {**watch.measured_so_far(), **estimates}
     try:
         plan = replan_in_place(state, {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}})
@@ -452,11 +451,11 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     _watch(state, measure=True)
     parts = shape_parts(shape)
     runs = state.dry_runs
-    state.decoder_need = None if runs is None or parts is None or shape in state.estimates_failed else runs.decoder.need(parts)
-    if state.decoder_need is not None:
-        state.group.estimate_from_inputs = functools.partial(estimate_at_start, state)
+    decoder_need = None if runs is None or parts is None or shape in state.estimates_failed else runs.decoder.need(parts)
+    if decoder_need is not None:
+        state.group.estimate_from_inputs = functools.partial(estimate_at_start, state, decoder_need)
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device%s",
-                state.shape, " until its denoiser starts" if state.decoder_need is not None else "")  # fmt: skip
+                state.shape, " until its denoiser starts" if decoder_need is not None else "")  # fmt: skip
 
 
 def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str, *, estimated: bool) -> bool:

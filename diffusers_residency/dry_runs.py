@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .profile import IMAGE_ARGUMENTS
 from .streaming import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,6 @@ logger = logging.getLogger(__name__)
 # allocator's rounding and cache, and what kernels take for themselves (a convolution's workspace)
 # without a tensor to show for it. The decoders set it: short of room, they would fail the call.
 ALLOCATOR_FACTOR = 2.0
-# Call arguments that bring an image or a video to encode or condition on: a call that takes one
-# runs encoders this estimate does not follow (``vae.encode``, a ControlNet), so it is measured.
-_IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "ip_adapter_image", "latents")
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -180,7 +178,7 @@ def dry_run_need(twin: nn.Module, run: Callable[[nn.Module], Any], inputs: Seque
     return int(counter.peak * ALLOCATOR_FACTOR)
 
 
-def on_meta(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict, list[torch.Tensor]]:
+def _on_meta(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict, list[torch.Tensor]]:
     """``args`` and ``kwargs`` with each tensor replaced by an empty one of its shape and dtype on
     the meta device, and those tensors."""
     tensors: list[torch.Tensor] = []
@@ -231,7 +229,9 @@ class DecoderDryRun:
     def need(self, parts: Mapping[str, Any]) -> int | None:
         """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
         None for calls this does not follow (images or latents given, frames, sizes it cannot read)."""
-        if "num_frames" in parts or any(parts.get(name) is not None for name in _IMAGE_ARGUMENTS):
+        # A call given an image, a video or latents runs what this does not follow (``vae.encode``,
+        # a ControlNet), or decodes latents of another size.
+        if "num_frames" in parts or any(parts.get(name) is not None for name in IMAGE_ARGUMENTS):
             return None
         height, width = (parts.get(name) or self.default_size for name in ("height", "width"))
         batch = parts.get("batch") or 1
@@ -255,7 +255,7 @@ class ForwardDryRun:
         if self._twin is None:
             return None
         try:
-            meta_args, meta_kwargs, inputs = on_meta(args, kwargs)
+            meta_args, meta_kwargs, inputs = _on_meta(args, kwargs)
         except Exception as error:  # an input tensor with no meta counterpart: no estimate
             logger.debug("No dry run of %s's inputs: %s", type(self._twin).__name__, error)
             return None

@@ -48,11 +48,11 @@ FORMAT = 3
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
 _SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
-# Tensors given, by their size: images, latents, and prompt embeddings (whose sequence length, not
-# ``max_sequence_length``, is what the denoiser then attends over).
-_TENSOR_ARGUMENTS = (
-    "image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image", "prompt_embeds"
-)  # fmt: skip
+# Images, videos and latents given to a call, by their size (a call given one encodes or conditions
+# on it); and the tensors counted in a call's shape: those, and prompt embeddings (whose sequence
+# length, not ``max_sequence_length``, is what the denoiser then attends over).
+IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image")
+_TENSOR_ARGUMENTS = (*IMAGE_ARGUMENTS, "prompt_embeds")
 _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
 # The arguments of a shape signature that measure a call's size: a call smaller in these (and the
 # same in the others) needs no more room than the larger one (see covering_shape).
