@@ -375,9 +375,10 @@ def learn_first_step(state: PipelineResidency, component: str, need: int) -> Non
 
 def estimate_at_start(state: PipelineResidency, decoder_need: int, component: str, args: tuple, kwargs: dict) -> None:
     """Told the inputs of each component that starts in a call measured with dry runs at hand (see
-    begin_call, which estimated the decoder's ``decoder_need``): as the denoiser first starts, estimate its need from a dry run of its inputs, and
-    plan the rest of the call for that, the decoder's estimate, and what the components that ran
-    before it (text encoders) were measured to need. The denoiser's steps then keep what the
+    begin_call, which estimated the decoder's ``decoder_need``): as the denoiser first starts,
+    estimate its need from a dry run of its inputs, and plan the rest of the call for that, the
+    decoder's estimate, and what the components that ran before it (text encoders) were measured
+    to need. The denoiser's steps then keep what the
     budget has room for from the first one on, and the decoder finds room beside what stays,
     rather than the call streaming every block and loading what stays once it returns. The call
     is measured all the same, and its plan made again from what it measured."""
@@ -395,7 +396,8 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     estimates = {component: need, runs.decoder.name: decoder_need}
     needs = {**watch.measured_so_far(), **estimates}
     try:
-        plan = replan_in_place(state, {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}})
+        activations = {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}}
+        plan = replan_in_place(state, activations)
     except BudgetTooSmallError:
         return  # measured with the least on the device, as a call without estimates
     apply_plan(state, replace(plan, source=DRY_RUN))
@@ -451,7 +453,8 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     _watch(state, measure=True)
     parts = shape_parts(shape)
     runs = state.dry_runs
-    decoder_need = None if runs is None or parts is None or shape in state.estimates_failed else runs.decoder.need(parts)
+    estimable = runs is not None and parts is not None and shape not in state.estimates_failed
+    decoder_need = runs.decoder.need(parts) if estimable else None
     if decoder_need is not None:
         state.group.estimate_from_inputs = functools.partial(estimate_at_start, state, decoder_need)
     logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device%s",

@@ -141,7 +141,8 @@ def _replayed(
     if key not in seen:
         peak_before, counter.peak = counter.peak, entry
         out = forward(*args, **kwargs)
-        seen[key] = (tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out), counter.peak - entry)
+        shapes = tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        seen[key] = (shapes, counter.peak - entry)
         counter.peak = max(counter.peak, peak_before)
         return out
     shapes, held = seen[key]
@@ -241,7 +242,8 @@ class DecoderDryRun:
         shape = (batch * per_prompt, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
         if shape not in self._needs and self._twin is not None:
             latents = torch.empty(shape, dtype=self.dtype, device="meta")
-            self._needs[shape] = dry_run_need(self._twin, lambda twin: twin.decode(latents, return_dict=False), [latents])
+            decode = lambda twin: twin.decode(latents, return_dict=False)  # noqa: E731
+            self._needs[shape] = dry_run_need(self._twin, decode, [latents])
         return self._needs.get(shape)
 
 
