@@ -384,7 +384,7 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     is measured all the same, and its plan made again from what it measured."""
     runs, watch = state.dry_runs, state.group.budget_watch
     if runs is None or watch is None or not watch.measures_next_call:
-        state.group.estimate_from_inputs = None  # set for a setup or a call that is gone
+        state.group.forget_estimates()  # set for a setup or a call that is gone
         return
     if component != runs.denoiser or component == watch.running:
         return
@@ -403,12 +403,35 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     apply_plan(state, replace(plan, source=DRY_RUN))
     # Under an estimate a retry is all that shows a component was short (see _watch).
     watch.retries_while_measuring = True
+    state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
     logger.info(
         "Dry runs estimate for calls of %s, above the weights: %s. Planned for them: %s",
         state.shape,
         ", ".join(f"{name} {format_bytes(bytes_)}" for name, bytes_ in estimates.items()),
         _plan_summary(state.plan),
     )
+
+
+def make_room_to_retry(state: PipelineResidency, component: str) -> None:
+    """``component`` (the decoder, see hooks.retried_with_room) ran out of device memory in a call
+    planned from dry runs: their estimate of it fell short. Make the most room the budget has for
+    it to run again, once: the least plan, every other component's units off the device (the
+    denoiser's trunk and the blocks the plan kept included), the allocator's cache given back, and
+    its need measured from here. The call then returns what it would have, a little later, where
+    it would otherwise fail on its first call; its plan is made again from what it measured."""
+    group = state.group
+    group.make_room_to_retry = None
+    state.estimates_failed.add(state.shape)
+    logger.info("%r ran out of device memory under the dry runs' estimate for calls of %s; running it again "
+                "with the rest of the pipeline off the device", component, state.shape)  # fmt: skip
+    _apply_least_plan(state)
+    for other in dict.fromkeys(unit.component for unit in group.units):
+        if other != component:
+            group.offload_component(other)
+    if group.budget_watch is not None:
+        group.budget_watch.measure_from_here()
+        # The failed attempt's retries were the estimate's shortfall, not the room it runs in now.
+        group.budget_watch.forget_retries()
 
 
 def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
@@ -437,7 +460,7 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     if state.profile is None or shape == state.shape:
         return
     state.shape = shape
-    state.group.estimate_from_inputs = None
+    state.group.forget_estimates()
     state.retry_replans.clear()
     state.retries_left_alone.clear()
     shapes = state.profile.shapes
@@ -508,7 +531,7 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
     """The pipeline call raised ``error``: nothing it measured is kept, and the next call plans for
     its shape again (measuring it afresh if it is still new, with the least on the device if this
     call ran out of memory under an estimate)."""
-    state.group.estimate_from_inputs = None
+    state.group.forget_estimates()
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
     if isinstance(error, torch.OutOfMemoryError) and state.shape is not None and state.plan.source.startswith(ESTIMATED):
@@ -519,7 +542,7 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
 def end_call(state: PipelineResidency) -> None:
     """The pipeline call returned: tell now what it measured, overshot or retried (rather than as
     the next call starts, which may be of another shape), and keep the figures its shape has now."""
-    state.group.estimate_from_inputs = None  # a call that never reached its denoiser (prompt embeddings)
+    state.group.forget_estimates()  # a call that never reached its denoiser (prompt embeddings)
     watch = state.group.budget_watch
     if watch is not None:
         watch.end_call()

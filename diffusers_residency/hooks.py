@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 # the masters, which are the weights then.
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
 
+# Entry points of a component that run again when it runs out of device memory in a call planned
+# from estimates (see retried_with_room): a decoder's, which reads its latents and writes nothing
+# but its output, and whose hook diffusers calls inside it (apply_forward_hook), not around it.
+RETRIED_METHODS = ("decode",)
+
 # The name diffusers' group offloading registers under (private to diffusers), read only to refuse
 # a combination that leaves dead hooks behind.
 _GROUP_OFFLOADING_HOOK = "group_offloading"
@@ -118,6 +123,27 @@ def offloaded_first(
     return run_offloaded
 
 
+def retried_with_room(method: Callable[..., Any], group: ResidencyGroup, component: str) -> Callable[..., Any]:
+    """``method`` of ``component``, run once more when it runs out of device memory while
+    ``group`` can make room for a retry (``make_room_to_retry``, set under a plan made from
+    estimates), rather than the call failing on an estimate that fell short."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            make_room = group.make_room_to_retry
+            if make_room is None:
+                raise
+        # Out of the except block: the failed attempt's tensors, which its traceback holds until
+        # then, are freed before the room is made.
+        make_room(component)
+        return method(*args, **kwargs)
+
+    return run
+
+
 def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: str) -> Any:
     """``call()`` (``what``, for the log), then ``after()`` whether it raised or not. When both
     raise, ``call``'s error is the one raised (it is what the caller asked about), and ``after``'s
@@ -174,6 +200,9 @@ class StagingHook(ModelHook):
                 offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
                 written = functools.partial(self.group.own_copies_of_written, self.unit.component)
                 setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
+        for name in RETRIED_METHODS:
+            if self.unit.name == self.unit.component and callable(getattr(module, name, None)):
+                setattr(module, name, retried_with_room(getattr(module, name), self.group, self.unit.component))
         return module
 
     @_not_compiled
@@ -199,7 +228,7 @@ class StagingHook(ModelHook):
         stager.unmap_masters(pin=False)  # the masters are about to be let go
         guards = {
             name: module.__dict__.pop(name)
-            for name in ("_apply", "to", "compile", *IN_PLACE_WEIGHT_METHODS)
+            for name in ("_apply", "to", "compile", *IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS)
             if name in module.__dict__
         }
         # Leave the module where it was found: host masters are already where a CPU module was.

@@ -268,7 +268,7 @@ def enable_pinned_offload(
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
         previous.hooked_whole = tuple(hooked_whole)
         previous.dry_runs = dry_runs
-        previous.group.estimate_from_inputs = None  # set for the setup before, if any
+        previous.group.forget_estimates()  # set for the setup before, if any
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
         # What retries taught was for the budget and plan before: learned again for these.

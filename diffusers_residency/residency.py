@@ -188,6 +188,10 @@ class ResidencyGroup:
         # Set while a measured call waits for a component's inputs to estimate its need from, before
         # it starts (see adaptive.estimate_at_start): told each whole component's and trunk's inputs.
         self.estimate_from_inputs: Callable[[str, tuple, dict], None] | None = None
+        # Set while a call runs under a plan made from those estimates: makes the most room the
+        # budget has for a component (the decoder) that ran out of device memory under it, before
+        # it runs again (see hooks.retried_with_room).
+        self.make_room_to_retry: Callable[[str], None] | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
         # budget: set before they are added (see host_budget), so that their weights are never
         # copied or page-locked on the way.
@@ -339,6 +343,12 @@ class ResidencyGroup:
         ring = unit.stager.file_ring
         if ring is not None and all(other.stager.file_ring is not ring for other in self.units):
             ring.close()  # the last unit that loaded through it is gone
+
+    def forget_estimates(self) -> None:
+        """Ask for no estimate and make no room for a retry: the measured call they were set for
+        ended, or the setup is replaced."""
+        self.estimate_from_inputs = None
+        self.make_room_to_retry = None
 
     def units_of(self, component: str) -> list[ResidencyUnit]:
         return [unit for unit in self.units if unit.component == component]

@@ -4,6 +4,7 @@ exact, its denoiser's blocks kept from its first step on and through the decodin
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-from diffusers_residency import dry_runs
+from diffusers_residency import adaptive, dry_runs
 from diffusers_residency.adaptive import DRY_RUN
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.casts import guessed_casts
@@ -181,3 +182,46 @@ def test_a_call_short_of_memory_under_dry_run_estimates_leaves_its_shape_to_a_me
     assert torch.equal(_run(flux), flux.reference)
     assert set(sources) == {""}, "measured with the least on the device, no estimate"
     assert flux.pipe.residency_plan().source == "measured"
+
+
+def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_the_rest_off_the_device(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="diffusers_residency")
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    state = pipeline_state(flux.pipe)
+    _measure_on_the_cpu(flux, monkeypatch)
+    # The device running out of room in the decoder, the first time it runs in each call.
+    decoding: list[tuple[str, list[str]]] = []
+    failed_inputs: list[weakref.ref] = []
+
+    def short_at_first(_: torch.nn.Module, args: tuple) -> None:
+        loaded = [unit.name for unit in state.group.units if unit.component != "vae" and unit.stager.loaded]
+        decoding.append((state.plan.source, loaded))
+        if len(decoding) % 2:
+            failed_inputs.append(weakref.ref(args[0]))  # made by the attempt (conv_in's output)
+            raise torch.OutOfMemoryError("short")
+
+    freed_first: list[bool] = []
+    make_room = adaptive.make_room_to_retry
+    monkeypatch.setattr(
+        adaptive, "make_room_to_retry", lambda *a: freed_first.append(failed_inputs[0]() is None) or make_room(*a)
+    )
+    hook = flux.pipe.vae.decoder.mid_block.register_forward_pre_hook(short_at_first)
+    assert torch.equal(_run(flux), flux.reference)
+    assert freed_first == [True], "the failed attempt's tensors were let go before the room was made"
+    (source, kept), (retried_under, left) = decoding
+    assert source == DRY_RUN and any(name.startswith("transformer.") for name in kept), "blocks kept for the decode"
+    assert retried_under == "" and left == [], "decoded again with the least plan, the rest off the device"
+    assert "ran out of device memory under the dry runs' estimate" in caplog.text
+    assert state.group.make_room_to_retry is None and state.group.estimate_from_inputs is None
+    assert flux.pipe.residency_plan().source == "measured", "planned from what the call measured"
+
+    # Under a measured plan a decoder short of memory is the budget's doing: no room is made, the
+    # call fails as it would without pinned offload.
+    decoding.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(flux)
+    assert len(decoding) == 1
+    hook.remove()
+    assert torch.equal(_run(flux), flux.reference)
