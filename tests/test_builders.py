@@ -28,6 +28,7 @@ TINY_OUTPUT_SHAPES = {
     "flux": (1, 3, 32, 32),
     "sdxl": (1, 3, 32, 32),
     "sd3": (1, 3, 32, 32),
+    "sd15": (1, 3, 32, 32),
     "wan": (1, 5, 3, 32, 32),  # batch, frames, channels, height, width
 }
 
@@ -40,6 +41,7 @@ PUBLISHED_PARAMETER_COUNTS = [
     ("sdxl", "unet", 2.57e9),
     ("sdxl", "text_encoder_2", 695e6),  # CLIP-bigG text with projection
     ("sd3", "transformer", 2.03e9),  # SD3 medium
+    ("sd15", "unet", 860e6),  # Stable Diffusion 1.5
     ("wan", "transformer", 14e9),  # Wan 2.1 T2V 14B
     ("wan", "vae", 127e6),
 ]

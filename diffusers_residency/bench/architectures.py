@@ -96,6 +96,17 @@ _FULL: dict[str, dict[str, Any]] = {
         "pooled_projection_dim": 2048,  # CLIP-L and CLIP-G projections, concatenated
         "pos_embed_max_size": 192,
     },
+    # stable-diffusion-v1-5 (the UNet SD 1.x checkpoints share; its VAE is the KL one, 4 channels).
+    "sd15_unet": {
+        "sample_size": 64,
+        "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        "block_out_channels": (320, 640, 1280, 1280),
+        "layers_per_block": 2,
+        "attention_head_dim": 8,
+        "cross_attention_dim": 768,  # CLIP-L width
+    },
+    "sd15_vae": {**_KL_VAE, "latent_channels": 4, "scaling_factor": 0.18215, "sample_size": 512},
     "sd3_vae": {
         **_KL_VAE,
         "latent_channels": 16,
@@ -185,6 +196,17 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "projection_class_embeddings_input_dim": 6 * 8 + _TINY_CLIP_WIDTH,
     },
     "sdxl_vae": _TINY_KL_VAE,
+    "sd15_unet": {
+        "sample_size": 16,  # the default size, 16 latents a side: the tiny call's 32 pixels
+        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+        "block_out_channels": (8, 16),
+        "layers_per_block": 1,
+        "attention_head_dim": 2,
+        "norm_num_groups": 4,
+        "cross_attention_dim": _TINY_CLIP_WIDTH,
+    },
+    "sd15_vae": _TINY_KL_VAE,
     "sd3_transformer": {
         "sample_size": 16,
         "num_layers": 4,  # enough blocks to stream

@@ -2,15 +2,15 @@
 
 Offloading has to be exercised against the pipelines people run, so these builders use the real
 pipeline and model classes (FluxPipeline, StableDiffusionXLPipeline, StableDiffusion3Pipeline,
-WanPipeline) with random weights and tokenizers made in code: nothing comes from the hub.
+StableDiffusionPipeline, WanPipeline) with random weights and tokenizers made in code: nothing comes from the hub.
 
 Two scales:
 
 * ``"tiny"``: the same architectures shrunk to a few layers and widths of 8-64, for tests. The
   whole pipeline goes through ``save_pretrained`` / ``from_pretrained``, so it is loaded by the
   same code as a user's pipeline (dtype handling, modules kept in float32, tokenizer files).
-* ``"full"``: the published architectures (FLUX.1-dev, SDXL base 1.0, SD3 medium, Wan 2.1 T2V
-  14B), for the benchmark. Built directly on the target device: a round trip through disk would
+* ``"full"``: the published architectures (FLUX.1-dev, SDXL base 1.0, SD3 medium, Stable
+  Diffusion 1.5, Wan 2.1 T2V 14B), for the benchmark. Built directly on the target device: a round trip through disk would
   write tens of GB, and random init on a GPU takes seconds.
 """
 
@@ -33,8 +33,10 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     ModelMixin,
+    PNDMScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
     UniPCMultistepScheduler,
@@ -61,7 +63,7 @@ from .architectures import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_KINDS = ("flux", "sdxl", "sd3", "wan")
+PIPELINE_KINDS = ("flux", "sdxl", "sd3", "sd15", "wan")
 SCALES = ("tiny", "full")
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -206,6 +208,32 @@ def _sd3_parts(architecture: Mapping[str, dict[str, Any]]) -> _Parts:
     )
 
 
+def _sd15_parts(architecture: Mapping[str, dict[str, Any]]) -> _Parts:
+    tokenizer = _clip_tokenizer()
+    return _Parts(
+        modules={
+            "unet": lambda: UNet2DConditionModel(**architecture["sd15_unet"]),
+            "text_encoder": _clip_text_encoder(CLIPTextModel, architecture["clip_l"], tokenizer),
+            "vae": lambda: AutoencoderKL(**architecture["sd15_vae"]),
+        },
+        components={
+            "tokenizer": tokenizer,
+            # The scheduler stable-diffusion-v1-5 ships with.
+            "scheduler": PNDMScheduler(
+                beta_start=0.00085,
+                beta_end=0.012,
+                beta_schedule="scaled_linear",
+                skip_prk_steps=True,
+                set_alpha_to_one=False,
+                steps_offset=1,
+            ),
+            "safety_checker": None,
+            "feature_extractor": None,
+        },
+        options={"requires_safety_checker": False},
+    )
+
+
 def _wan_parts(architecture: Mapping[str, dict[str, Any]]) -> _Parts:
     return _Parts(
         modules={
@@ -259,6 +287,13 @@ _KINDS: dict[str, _Kind] = {
         guidance_scale=7.0,
         size={"tiny": (32, 32), "full": (1024, 1024)},
         extra_call_kwargs={"tiny": _TINY_SEQUENCE, "full": {}},
+    ),
+    "sd15": _Kind(
+        StableDiffusionPipeline,
+        _sd15_parts,
+        guidance_scale=7.5,
+        size={"tiny": (32, 32), "full": (512, 512)},
+        extra_call_kwargs={"tiny": {}, "full": {}},
     ),
     "wan": _Kind(
         WanPipeline,
