@@ -212,13 +212,18 @@ class DecoderDryRun:
         self._needs: dict[tuple[int, ...], int | None] = {}
 
     @classmethod
-    def of(cls, pipe: object, casts: Mapping[str, tuple[torch.dtype, ...]]) -> DecoderDryRun | None:
+    def of(
+        cls, pipe: object, casts: Mapping[str, tuple[torch.dtype, ...]], denoiser: nn.Module
+    ) -> DecoderDryRun | None:
         """The decoder of ``pipe``, or None where its latents' shape cannot be told from a call's
         size (no ``vae_scale_factor`` or default size). One whose latents have more dimensions
         (a video's, Qwen-Image's) fails its dry run: no estimate."""
         vae = getattr(pipe, "vae", None)
         factor = getattr(pipe, "vae_scale_factor", None)
         default = getattr(pipe, "default_sample_size", None)
+        if default is None:
+            # Pipelines without one (SD 1.5's, CogView4's) default to their denoiser's sample size.
+            default = getattr(getattr(denoiser, "config", None), "sample_size", None)
         channels = getattr(getattr(vae, "config", None), "latent_channels", None)
         if not isinstance(vae, nn.Module) or not callable(getattr(vae, "decode", None)):
             return None
@@ -284,7 +289,10 @@ class CallDryRuns:
         casts: Mapping[str, tuple[torch.dtype, ...]],
     ) -> CallDryRuns | None:
         """None for a pipeline whose call does not end denoiser, then decoder."""
-        decoder = DecoderDryRun.of(pipe, casts)
-        if decoder is None or len(sequence) < 2 or sequence[-1] != decoder.name or sequence[-2] == decoder.name:
+        if len(sequence) < 2 or sequence[-2] not in modules:
             return None
-        return cls(sequence[-2], ForwardDryRun(modules[sequence[-2]]), decoder)
+        denoiser = sequence[-2]
+        decoder = DecoderDryRun.of(pipe, casts, modules[denoiser])
+        if decoder is None or sequence[-1] != decoder.name or denoiser == decoder.name:
+            return None
+        return cls(denoiser, ForwardDryRun(modules[denoiser]), decoder)

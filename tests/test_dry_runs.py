@@ -15,6 +15,7 @@ from diffusers import AutoencoderKL, FluxTransformer2DModel
 from diffusers_residency import adaptive, dry_runs
 from diffusers_residency.adaptive import DRY_RUN
 from diffusers_residency.bench.architectures import ARCHITECTURES
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
@@ -127,6 +128,26 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
     plan = flux.pipe.residency_plan()
     assert plan.source == "measured" and plan.activations["transformer"] == 1000 + margin
     assert torch.equal(_run(flux), flux.reference)
+
+
+def test_a_first_call_of_sd15_at_its_default_size_is_planned_from_dry_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SD 1.5's pipeline has no default_sample_size: its calls default to the UNet's sample size.
+    case = PipelineCase("sd15")
+    budget = _budget(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    state = pipeline_state(case.pipe)
+    _measure_on_the_cpu(case, monkeypatch)
+    decoder = state.dry_runs.decoder
+    assert (state.dry_runs.denoiser, decoder.default_size) == ("unet", 16 * case.pipe.vae_scale_factor)
+    plans: list[ResidencyPlan] = []
+    case.pipe.vae.decoder.register_forward_pre_hook(lambda *_: plans.append(state.plan))
+    kwargs = call_kwargs("sd15")
+    del kwargs["height"], kwargs["width"]
+    assert torch.equal(pipeline_output(case.pipe, kwargs), case.reference), "the reference call's 32x32"
+    (plan,) = plans
+    assert plan.source == DRY_RUN
+    assert plan.activations["vae"] == decoder.need(_parts(32)) + int(budget * 0.02)
+    assert case.pipe.residency_plan().source == "measured"
 
 
 def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
