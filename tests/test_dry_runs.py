@@ -13,7 +13,7 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from diffusers_residency import adaptive, dry_runs
-from diffusers_residency.adaptive import DRY_RUN
+from diffusers_residency.adaptive import DRY_RUN, PipelineResidency
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
@@ -49,6 +49,14 @@ def _flux_step_inputs(pixels: int) -> dict[str, torch.Tensor]:
 
 def _parts(size: int) -> dict:
     return {"height": size, "width": size, "num_images_per_prompt": 1, "batch": 1}
+
+
+def _measured(case: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> PipelineResidency:
+    """``case``'s pipeline enabled under a budget that measures its calls, each component measured
+    to need 1000 bytes above the weights (see ``_measure_on_the_cpu``); its state."""
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    return pipeline_state(case.pipe)
 
 
 def test_estimates_of_full_sized_components_cover_what_the_device_was_measured_to_need() -> None:
@@ -100,10 +108,8 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    budget = _budget(flux)
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    state = pipeline_state(flux.pipe)
-    _measure_on_the_cpu(flux, monkeypatch)
+    state = _measured(flux, monkeypatch)
+    budget = state.plan.budget
     blocks = state.group.units_of("transformer")[1:]
     inputs: list[tuple[tuple, dict]] = []
     flux.pipe.transformer.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
@@ -133,10 +139,8 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
 def test_a_first_call_of_sd15_at_its_default_size_is_planned_from_dry_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     # SD 1.5's pipeline has no default_sample_size: its calls default to the UNet's sample size.
     case = PipelineCase("sd15")
-    budget = _budget(case)
-    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    state = pipeline_state(case.pipe)
-    _measure_on_the_cpu(case, monkeypatch)
+    state = _measured(case, monkeypatch)
+    budget = state.plan.budget
     decoder = state.dry_runs.decoder
     assert (state.dry_runs.denoiser, decoder.default_size) == ("unet", 16 * case.pipe.vae_scale_factor)
     plans: list[ResidencyPlan] = []
@@ -154,9 +158,7 @@ def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
-    state = pipeline_state(flux.pipe)
-    _measure_on_the_cpu(flux, monkeypatch)
+    state = _measured(flux, monkeypatch)
     # As for a transformer with adapters loaded: its tensors are not those its config builds.
     state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
     sources: list[str] = []
@@ -175,9 +177,7 @@ def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
         # A cache folder each, as two machines: the second finds no profile of the first.
         monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / str(process)))
         case = PipelineCase("flux")
-        case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
-        _measure_on_the_cpu(case, monkeypatch)
-        state = pipeline_state(case.pipe)
+        state = _measured(case, monkeypatch)
         case.pipe.vae.decoder.register_forward_pre_hook(lambda *_, state=state: plans.append(state.plan))
         assert torch.equal(case.run(), case.reference)
     assert plans[0].source == DRY_RUN and plans[0].components == plans[1].components
@@ -187,9 +187,7 @@ def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
 def test_a_call_short_of_memory_under_dry_run_estimates_leaves_its_shape_to_a_measuring_call(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
-    state = pipeline_state(flux.pipe)
-    _measure_on_the_cpu(flux, monkeypatch)
+    state = _measured(flux, monkeypatch)
     # The device running out of room in the denoiser's first block, once its plan is in place.
     first_block = state.group.units_of("transformer")[1].module
     hook = first_block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("short")))
@@ -209,9 +207,7 @@ def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_th
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
-    state = pipeline_state(flux.pipe)
-    _measure_on_the_cpu(flux, monkeypatch)
+    state = _measured(flux, monkeypatch)
     # The device running out of room in the decoder, the first time it runs in each call.
     decoding: list[tuple[str, list[str]]] = []
     failed_inputs: list[weakref.ref] = []
