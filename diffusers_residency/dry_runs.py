@@ -202,6 +202,7 @@ class DecoderDryRun:
 
     def __init__(self, name: str, module: nn.Module, scale_factor: int, default_size: int, dtype: torch.dtype) -> None:
         self.name = name
+        self._module = module
         self.latent_channels: int = module.config.latent_channels
         self.scale_factor = scale_factor
         self.default_size = default_size
@@ -209,7 +210,7 @@ class DecoderDryRun:
         self._twin = meta_twin(module)
         if self._twin is not None:
             self._twin.to(dtype)
-        self._needs: dict[tuple[int, ...], int | None] = {}
+        self._needs: dict[tuple, int | None] = {}
 
     @classmethod
     def of(
@@ -245,11 +246,26 @@ class DecoderDryRun:
         if not all(isinstance(value, int) and value > 0 for value in (height, width, batch, per_prompt)):
             return None
         shape = (batch * per_prompt, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
-        if shape not in self._needs and self._twin is not None:
+        settings = _decode_settings(self._module)
+        key = (shape, tuple(settings.items()))
+        if key not in self._needs and self._twin is not None:
+            vars(self._twin).update(settings)
             latents = torch.empty(shape, dtype=self.dtype, device="meta")
             decode = lambda twin: twin.decode(latents, return_dict=False)  # noqa: E731
-            self._needs[shape] = dry_run_need(self._twin, decode, [latents])
-        return self._needs.get(shape)
+            self._needs[key] = dry_run_need(self._twin, decode, [latents])
+        return self._needs.get(key)
+
+
+def _decode_settings(vae: nn.Module) -> dict[str, bool | int | float]:
+    """How ``vae`` decodes as set on it since it was built, which its twin (built from the config)
+    does not have: diffusers' VAEs keep their tiling and slicing (``enable_tiling()``, a tile size
+    set by hand) in plain attributes named ``use_*`` and ``tile_*``. A tiled decode of a large
+    image needs a fraction of a whole one, a sliced batch one image's."""
+    return {
+        name: value
+        for name, value in vars(vae).items()
+        if name.startswith(("use_", "tile_")) and isinstance(value, (bool, int, float))
+    }
 
 
 class ForwardDryRun:

@@ -104,6 +104,22 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     assert decoding.decoder.need(_parts(32)) > 1.8 * as_stored.need(_parts(32))
 
 
+def test_the_decoder_is_estimated_as_its_vae_is_set_to_decode_sliced_or_tiled(flux: PipelineCase) -> None:
+    decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
+    two_images = {**_parts(64), "batch": 2}
+    whole = decoder.need(two_images)
+    vae = flux.pipe.vae
+    vae.enable_slicing()  # after the dry run was set up, as a user would
+    sliced = decoder.need(two_images)
+    assert sliced < 0.6 * whole, "one image at a time"
+    vae.enable_tiling()
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 16, 8  # tiles smaller than the image
+    assert decoder.need(two_images) < 0.5 * sliced, "a tile at a time"
+    vae.disable_tiling()
+    vae.disable_slicing()
+    assert decoder.need(two_images) == whole
+
+
 def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_its_blocks(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
