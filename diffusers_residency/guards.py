@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS, call_then, offloaded_first
+from .hooks import IN_PLACE_WEIGHT_METHODS, RETRIED_METHODS, call_then, offloaded_first
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
 # merged by a function, not a component method the hooks could wrap): run with every component
@@ -31,7 +31,9 @@ OTHER_OFFLOADS = ("enable_group_offload", "enable_model_cpu_offload", "enable_se
 GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "__reduce_ex__")
 # What attaching a staging hook sets on a module's instance: accelerate's hook and wrapped forward,
 # and the hook's own guards (see hooks.StagingHook.init_hook).
-_HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS)
+_HOOK_ATTRIBUTES = (
+    "_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS
+)
 
 
 def guard_pipeline(

@@ -62,7 +62,10 @@ def test_a_deep_copy_is_an_independent_pipeline_without_offloading(flux: Pipelin
     for module in (m for m in twin.components.values() if isinstance(m, torch.nn.Module)):
         assert not any(hasattr(sub, "_hf_hook") for sub in module.modules()), "no hook on the copy"
     assert pipeline_state(flux.pipe) is not None and "to" in flux.pipe.__dict__, "the original keeps its own"
-    assert torch.equal(pipeline_output_of(twin, flux), copied_output(flux, copy.deepcopy))
+    copied = pipeline_output_of(twin, flux)
+    assert torch.equal(copied, copied_output(flux, copy.deepcopy))
+    twin.vae.decoder.conv_out.weight.data.zero_()
+    assert not torch.equal(pipeline_output_of(twin, flux), copied), "the copy decodes with its own VAE"
     twin.to(torch.float64)  # the copy's own to(): the original is not cast
     twin.transformer.transformer_blocks[0].ff.net[0].proj.weight.data.zero_()
     assert_weights_equal(weights, flux.state())
