@@ -413,12 +413,13 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
 
 
 def make_room_to_retry(state: PipelineResidency, component: str) -> None:
-    """``component`` (the decoder, see hooks.retried_with_room) ran out of device memory in a call
-    planned from dry runs: their estimate of it fell short. Make the most room the budget has for
-    it to run again, once: the least plan, every other component's units off the device (the
-    denoiser's trunk and the blocks the plan kept included), the allocator's cache given back, and
-    its need measured from here. The call then returns what it would have, a little later, where
-    it would otherwise fail on its first call; its plan is made again from what it measured."""
+    """``component`` ran out of device memory decoding (see hooks.retried_with_room) in a call
+    planned from dry runs: their estimate fell short (of the decoder's final decode, or of one a
+    step-end callback made for a preview). Make the most room the budget has for it to run again,
+    once: the least plan, every other component's units off the device (the denoiser's trunk and
+    the blocks the plan kept included), the allocator's cache given back, and its need measured
+    from here. The call then returns what it would have, a little later, where it would otherwise
+    fail on its first call; its plan is made again from what it measured."""
     group = state.group
     group.make_room_to_retry = None
     state.estimates_failed.add(state.shape)
@@ -428,10 +429,17 @@ def make_room_to_retry(state: PipelineResidency, component: str) -> None:
     for other in dict.fromkeys(unit.component for unit in group.units):
         if other != component:
             group.offload_component(other)
-    if group.budget_watch is not None:
-        group.budget_watch.measure_from_here()
-        # The failed attempt's retries were the estimate's shortfall, not the room it runs in now.
-        group.budget_watch.forget_retries()
+    for unit in group.units_of(component):
+        if unit.stream is not None:
+            unit.stream.pass_restarts()
+            break
+    watch = group.budget_watch
+    if watch is not None:
+        watch.measure_from_here()
+        # The estimate is given up: the call is measured from here as one that had none, whose
+        # needs, measured, cover its retries (the failed attempt's, and any under the estimate).
+        watch.drop_retries()
+        watch.retries_while_measuring = False
 
 
 def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:

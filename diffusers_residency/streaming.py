@@ -226,6 +226,12 @@ class BlockStream:
             return
         recording.append(unit)
 
+    def pass_restarts(self) -> None:
+        """The pass under way is cut short and runs again from its start (a decode retried, see
+        ``adaptive.make_room_to_retry``): a first pass's order recorded so far is only its start."""
+        if self._recording is not None:
+            self._recording = []
+
     def enter(self, unit: Block) -> None:
         """``unit`` is about to run: have it loaded, drop streamed blocks outside its window, and
         start loading the window. Runs before every block's forward, so it allocates nothing but

@@ -51,10 +51,10 @@ def _parts(size: int) -> dict:
     return {"height": size, "width": size, "num_images_per_prompt": 1, "batch": 1}
 
 
-def _measured(case: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> PipelineResidency:
-    """``case``'s pipeline enabled under a budget that measures its calls, each component measured
-    to need 1000 bytes above the weights (see ``_measure_on_the_cpu``); its state."""
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+def _measured(case: PipelineCase, monkeypatch: pytest.MonkeyPatch, **options: object) -> PipelineResidency:
+    """``case``'s pipeline enabled (with ``options``) under a budget that measures its calls, each
+    component measured to need 1000 bytes above the weights (see ``_measure_on_the_cpu``); its state."""
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case), **options)
     _measure_on_the_cpu(case, monkeypatch)
     return pipeline_state(case.pipe)
 
@@ -249,6 +249,7 @@ def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_th
     assert "ran out of device memory under the dry runs' estimate" in caplog.text
     assert state.group.make_room_to_retry is None and state.group.estimate_from_inputs is None
     assert flux.pipe.residency_plan().source == "measured", "planned from what the call measured"
+    assert state.estimates_failed == {state.plan.shape}
 
     # Under a measured plan a decoder short of memory is the budget's doing: no room is made, the
     # call fails as it would without pinned offload.
@@ -258,3 +259,33 @@ def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_th
     assert len(decoding) == 1
     hook.remove()
     assert torch.equal(_run(flux), flux.reference)
+
+    # Short again with all the room made: decoded twice, then the call fails.
+    attempts: list[str] = []
+    flux.pipe.vae.decoder.mid_block.register_forward_pre_hook(
+        lambda *_: attempts.append(state.plan.source) or (_ for _ in ()).throw(torch.OutOfMemoryError("short"))
+    )
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(flux, size=48)  # a new shape, planned from dry runs
+    assert attempts == [DRY_RUN, ""]
+
+
+def test_a_streamed_decoder_decoding_again_learns_the_order_of_a_whole_pass(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _measured(flux, monkeypatch, components={"vae": "streamed"})
+    failed: list[str] = []
+
+    def short_once_under_the_estimate(*_: object) -> None:
+        if not failed and state.plan.source == DRY_RUN:
+            failed.append(state.plan.source)
+            raise torch.OutOfMemoryError("short")
+
+    # Part way through the decoder's blocks, the first the stream ever runs.
+    flux.pipe.vae.decoder.up_blocks[0].register_forward_pre_hook(short_once_under_the_estimate)
+    for _ in range(2):  # the order a first pass recorded is taken as the second starts
+        assert torch.equal(_run(flux), flux.reference)
+    assert failed == [DRY_RUN]
+    blocks = state.group.units_of("vae")[1:]
+    decoding = {block.name for block in blocks if ".decoder." in block.name}
+    assert set(blocks[0].stream.order) == decoding, "every block the decode ran, not those before the retry"
