@@ -181,6 +181,9 @@ class StagingHook(ModelHook):
         _disable_compile_in_hooks()
         self.group = group
         self.unit = unit
+        # Methods set on the module's instance before the hook wrapped them (a user's
+        # ``vae.decode = torch.compile(vae.decode)``): put back when it is detached.
+        self._instance_methods: dict[str, Callable[..., Any]] = {}
 
     @property
     def execution_device(self) -> torch.device:
@@ -194,6 +197,8 @@ class StagingHook(ModelHook):
         module.to = lambda *args, **kwargs: self._guarded_to(module, original_to, *args, **kwargs)
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
+        wrapped = (*IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS)
+        self._instance_methods = {name: vars(module)[name] for name in wrapped if name in vars(module)}
         for name in IN_PLACE_WEIGHT_METHODS:
             if hasattr(module, name):
                 # Every unit of the component, its streamed blocks included: loaded again at its next forward.
@@ -241,6 +246,7 @@ class StagingHook(ModelHook):
                 module.__dict__.update(guards)
                 raise
         self.group.remove(self.unit)
+        module.__dict__.update(self._instance_methods)
         return module
 
     @_not_compiled

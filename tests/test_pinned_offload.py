@@ -72,6 +72,23 @@ def test_enable_twice_reconfigures(flux: PipelineCase) -> None:
     assert report["transformer"].loads == 2
 
 
+def test_a_decode_set_on_the_vae_runs_while_enabled_and_is_there_again_after(flux: PipelineCase) -> None:
+    vae = flux.pipe.vae
+    decoded: list[int] = []
+
+    def counted(*args, decode=vae.decode, **kwargs):  # as a user's wrapper (or a compiled decode) would
+        decoded.append(1)
+        return decode(*args, **kwargs)
+
+    vae.decode = counted
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert torch.equal(flux.run(), flux.reference) and decoded == [1]
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident"})  # hooked again
+    assert torch.equal(flux.run(), flux.reference) and decoded == [1, 1]
+    flux.pipe.disable_pinned_offload()
+    assert vae.decode is counted
+
+
 def test_exclude_from_cpu_offload_is_resident(flux: PipelineCase) -> None:
     flux.pipe._exclude_from_cpu_offload = ["text_encoder"]
     flux.pipe.enable_pinned_offload(device="cpu")
