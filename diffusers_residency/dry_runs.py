@@ -240,7 +240,12 @@ class DecoderDryRun:
         # a ControlNet), or decodes latents of another size.
         if "num_frames" in parts or any(parts.get(name) is not None for name in IMAGE_ARGUMENTS):
             return None
-        height, width = (parts.get(name) or self.default_size for name in ("height", "width"))
+        height, width = (parts.get(name) for name in ("height", "width"))
+        if not height or not width:
+            # Pipelines fill in a side not given differently: SD 1.5's takes its default for both,
+            # FLUX's and CogView4's for the missing one only. The larger of the default and the
+            # side given covers either.
+            height = width = max([self.default_size, *(side for side in (height, width) if isinstance(side, int))])
         batch = parts.get("batch") or 1
         per_prompt = parts.get("num_images_per_prompt") or 1
         if not all(isinstance(value, int) and value > 0 for value in (height, width, batch, per_prompt)):

@@ -93,6 +93,10 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     small, large = decoder.need(_parts(32)), decoder.need(_parts(64))
     default = decoder.need({**_parts(32), "height": None, "width": None})
     assert default is not None and default == decoder.need(_parts(decoder.default_size))
+    # One side given: SD 1.5 takes its default for both, FLUX for the other; the estimate covers either.
+    assert decoder.need({**_parts(32), "width": None}) == default
+    larger = 2 * decoder.default_size
+    assert decoder.need({**_parts(larger), "width": None}) == decoder.need(_parts(larger))
     assert 3.5 * small <= large <= 4 * small, "the decoder's tensors grow with its pixels"
     assert meta_twin(torch.nn.Linear(4, 4)) is None, "no config to build it from"
     for given in ({"num_frames": 5}, {"image": [32, 32]}, {"latents": [1, 16, 16, 64]}):
