@@ -310,7 +310,7 @@ class CallDryRuns:
         casts: Mapping[str, tuple[torch.dtype, ...]],
     ) -> CallDryRuns | None:
         """None for a pipeline whose call does not end denoiser, then decoder."""
-        if len(sequence) < 2 or sequence[-2] not in modules:
+        if len(sequence) < 2:
             return None
         denoiser = sequence[-2]
         decoder = DecoderDryRun.of(pipe, casts, modules[denoiser])

@@ -2,7 +2,8 @@
 
 Offloading has to be exercised against the pipelines people run, so these builders use the real
 pipeline and model classes (FluxPipeline, StableDiffusionXLPipeline, StableDiffusion3Pipeline,
-StableDiffusionPipeline, WanPipeline) with random weights and tokenizers made in code: nothing comes from the hub.
+StableDiffusionPipeline, WanPipeline) with random weights and tokenizers made in code: nothing
+comes from the hub.
 
 Two scales:
 
@@ -10,8 +11,8 @@ Two scales:
   whole pipeline goes through ``save_pretrained`` / ``from_pretrained``, so it is loaded by the
   same code as a user's pipeline (dtype handling, modules kept in float32, tokenizer files).
 * ``"full"``: the published architectures (FLUX.1-dev, SDXL base 1.0, SD3 medium, Stable
-  Diffusion 1.5, Wan 2.1 T2V 14B), for the benchmark. Built directly on the target device: a round trip through disk would
-  write tens of GB, and random init on a GPU takes seconds.
+  Diffusion 1.5, Wan 2.1 T2V 14B), for the benchmark. Built directly on the target device: a
+  round trip through disk would write tens of GB, and random init on a GPU takes seconds.
 """
 
 from __future__ import annotations
@@ -227,6 +228,8 @@ def _sd15_parts(architecture: Mapping[str, dict[str, Any]]) -> _Parts:
                 set_alpha_to_one=False,
                 steps_offset=1,
             ),
+            # Left out, as pipelines are mostly loaded (safety_checker=None): the published one
+            # adds a CLIP vision tower (0.6 GB in float16) that diffusers keeps on the device.
             "safety_checker": None,
             "feature_extractor": None,
         },
