@@ -590,6 +590,31 @@ def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_
     assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
 
 
+def test_a_decode_short_of_memory_under_dry_run_estimates_runs_again_on_cuda_and_is_exact() -> None:
+    from diffusers_residency.adaptive import DRY_RUN
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    case.pipe.to("cpu")
+    case.pipe.enable_pinned_offload(vram_budget=half_way_budget(case.pipe))
+    state = pipeline_state(case.pipe)
+    attempts: list[tuple[str, int]] = []
+
+    def short_at_first(*_) -> None:
+        others = sum(u.stager.weight_bytes for u in state.group.units if u.component != "vae" and u.stager.loaded)
+        attempts.append((state.plan.source, others))
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("short")  # where the allocator raises when a cap leaves no room
+
+    hook = case.pipe.vae.decoder.mid_block.register_forward_pre_hook(short_at_first)
+    assert torch.equal(case.run(), case.reference)
+    hook.remove()
+    (source, kept), (retried_under, left) = attempts
+    assert source == DRY_RUN and kept > 0, attempts
+    assert retried_under == "" and left == 0, "decoded again with nothing else on the device"
+    assert case.pipe.residency_plan().source == "measured"
+    assert torch.equal(case.run(), case.reference)
+
+
 def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on_disable(tmp_path) -> None:
     from diffusers_residency import pinning
 
