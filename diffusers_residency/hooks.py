@@ -206,8 +206,10 @@ class StagingHook(ModelHook):
                 written = functools.partial(self.group.own_copies_of_written, self.unit.component)
                 setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
         for name in RETRIED_METHODS:
-            if self.unit.name == self.unit.component and callable(getattr(module, name, None)):
-                setattr(module, name, retried_with_room(getattr(module, name), self.group, self.unit.component))
+            method = getattr(module, name, None)
+            # A submodule of that name (a model's own ``decode`` layers) is no entry point.
+            if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
+                setattr(module, name, retried_with_room(method, self.group, self.unit.component))
         return module
 
     @_not_compiled

@@ -73,3 +73,21 @@ def test_a_block_of_a_staged_component_cannot_join_another_group(flux) -> None:
     with pytest.raises(ValueError, match="already staged by another"):
         flux.pipe.enable_pinned_offload(device="cpu")  # and now the pipeline cannot take it
     assert not hasattr(flux.pipe.transformer, "_hf_hook")
+
+
+def test_a_module_whose_decode_is_a_submodule_is_staged_as_it_is() -> None:
+    class WithDecodeLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decode = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.decode(x)
+
+    module, x = WithDecodeLayers().eval(), torch.randn(2, 4)
+    expected = module(x)
+    attach_staging_hook(module, ResidencyGroup("cpu"))
+    assert isinstance(module.decode, torch.nn.Linear), "no entry point to retry: left as it is"
+    assert torch.equal(module(x), expected)
+    detach_staging_hook(module)
+    assert isinstance(module.decode, torch.nn.Linear) and torch.equal(module(x), expected)
