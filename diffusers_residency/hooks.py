@@ -181,9 +181,10 @@ class StagingHook(ModelHook):
         _disable_compile_in_hooks()
         self.group = group
         self.unit = unit
-        # Methods set on the module's instance before the hook wrapped them (a user's
-        # ``vae.decode = torch.compile(vae.decode)``): put back when it is detached.
-        self._instance_methods: dict[str, Callable[..., Any]] = {}
+        # Per method the hook wrapped: what the module's instance had under its name before (a
+        # user's ``vae.decode = torch.compile(vae.decode)``; None: the class's method), put back
+        # when the hook is detached, and the wrapper.
+        self._wrapped: dict[str, tuple[Callable[..., Any] | None, Callable[..., Any]]] = {}
 
     @property
     def execution_device(self) -> torch.device:
@@ -197,20 +198,23 @@ class StagingHook(ModelHook):
         module.to = lambda *args, **kwargs: self._guarded_to(module, original_to, *args, **kwargs)
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
-        wrapped = (*IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS)
-        self._instance_methods = {name: vars(module)[name] for name in wrapped if name in vars(module)}
+        self._wrapped = {}
         for name in IN_PLACE_WEIGHT_METHODS:
             if hasattr(module, name):
                 # Every unit of the component, its streamed blocks included: loaded again at its next forward.
                 offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
                 written = functools.partial(self.group.own_copies_of_written, self.unit.component)
-                setattr(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
+                self._wrap(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
         for name in RETRIED_METHODS:
             method = getattr(module, name, None)
             # A submodule of that name (a model's own ``decode`` layers) is no entry point.
             if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
-                setattr(module, name, retried_with_room(method, self.group, self.unit.component))
+                self._wrap(module, name, retried_with_room(method, self.group, self.unit.component))
         return module
+
+    def _wrap(self, module: nn.Module, name: str, wrapper: Callable[..., Any]) -> None:
+        self._wrapped[name] = (vars(module).get(name), wrapper)
+        setattr(module, name, wrapper)
 
     @_not_compiled
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -233,11 +237,14 @@ class StagingHook(ModelHook):
         stager = self.unit.stager
         stager.offload()
         stager.unmap_masters(pin=False)  # the masters are about to be let go
-        guards = {
-            name: module.__dict__.pop(name)
-            for name in ("_apply", "to", "compile", *IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS)
-            if name in module.__dict__
-        }
+        guards = {name: module.__dict__.pop(name) for name in ("_apply", "to", "compile") if name in module.__dict__}
+        # A wrapper set over since (``vae.decode = torch.compile(vae.decode)`` while enabled) is left
+        # as it is: it is what the user set last.
+        guards.update(
+            (name, module.__dict__.pop(name))
+            for name, (_, wrapper) in self._wrapped.items()
+            if module.__dict__.get(name) is wrapper
+        )
         # Leave the module where it was found: host masters are already where a CPU module was.
         if self.unit.original_device.type != "cpu":
             try:
@@ -248,7 +255,9 @@ class StagingHook(ModelHook):
                 module.__dict__.update(guards)
                 raise
         self.group.remove(self.unit)
-        module.__dict__.update(self._instance_methods)
+        module.__dict__.update(
+            (name, before) for name, (before, _) in self._wrapped.items() if name in guards and before is not None
+        )
         return module
 
     @_not_compiled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import accelerate
@@ -83,10 +84,18 @@ def test_a_decode_set_on_the_vae_runs_while_enabled_and_is_there_again_after(flu
     vae.decode = counted
     flux.pipe.enable_pinned_offload(device="cpu")
     assert torch.equal(flux.run(), flux.reference) and decoded == [1]
-    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident"})  # hooked again
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "streamed"})  # another setup: hooked anew
     assert torch.equal(flux.run(), flux.reference) and decoded == [1, 1]
     flux.pipe.disable_pinned_offload()
     assert vae.decode is counted
+
+    # One set while enabled is the user's last word: it stays after disabling.
+    flux.pipe.enable_pinned_offload(device="cpu")
+    set_while_enabled = functools.partial(vae.decode)
+    vae.decode = set_while_enabled
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert vae.decode is set_while_enabled
 
 
 def test_exclude_from_cpu_offload_is_resident(flux: PipelineCase) -> None:
