@@ -431,7 +431,7 @@ def make_room_to_retry(state: PipelineResidency, component: str) -> None:
             group.offload_component(other)
     for unit in group.units_of(component):
         if unit.stream is not None:
-            unit.stream.pass_restarts()
+            unit.stream.forget_unfinished_pass()
             break
     watch = group.budget_watch
     if watch is not None:

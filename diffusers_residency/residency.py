@@ -222,6 +222,10 @@ class ResidencyGroup:
                 self.casts_in_call = {}
                 check_sources_ahead([unit.stager for unit in self.units], self.calls)
             yield
+        except BaseException:
+            for stream in {id(unit.stream): unit.stream for unit in self.units if unit.stream is not None}.values():
+                stream.forget_unfinished_pass()
+            raise
         finally:
             self.calls_running -= 1
             if not self.calls_running and self.casts_made_ahead:

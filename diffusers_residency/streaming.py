@@ -111,6 +111,8 @@ class BlockStream:
         self.prefetch_blocks = prefetch_blocks
         self._order: tuple[Block, ...] = self.blocks
         self._recording: list[Block] | None = []
+        # The pipeline call (the group's count) the recording last grew in.
+        self._recorded_in_call = -1
         self._windows: dict[int, tuple[Block, ...]] = {}
         self._staged_windows: dict[int, tuple[Block, ...]] = {}
         # Streamed blocks this stream loaded and has not dropped yet.
@@ -225,11 +227,14 @@ class BlockStream:
                 self._compute_windows()
             return
         recording.append(unit)
+        self._recorded_in_call = self.group.calls
 
-    def pass_restarts(self) -> None:
-        """The pass under way is cut short and runs again from its start (a decode retried, see
-        ``adaptive.make_room_to_retry``): a first pass's order recorded so far is only its start."""
-        if self._recording is not None:
+    def forget_unfinished_pass(self) -> None:
+        """The call under way cut this component's pass short (it raised, or runs a decode again
+        from its start: see ``adaptive.make_room_to_retry``): a first pass it recorded is only that
+        pass's start, and taken for the order it would leave the blocks after it out of prefetching
+        for good. Recorded again from the next pass. A pass recorded whole in an earlier call stays."""
+        if self._recording is not None and self._recorded_in_call == self.group.calls:
             self._recording = []
 
     def enter(self, unit: Block) -> None:

@@ -692,6 +692,28 @@ def test_blocks_a_call_never_runs_are_not_loaded_ahead(flux: PipelineCase) -> No
     assert encoder and sum(u.stager.loads for u in encoder) <= 2, "loaded ahead once, before the order was known"
 
 
+@pytest.mark.parametrize(
+    ("component", "failing"), [("transformer", "single_transformer_blocks.0"), ("vae", "decoder.up_blocks.1")]
+)
+def test_a_first_pass_cut_short_by_an_error_leaves_no_block_out_of_the_order(
+    flux: PipelineCase, component: str, failing: str
+) -> None:
+    flux.pipe.enable_pinned_offload("cpu", components={component: "streamed"}, vram_budget=None)
+
+    def stop(*_: object) -> None:
+        raise RuntimeError("stop")
+
+    hook = getattr(flux.pipe, component).get_submodule(failing).register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        flux.run()
+    hook.remove()
+    for _ in range(2):  # the order a first pass recorded is taken as the second begins
+        assert torch.equal(flux.run(), flux.reference)
+    units = pipeline_state(flux.pipe).group.units_of(component)[1:]
+    ran = {unit.name for unit in units if component == "transformer" or ".decoder." in unit.name}
+    assert set(units[0].stream.order) == ran, "the blocks after the error are in the order too"
+
+
 def test_blocks_loaded_before_a_failed_load_are_dropped_by_the_next_entry(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
