@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -193,6 +194,17 @@ def _on_meta(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict, list[
     return tree_map(to_meta, args), tree_map(to_meta, dict(kwargs)), tensors
 
 
+# diffusers' VAEs blend a decoded tile into its neighbours with a Python loop of small operations
+# over each row or column of the overlap, hundreds a tile: dispatched in a dry run, seconds for a
+# large tiled decode. They make only row-sized temporaries, which the estimate can do without: the
+# twin keeps the tile as it is.
+TILE_BLENDS = ("blend_v", "blend_h", "blend_t")
+
+
+def _blended_as_is(a: torch.Tensor, b: torch.Tensor, blend_extent: int) -> torch.Tensor:
+    return b
+
+
 class DecoderDryRun:
     """The need of a pipeline's latent decoder (``vae.decode``) in a call, estimated from the call's
     size: its latents are ``batch x latent_channels x height/f x width/f`` for the pipelines that
@@ -210,6 +222,9 @@ class DecoderDryRun:
         self._twin = meta_twin(module)
         if self._twin is not None:
             self._twin.to(dtype)
+            for name in TILE_BLENDS:
+                if callable(getattr(self._twin, name, None)):
+                    setattr(self._twin, name, _blended_as_is)
         self._needs: dict[tuple, int | None] = {}
 
     @classmethod
@@ -243,16 +258,16 @@ class DecoderDryRun:
         height, width = (parts.get(name) for name in ("height", "width"))
         if not height or not width:
             # Pipelines fill in a side not given differently: SD 1.5's takes its default for both,
-            # FLUX's and CogView4's for the missing one only. The larger of the default and the
-            # side given covers either.
-            height = width = max([self.default_size, *(side for side in (height, width) if isinstance(side, int))])
+            # FLUX's, SDXL's, SD3's and CogView4's for the missing one only. The larger of the
+            # default and the side given covers either (a side given that is no int: checked below).
+            height = width = max([self.default_size, *(side for side in (height, width) if side)])
         batch = parts.get("batch") or 1
         per_prompt = parts.get("num_images_per_prompt") or 1
         if not all(isinstance(value, int) and value > 0 for value in (height, width, batch, per_prompt)):
             return None
         shape = (batch * per_prompt, self.latent_channels, height // self.scale_factor, width // self.scale_factor)
         settings = _decode_settings(self._module)
-        key = (shape, tuple(settings.items()))
+        key = (shape, *((name, tuple(value) if isinstance(value, list) else value) for name, value in settings.items()))
         if key not in self._needs and self._twin is not None:
             vars(self._twin).update(settings)
             latents = torch.empty(shape, dtype=self.dtype, device="meta")
@@ -261,16 +276,19 @@ class DecoderDryRun:
         return self._needs.get(key)
 
 
-def _decode_settings(vae: nn.Module) -> dict[str, bool | int | float]:
+def _decode_settings(vae: nn.Module) -> dict[str, Any]:
     """How ``vae`` decodes as set on it since it was built, which its twin (built from the config)
     does not have: diffusers' VAEs keep their tiling and slicing (``enable_tiling()``, a tile size
-    set by hand) in plain attributes named ``use_*`` and ``tile_*``. A tiled decode of a large
-    image needs a fraction of a whole one, a sliced batch one image's."""
+    set by hand) in attributes named ``use_*`` and ``tile_*``, flags and sizes (a number, or one per
+    side). A tiled decode of a large image needs a fraction of a whole one, a sliced batch one image's."""
     return {
-        name: value
-        for name, value in vars(vae).items()
-        if name.startswith(("use_", "tile_")) and isinstance(value, (bool, int, float))
+        name: value for name, value in vars(vae).items() if name.startswith(("use_", "tile_")) and _is_setting(value)
     }
+
+
+def _is_setting(value: Any) -> bool:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return all(isinstance(item, numbers.Number) for item in values)
 
 
 class ForwardDryRun:

@@ -8,6 +8,7 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
@@ -97,6 +98,7 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     assert decoder.need({**_parts(32), "width": None}) == default
     larger = 2 * decoder.default_size
     assert decoder.need({**_parts(larger), "width": None}) == decoder.need(_parts(larger))
+    assert decoder.need({**_parts(larger), "height": float(larger), "width": None}) is None, "a size it cannot read"
     assert 3.5 * small <= large <= 4 * small, "the decoder's tensors grow with its pixels"
     assert meta_twin(torch.nn.Linear(4, 4)) is None, "no config to build it from"
     for given in ({"num_frames": 5}, {"image": [32, 32]}, {"latents": [1, 16, 16, 64]}):
@@ -108,7 +110,9 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     assert decoding.decoder.need(_parts(32)) > 1.8 * as_stored.need(_parts(32))
 
 
-def test_the_decoder_is_estimated_as_its_vae_is_set_to_decode_sliced_or_tiled(flux: PipelineCase) -> None:
+def test_the_decoder_is_estimated_as_its_vae_is_set_to_decode_sliced_or_tiled(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
     decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
     two_images = {**_parts(64), "batch": 2}
     whole = decoder.need(two_images)
@@ -118,7 +122,13 @@ def test_the_decoder_is_estimated_as_its_vae_is_set_to_decode_sliced_or_tiled(fl
     assert sliced < 0.6 * whole, "one image at a time"
     vae.enable_tiling()
     vae.tile_sample_min_size, vae.tile_latent_min_size = 16, 8  # tiles smaller than the image
-    assert decoder.need(two_images) < 0.5 * sliced, "a tile at a time"
+    tiled = decoder.need(two_images)
+    assert tiled < 0.5 * sliced, "a tile at a time"
+    monkeypatch.setattr(dry_runs, "TILE_BLENDS", ())
+    blending = DecoderDryRun("vae", vae, decoder.scale_factor, decoder.default_size, decoder.dtype)
+    assert blending.need(two_images) == tiled, "the blends left out of the twin change no estimate"
+    vae.tile_sample_min_size, vae.tile_latent_min_size = np.int64(32), np.int64(16)  # sizes of numpy's too
+    assert decoder.need(two_images) > tiled, "larger tiles"
     vae.disable_tiling()
     vae.disable_slicing()
     assert decoder.need(two_images) == whole
