@@ -222,9 +222,9 @@ class DecoderDryRun:
         self._twin = meta_twin(module)
         if self._twin is not None:
             self._twin.to(dtype)
-            for name in TILE_BLENDS:
-                if callable(getattr(self._twin, name, None)):
-                    setattr(self._twin, name, _blended_as_is)
+            for blend in TILE_BLENDS:
+                if callable(getattr(self._twin, blend, None)):
+                    setattr(self._twin, blend, _blended_as_is)
         self._needs: dict[tuple, int | None] = {}
 
     @classmethod
