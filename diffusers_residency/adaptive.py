@@ -25,8 +25,8 @@ from .hooks import StagingHook
 from .plans import BudgetTooSmallError, ComponentPlan, ResidencyPlan
 from .policy import Policy
 from .profile import CallFigures, ResidencyProfile, covering_shape, shape_parts, write_profile
-from .report import report_for
 from .residency import ResidencyGroup
+from .retiming import Retime, step_timings, steps_timed
 from .step_timing import StepTiming
 from .text import format_bytes
 
@@ -40,9 +40,6 @@ RESERVE_MARGIN = 0.02
 ESTIMATED = "estimated"
 COVERING = f"{ESTIMATED} from calls of"
 DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
-# How far a step timed under the plan may be from the one the plan was made for before it is planned
-# for again (see _Retime), as a fraction of the latter's compute or load time per byte.
-RETIME_TOLERANCE = 0.1
 
 
 # The attribute of a pipeline that holds its PipelineResidency.
@@ -170,83 +167,18 @@ def replan_in_place(
     return replace(plan, source="measured", shape=state.shape)
 
 
-@dataclass
-class _Retime:
-    """Asked as each call starts and as it returns (BudgetWatch.on_call_start) after the
-    measuring call's plan is applied: once every timed component has timed a step under the plan in place, plan again for
-    those steps if one moved by more than RETIME_TOLERANCE from what the plan was made for. True
-    once done; False, to be asked again at the next call start, while some step was not timed yet
-    (a call-start component may run twice in one call, as the text encoders do under true CFG, and
-    a call of fewer than three steps times none).
-
-    The measuring call keeps the least on the device, and under a tight cap the allocator's retries
-    (each a device synchronisation) fall inside its timed step, which then overstates the compute
-    by more than twice (docs/measurements.md)."""
-
-    state: PipelineResidency
-    # The plan the steps are to be timed under, and each component's steps timed when it was applied.
-    plan: ResidencyPlan
-    steps_timed: dict[str, int]
-
-    def __call__(self) -> bool:
-        state = self.state
-        if state.plan is not self.plan:
-            # Planned again since (a component that retried under the cap, told as this call
-            # started): the steps timed meanwhile may be stretched by those retries too.
-            self.plan, self.steps_timed = state.plan, _steps_timed(state)
-            return False
-        planned = state.plan.timings
-        steps_timed = _steps_timed(state)
-        if not all(steps_timed.get(name, 0) > self.steps_timed.get(name, 0) for name in planned):
-            return False
-        timed = {name: timing for name, timing in _step_timings(state).items() if name in planned}
-        moved = [
-            name
-            for name, timing in timed.items()
-            if abs(timing.compute_per_byte - planned[name].compute_per_byte) > RETIME_TOLERANCE * planned[name].compute_per_byte
-            or abs(timing.load_per_byte - planned[name].load_per_byte) > RETIME_TOLERANCE * planned[name].load_per_byte
-        ]
-        if moved:
-            # The same activations as the plan in place: it fits (timings choose among fitting plans).
-            new_plan = replan_in_place(state, state.plan.activations, {**planned, **timed})
-            apply_plan(state, new_plan)
-            logger.info("%s timed again under the plan; planned again: %s", moved, _plan_summary(new_plan))
-        return True
-
-
 def _time_steps_again(state: PipelineResidency, plan: ResidencyPlan) -> None:
-    """Time the steps again under ``plan``, from the next call start on (see :class:`_Retime`)."""
+    """Time the steps again under ``plan``, from the next call start on (see :class:`~.retiming.Retime`)."""
     if state.group.budget_watch is not None:
-        state.group.budget_watch.on_call_start = _Retime(state, plan, _steps_timed(state))
+        replan = functools.partial(_replan_for_timings, state)
+        state.group.budget_watch.on_call_start = Retime(state, plan, steps_timed(state.group), replan)
 
 
-def _steps_timed(state: PipelineResidency) -> dict[str, int]:
-    """How many steps each streamed component has timed so far (see BlockStream.steps_timed)."""
-    return {unit.component: unit.stream.steps_timed for unit in state.group.units if unit.stream is not None}
-
-
-def _step_timings(state: PipelineResidency) -> dict[str, StepTiming]:
-    """What the last call measured of each streamed per-step component's step: its blocks' compute
-    seconds per block byte (the step the report shows, latest), and its loads' seconds per byte."""
-    rows = {row.name: row for row in report_for(state.group).components}
-    timings = {}
-    for sizes in state.plan.sizes:
-        row = rows.get(sizes.name) if sizes.per_step and state.plan[sizes.name].policy is Policy.STREAMED else None
-        if row is None or row.step_compute_seconds is None or not row.loaded_bytes or row.load_seconds <= 0:
-            continue
-        timings[sizes.name] = StepTiming(
-            compute_per_byte=row.step_compute_seconds[1] / sum(sizes.block_bytes),
-            load_per_byte=row.load_seconds / row.loaded_bytes,
-        )
-    return timings
-
-
-def _plan_summary(plan: ResidencyPlan) -> str:
-    return ", ".join(
-        f"{p.name} {p.policy.value}"
-        + (f" ({len(p.resident_blocks)} blocks resident, {len(p.staged_blocks)} staged)" if p.policy is Policy.STREAMED else "")
-        for p in plan.components
-    )
+def _replan_for_timings(state: PipelineResidency, timings: Mapping[str, StepTiming]) -> ResidencyPlan:
+    # The same activations as the plan in place: it fits (timings choose among fitting plans).
+    plan = replan_in_place(state, state.plan.activations, timings)
+    apply_plan(state, plan)
+    return plan
 
 
 def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, retried: bool) -> None:
@@ -298,7 +230,7 @@ def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, re
         what,
         component,
         format_bytes(need),
-        _plan_summary(new_plan),
+        new_plan.summary(),
     )
 
 
@@ -318,7 +250,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
     try:
         # A component whose step this call did not time (a call of fewer than three steps) keeps
         # the timing the plan had, or takes the latest one timed, in an earlier call.
-        new_plan = replan_in_place(state, activations, {**plan.timings, **_step_timings(state)})
+        new_plan = replan_in_place(state, activations, {**plan.timings, **step_timings(state.group, state.plan)})
     except BudgetTooSmallError:
         logger.warning(
             "%s measured %s above the weights; with margins no plan fits vram_budget %s, so the plan it "
@@ -344,7 +276,7 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
         _first_call(state),
         needs,
         format_bytes(plan.budget),
-        _plan_summary(new_plan),
+        new_plan.summary(),
     )
 
 
@@ -408,7 +340,7 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
         "Dry runs estimate for calls of %s, above the weights: %s. Planned for them: %s",
         state.shape,
         ", ".join(f"{name} {format_bytes(bytes_)}" for name, bytes_ in estimates.items()),
-        _plan_summary(state.plan),
+        state.plan.summary(),
     )
 
 
@@ -514,7 +446,7 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
             # Saved before its step was timed again under its plan: time it now.
             _time_steps_again(state, plan)
     group.load_resident_ahead()
-    logger.info("Planned for calls of %s from figures %s: %s", state.shape, source, _plan_summary(plan))
+    logger.info("Planned for calls of %s from figures %s: %s", state.shape, source, plan.summary())
     return True
 
 
@@ -567,7 +499,7 @@ def end_call(state: PipelineResidency) -> None:
         dict(state.plan.activations),
         dict(state.plan.timings),
         state.group.retention.confirmed_release_before(),
-        retimed=not isinstance(watch.on_call_start if watch is not None else None, _Retime),
+        retimed=not isinstance(watch.on_call_start if watch is not None else None, Retime),
         plan=state.plan.components,
         casts=casts,
     )

@@ -98,7 +98,7 @@ class BudgetWatch:
     def wants_timed_steps(self) -> bool:
         """Whether a step timed from here on would be used: in a measured call, whose plan is chosen
         from its timing, or while the steps are to be timed again under a plan (``on_call_start``,
-        see ``adaptive._Retime``). Otherwise nothing reads it but the report, and timing a step costs
+        see ``retiming.Retime``). Otherwise nothing reads it but the report, and timing a step costs
         the host two events a block (10 ms a call for SDXL's UNet, whose steps wait on the host)."""
         return self.on_first_call is not None or self.on_call_start is not None
 

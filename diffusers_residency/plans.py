@@ -157,6 +157,18 @@ class ResidencyPlan:
         """The most the plan expects on the device at any moment of a call, activations included."""
         return call_peak(self.components, footprint_of(self._sizes_by_name), self.activation_bytes_of)
 
+    def summary(self) -> str:
+        """One line for the log: each component's policy, and a streamed one's blocks kept."""
+        return ", ".join(
+            f"{p.name} {p.policy.value}"
+            + (
+                f" ({len(p.resident_blocks)} blocks resident, {len(p.staged_blocks)} staged)"
+                if p.policy is Policy.STREAMED
+                else ""
+            )
+            for p in self.components
+        )
+
     def __str__(self) -> str:
         by_name = self._sizes_by_name
         unit, size = size_unit(max((s.nbytes for s in self.sizes), default=0))
