@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
 
 # Entry points of a component that run again when it runs out of device memory in a call planned
-# from estimates (see retried_with_room): a decoder's, which reads its latents and writes nothing
-# but its output, and whose hook diffusers calls inside it (apply_forward_hook), not around it.
+# from estimates (see retried_with_room), besides its forward (see _hook_component): a decoder's,
+# which reads its latents and writes nothing but its output, and whose hook diffusers calls inside
+# it (apply_forward_hook), not around it.
 RETRIED_METHODS = ("decode",)
 
 # The name diffusers' group offloading registers under (private to diffusers), read only to refuse
@@ -379,9 +380,7 @@ def attach_staging_hook(
     if isinstance(getattr(module, "_hf_hook", None), StagingHook):
         remove_hook_from_module(module)
     unit = group.add(name, module, policy)
-    hook = StagingHook(group, unit)
-    add_hook_to_module(module, hook)
-    return hook
+    return _hook_component(module, StagingHook(group, unit))
 
 
 def attach_block_streaming(
@@ -426,8 +425,7 @@ def attach_block_streaming(
         for unit in units[1:]:
             unit.stream = stream
             add_hook_to_module(unit.module, StagingHook(group, unit))
-        hook = StagingHook(group, trunk)
-        add_hook_to_module(module, hook)
+        hook = _hook_component(module, StagingHook(group, trunk))
     except BaseException:
         for unit in reversed(units):
             if getattr(unit.module, "_hf_hook", None) is not None:
@@ -435,6 +433,16 @@ def attach_block_streaming(
             elif unit in group.units:
                 group.remove(unit)
         raise
+    return hook
+
+
+def _hook_component(module: nn.Module, hook: StagingHook) -> StagingHook:
+    """Attach ``hook`` to a component's ``module`` and retry its forward with room (see
+    retried_with_room): a denoiser's step reads its inputs and writes nothing but its output. The
+    forward that runs the hook is accelerate's, set after ``init_hook``: wrapped here, it is
+    replaced by the module's own when the hook is removed."""
+    add_hook_to_module(module, hook)
+    module.forward = retried_with_room(module.forward, hook.group, hook.unit.component)
     return hook
 
 

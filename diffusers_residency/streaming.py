@@ -230,12 +230,18 @@ class BlockStream:
         self._recorded_in_call = self.group.calls
 
     def forget_unfinished_pass(self) -> None:
-        """The call under way cut this component's pass short (it raised, or runs a decode again
-        from its start: see ``adaptive.make_room_to_retry``): a first pass it recorded is only that
-        pass's start, and taken for the order it would leave the blocks after it out of prefetching
-        for good. Recorded again from the next pass. A pass recorded whole in an earlier call stays."""
+        """The call under way cut this component's pass short (it raised, or runs a step or a decode
+        again from its start: see ``adaptive.make_room_to_retry``): a first pass it recorded is only
+        that pass's start, and taken for the order it would leave the blocks after it out of
+        prefetching for good. Recorded again from the next pass. A pass recorded whole in an earlier
+        call stays.
+
+        Nor is the pass cut short a step: passes are counted again from the next one, which is the
+        first (so a step run again is told as a first step's, see ``first_pass_ran``, once it ran
+        whole), and the cut one is not timed."""
         if self._recording is not None and self._recorded_in_call == self.group.calls:
             self._recording = []
+        self._activation = None
 
     def enter(self, unit: Block) -> None:
         """``unit`` is about to run: have it loaded, drop streamed blocks outside its window, and

@@ -215,39 +215,33 @@ def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
     assert plans[0].activations == plans[1].activations
 
 
-def test_a_call_short_of_memory_under_dry_run_estimates_leaves_its_shape_to_a_measuring_call(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state = _measured(flux, monkeypatch)
-    # The device running out of room in the denoiser's first block, once its plan is in place.
-    first_block = state.group.units_of("transformer")[1].module
-    hook = first_block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("short")))
-    with pytest.raises(torch.OutOfMemoryError):
-        _run(flux)
-    hook.remove()
-    assert state.plan.source == DRY_RUN and state.estimates_failed == {state.plan.shape}
-    assert state.group.estimate_from_inputs is None
-    sources: list[str] = []
-    first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
-    assert torch.equal(_run(flux), flux.reference)
-    assert set(sources) == {""}, "measured with the least on the device, no estimate"
-    assert flux.pipe.residency_plan().source == "measured"
+# Where a component runs out of device memory in the tests below: the denoiser's first block (in
+# its step), the decoder's middle block (in its decode).
+_SHORT_IN = {
+    "transformer": lambda pipe: pipeline_state(pipe).group.units_of("transformer")[1].module,
+    "vae": lambda pipe: pipe.vae.decoder.mid_block,
+}
 
 
-def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_the_rest_off_the_device(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("component", list(_SHORT_IN))
+def test_a_component_short_of_memory_under_dry_run_estimates_runs_again_with_the_rest_off_the_device(
+    component: str, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="diffusers_residency")
+    larger = _run(flux, size=48)  # resident
     state = _measured(flux, monkeypatch)
-    # The device running out of room in the decoder, the first time it runs in each call.
-    decoding: list[tuple[str, list[str]]] = []
+    # Each time the block runs: the plan's source and the other components' units on the device.
+    attempts: list[tuple[str, list[str]]] = []
     failed_inputs: list[weakref.ref] = []
+    shortfalls = [1]  # how many more times it runs out of room
 
-    def short_at_first(_: torch.nn.Module, args: tuple) -> None:
-        loaded = [unit.name for unit in state.group.units if unit.component != "vae" and unit.stager.loaded]
-        decoding.append((state.plan.source, loaded))
-        if len(decoding) % 2:
-            failed_inputs.append(weakref.ref(args[0]))  # made by the attempt (conv_in's output)
+    def short(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        loaded = [unit.name for unit in state.group.units if unit.component != component and unit.stager.loaded]
+        attempts.append((state.plan.source, loaded))
+        if shortfalls[0]:
+            shortfalls[0] -= 1
+            # Made by the attempt (by its component's first layers).
+            failed_inputs.append(weakref.ref((*args, *kwargs.values())[0]))
             raise torch.OutOfMemoryError("short")
 
     freed_first: list[bool] = []
@@ -258,36 +252,109 @@ def test_a_decoder_short_of_memory_under_dry_run_estimates_decodes_again_with_th
     # And the allocator retrying at every switch under the estimate (as a cap it is short under
     # makes it): given up with the estimate, not told.
     retries = itertools.count()
-    monkeypatch.setattr(_device, "allocator_retries", lambda device: next(retries) if len(decoding) < 2 else None)
-    hook = flux.pipe.vae.decoder.mid_block.register_forward_pre_hook(short_at_first)
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: next(retries) if len(attempts) < 2 else None)
+    _SHORT_IN[component](flux.pipe).register_forward_pre_hook(short, with_kwargs=True)
     assert torch.equal(_run(flux), flux.reference)
     assert freed_first == [True], "the failed attempt's tensors were let go before the room was made"
     assert next(retries) > 3 and "retried" not in caplog.text
-    (source, kept), (retried_under, left) = decoding
-    assert source == DRY_RUN and any(name.startswith("transformer.") for name in kept), "blocks kept for the decode"
-    assert retried_under == "" and left == [], "decoded again with the least plan, the rest off the device"
-    assert "ran out of device memory under the dry runs' estimate" in caplog.text
+    (source, kept), (retried_under, left), *later = attempts
+    assert source == DRY_RUN
+    if component == "vae":
+        assert any(name.startswith("transformer.") for name in kept), "blocks kept for the decode"
+    assert retried_under == "" and left == [], "run again with the least plan, the rest off the device"
+    assert all(source != DRY_RUN for source, _ in later), "the estimate is given up for the rest of the call"
+    assert f"{component!r} ran out of device memory under the dry runs' estimate" in caplog.text
     assert state.group.make_room_to_retry is None and state.group.estimate_from_inputs is None
     assert flux.pipe.residency_plan().source == "measured", "planned from what the call measured"
     assert state.estimates_failed == {state.plan.shape}
 
-    # Under a measured plan a decoder short of memory is the budget's doing: no room is made, the
-    # call fails as it would without pinned offload.
-    decoding.clear()
+    # Under a measured plan a component short of memory is the budget's doing: no room is made,
+    # the call fails as it would without pinned offload.
+    attempts.clear()
+    shortfalls[0] = 1
     with pytest.raises(torch.OutOfMemoryError):
         _run(flux)
-    assert len(decoding) == 1
-    hook.remove()
+    assert len(attempts) == 1
     assert torch.equal(_run(flux), flux.reference)
 
-    # Short again with all the room made: decoded twice, then the call fails.
-    attempts: list[str] = []
-    flux.pipe.vae.decoder.mid_block.register_forward_pre_hook(
-        lambda *_: attempts.append(state.plan.source) or (_ for _ in ()).throw(torch.OutOfMemoryError("short"))
-    )
+    # Short again with all the room made: run twice, then the call fails, and leaves its shape to
+    # a call measured with the least on the device, no estimate.
+    attempts.clear()
+    shortfalls[0] = 2
     with pytest.raises(torch.OutOfMemoryError):
         _run(flux, size=48)  # a new shape, planned from dry runs
-    assert attempts == [DRY_RUN, ""]
+    assert [source for source, _ in attempts] == [DRY_RUN, ""]
+    assert len(state.estimates_failed) == 2
+    assert state.group.estimate_from_inputs is None and state.group.make_room_to_retry is None
+    attempts.clear()
+    assert torch.equal(_run(flux, size=48), larger)
+    assert {source for source, _ in attempts} == {""}, "measured with the least on the device, no estimate"
+    assert flux.pipe.residency_plan().source == "measured"
+    assert torch.equal(_run(flux, size=48), larger)
+
+
+@pytest.mark.parametrize("short_in_step", [1, 2])
+def test_a_denoiser_step_run_again_counts_as_its_first_step_or_the_one_it_was(
+    short_in_step: int, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = pipeline_output(flux.pipe, call_kwargs("flux", steps=4))
+    state = _measured(flux, monkeypatch)
+    blocks = [unit.module for unit in state.group.units_of("transformer")[1:]]
+    # The first and last blocks' entries, each first one with the blocks its plan keeps staged; the
+    # first step's need told as the second step starts (see BudgetWatch.first_pass_ran).
+    ran: list[str | tuple[str, int]] = []
+    blocks[0].register_forward_pre_hook(lambda *_: ran.append(("first", len(state.plan["transformer"].staged_blocks))))
+
+    def short(*_: object) -> None:
+        # Inside the first block, once its stream has entered it (the pass has begun).
+        if len([entry for entry in ran if entry[0] == "first"]) == short_in_step and "short" not in ran:
+            ran.append("short")
+            raise torch.OutOfMemoryError("short")
+
+    blocks[0].norm1.register_forward_pre_hook(short)
+    blocks[-1].register_forward_pre_hook(lambda *_: ran.append("last"))
+    learn = adaptive.learn_first_step
+    monkeypatch.setattr(adaptive, "learn_first_step", lambda *a: ran.append("told") or learn(*a))
+    assert torch.equal(pipeline_output(flux.pipe, call_kwargs("flux", steps=4)), reference)
+    # Told once, as the step after the one run again starts: from a whole step's need, measured
+    # from the room made (not from the pass cut short, nor before the step ran again).
+    after = ran[ran.index("short"):]
+    assert after.count("told") == 1 and after.index("told") == after.index("last") + 2, ran
+    (_, streamed), *after_told = [entry for entry in after[after.index("told") - 1:] if entry[0] == "first"]
+    assert streamed == 0 and after_told and all(staged > 0 for _, staged in after_told), "the steps after keep blocks"
+
+
+def test_a_preview_decoded_again_under_dry_run_estimates_is_exact_and_the_steps_after_the_next_keep_blocks(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def previewing() -> dict:
+        def preview(pipe, step: int, timestep: torch.Tensor, tensors: dict) -> dict:
+            if step == 0:  # a preview of the first step's latents, decoded in the call
+                latents = pipe._unpack_latents(tensors["latents"], 32, 32, pipe.vae_scale_factor)
+                pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)
+            return {}
+
+        return {**call_kwargs("flux", steps=5), "callback_on_step_end": preview}
+
+    reference = pipeline_output(flux.pipe, previewing())
+    state = _measured(flux, monkeypatch)
+    ran: list[tuple[str, str, int]] = []
+    first_block = state.group.units_of("transformer")[1].module
+    first_block.register_forward_pre_hook(
+        lambda *_: ran.append(("step", state.plan.source, len(state.plan["transformer"].staged_blocks)))
+    )
+
+    def short_under_the_estimate(*_: object) -> None:
+        ran.append(("decode", state.plan.source, 0))
+        if state.plan.source == DRY_RUN:
+            raise torch.OutOfMemoryError("short")
+
+    flux.pipe.vae.decoder.mid_block.register_forward_pre_hook(short_under_the_estimate)
+    assert torch.equal(pipeline_output(flux.pipe, previewing()), reference)
+    assert [(what, source) for what, source, _ in ran[:3]] == [("step", DRY_RUN), ("decode", DRY_RUN), ("decode", "")]
+    steps = [staged for what, _, staged in ran[3:] if what == "step"]
+    # The step after the preview streams every block, as a first step; the steps after it keep blocks.
+    assert steps[0] == steps[1] == 0 and all(steps[2:]) and len(steps) == 4, ran
 
 
 def test_a_streamed_decoder_decoding_again_learns_the_order_of_a_whole_pass(

@@ -590,7 +590,8 @@ def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_
     assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
 
 
-def test_a_decode_short_of_memory_under_dry_run_estimates_runs_again_on_cuda_and_is_exact() -> None:
+@pytest.mark.parametrize("component", ["transformer", "vae"])
+def test_a_step_or_decode_short_of_memory_under_dry_run_estimates_runs_again_on_cuda_and_is_exact(component) -> None:
     from diffusers_residency.adaptive import DRY_RUN
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
@@ -600,17 +601,20 @@ def test_a_decode_short_of_memory_under_dry_run_estimates_runs_again_on_cuda_and
     attempts: list[tuple[str, int]] = []
 
     def short_at_first(*_) -> None:
-        others = sum(u.stager.weight_bytes for u in state.group.units if u.component != "vae" and u.stager.loaded)
+        others = sum(u.stager.weight_bytes for u in state.group.units if u.component != component and u.stager.loaded)
         attempts.append((state.plan.source, others))
         if len(attempts) == 1:
             raise torch.OutOfMemoryError("short")  # where the allocator raises when a cap leaves no room
 
-    hook = case.pipe.vae.decoder.mid_block.register_forward_pre_hook(short_at_first)
+    # Inside the denoiser's first block (its stream has entered it), or the decoder's middle block.
+    first_block = state.group.units_of("transformer")[1].module
+    where = first_block.norm1 if component == "transformer" else case.pipe.vae.decoder.mid_block
+    hook = where.register_forward_pre_hook(short_at_first)
     assert torch.equal(case.run(), case.reference)
     hook.remove()
-    (source, kept), (retried_under, left) = attempts
-    assert source == DRY_RUN and kept > 0, attempts
-    assert retried_under == "" and left == 0, "decoded again with nothing else on the device"
+    (source, kept), (retried_under, left) = attempts[:2]
+    assert source == DRY_RUN and (kept > 0 or component == "transformer"), attempts
+    assert retried_under == "" and left == 0, "run again with nothing else on the device"
     assert case.pipe.residency_plan().source == "measured"
     assert torch.equal(case.run(), case.reference)
 
