@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 # (docs/measurements.md): 1.89 and 1.85 for FLUX.1-dev's and SDXL's VAEs run alone, 1.99 for the
 # former in a measuring call, 1.56 for FLUX.1-dev's transformer there (1.24 to 1.32 alone). The
 # allocator's rounding and cache, and what kernels take for themselves (a convolution's workspace)
-# without a tensor to show for it. The decoders set it: short of room, they would fail the call.
+# without a tensor to show for it. The decoders set it: short of room, they would decode again
+# with the rest of the pipeline off the device (see adaptive.make_room_to_retry), a first call
+# slower by a decode and the reloads after it.
 ALLOCATOR_FACTOR = 2.0
 
 

@@ -124,10 +124,13 @@ def offloaded_first(
     return run_offloaded
 
 
-def retried_with_room(method: Callable[..., Any], group: ResidencyGroup, component: str) -> Callable[..., Any]:
-    """``method`` of ``component``, run once more when it runs out of device memory while
-    ``group`` can make room for a retry (``make_room_to_retry``, set under a plan made from
-    estimates), rather than the call failing on an estimate that fell short."""
+def retried_with_room(
+    method: Callable[..., Any], group: ResidencyGroup, component: str, module: nn.Module
+) -> Callable[..., Any]:
+    """``method`` of ``component`` (``module``), run once more when it runs out of device memory
+    while ``group`` can make room for a retry (``make_room_to_retry``, set under a plan made from
+    estimates), rather than the call failing on an estimate that fell short; unless the attempt
+    may have changed state that a second one would change again (see :func:`_why_not_run_again`)."""
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -137,12 +140,38 @@ def retried_with_room(method: Callable[..., Any], group: ResidencyGroup, compone
             make_room = group.make_room_to_retry
             if make_room is None:
                 raise
+            unsafe = _why_not_run_again(module, kwargs)
+            if unsafe is not None:
+                logger.warning(
+                    "%r ran out of device memory under an estimate, and is not run again: %s", component, unsafe
+                )
+                raise
         # Out of the except block: the failed attempt's tensors, which its traceback holds until
         # then, are freed before the room is made.
         make_room(component)
         return method(*args, **kwargs)
 
     return run
+
+
+def _why_not_run_again(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """Why a forward of ``module`` that raised part way may not run again on the same inputs, or
+    None. diffusers' stateful hooks (its caches) keep what the attempt's first layers computed, and
+    a second attempt would skip or reuse work on that (FirstBlockCache then fails, pyramid
+    attention broadcast counts the step twice); a registry laid out otherwise than diffusers' own is
+    taken for one. A LoRA scale is applied to the adapters in place as the forward starts and
+    undone as it ends, outside a ``finally`` in some models (every one in diffusers 0.35, two in
+    0.42): a second attempt would apply it over the first."""
+    for sub in module.modules():
+        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
+        if registry is None:
+            continue
+        hooks = getattr(registry, "hooks", None)
+        if not isinstance(hooks, dict) or any(getattr(hook, "_is_stateful", True) for hook in hooks.values()):
+            return f"a stateful diffusers hook ({type(sub).__name__}) holds what the attempt computed"
+    if any(isinstance(value, dict) and value.get("scale", 1.0) != 1.0 for value in kwargs.values()):
+        return "it was given a LoRA scale, which the attempt may have left applied"
+    return None
 
 
 def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: str) -> Any:
@@ -210,7 +239,7 @@ class StagingHook(ModelHook):
             method = getattr(module, name, None)
             # A submodule of that name (a model's own ``decode`` layers) is no entry point.
             if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
-                self._wrap(module, name, retried_with_room(method, self.group, self.unit.component))
+                self._wrap(module, name, retried_with_room(method, self.group, self.unit.component, module))
         return module
 
     def _wrap(self, module: nn.Module, name: str, wrapper: Callable[..., Any]) -> None:
@@ -439,10 +468,10 @@ def attach_block_streaming(
 def _hook_component(module: nn.Module, hook: StagingHook) -> StagingHook:
     """Attach ``hook`` to a component's ``module`` and retry its forward with room (see
     retried_with_room): a denoiser's step reads its inputs and writes nothing but its output. The
-    forward that runs the hook is accelerate's, set after ``init_hook``: wrapped here, it is
-    replaced by the module's own when the hook is removed."""
+    forward that runs the hook is accelerate's, set after ``init_hook``: wrapped here, and dropped
+    when the hook is detached (accelerate itself restores only the class's forward of an fx graph)."""
     add_hook_to_module(module, hook)
-    module.forward = retried_with_room(module.forward, hook.group, hook.unit.component)
+    hook._wrap(module, "forward", retried_with_room(module.forward, hook.group, hook.unit.component, module))
     return hook
 
 

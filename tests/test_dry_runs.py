@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel
 
 from diffusers_residency import _device, adaptive, dry_runs
 from diffusers_residency.adaptive import DRY_RUN, PipelineResidency
@@ -215,10 +215,10 @@ def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
     assert plans[0].activations == plans[1].activations
 
 
-# Where a component runs out of device memory in the tests below: the denoiser's first block (in
-# its step), the decoder's middle block (in its decode).
+# Where a component runs out of device memory in the tests below: in the denoiser's first block,
+# once its stream has entered it (a pass begun), and in the decoder's middle block.
 _SHORT_IN = {
-    "transformer": lambda pipe: pipeline_state(pipe).group.units_of("transformer")[1].module,
+    "transformer": lambda pipe: pipeline_state(pipe).group.units_of("transformer")[1].module.norm1,
     "vae": lambda pipe: pipe.vae.decoder.mid_block,
 }
 
@@ -258,9 +258,9 @@ def test_a_component_short_of_memory_under_dry_run_estimates_runs_again_with_the
     assert freed_first == [True], "the failed attempt's tensors were let go before the room was made"
     assert next(retries) > 3 and "retried" not in caplog.text
     (source, kept), (retried_under, left), *later = attempts
-    assert source == DRY_RUN
-    if component == "vae":
-        assert any(name.startswith("transformer.") for name in kept), "blocks kept for the decode"
+    # Under the estimate the text encoders stay (the denoiser's step), and so do the denoiser's blocks
+    # (the decode).
+    assert source == DRY_RUN and kept and (component != "vae" or any(name.startswith("transformer.") for name in kept))
     assert retried_under == "" and left == [], "run again with the least plan, the rest off the device"
     assert all(source != DRY_RUN for source, _ in later), "the estimate is given up for the rest of the call"
     assert f"{component!r} ran out of device memory under the dry runs' estimate" in caplog.text
@@ -293,8 +293,33 @@ def test_a_component_short_of_memory_under_dry_run_estimates_runs_again_with_the
     assert torch.equal(_run(flux, size=48), larger)
 
 
+@pytest.mark.parametrize("kept_by", ["a first block cache", "a lora scale"])
+def test_a_step_short_of_memory_that_may_have_changed_state_is_not_run_again(
+    kept_by: str, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    kwargs = call_kwargs("flux")
+    if kept_by == "a first block cache":
+        # Its hook on the first block keeps that block's output, which a second attempt would read.
+        flux.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    else:
+        kwargs["joint_attention_kwargs"] = {"scale": 0.5}
+    state = _measured(flux, monkeypatch)
+    attempts: list[str] = []
+
+    def short(*_: object) -> None:
+        attempts.append(state.plan.source)
+        raise torch.OutOfMemoryError("short")
+
+    state.group.units_of("transformer")[2].module.register_forward_pre_hook(short)  # the second block
+    with pytest.raises(torch.OutOfMemoryError):
+        pipeline_output(flux.pipe, kwargs)
+    assert attempts == [DRY_RUN], "raised as it came, as before the estimate could be run again"
+    assert "'transformer' ran out of device memory under an estimate, and is not run again" in caplog.text
+    assert len(state.estimates_failed) == 1 and state.group.make_room_to_retry is None
+
+
 @pytest.mark.parametrize("short_in_step", [1, 2])
-def test_a_denoiser_step_run_again_counts_as_its_first_step_or_the_one_it_was(
+def test_a_denoiser_step_run_again_counts_as_a_first_step_whichever_step_it_was(
     short_in_step: int, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference = pipeline_output(flux.pipe, call_kwargs("flux", steps=4))

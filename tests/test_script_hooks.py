@@ -91,3 +91,15 @@ def test_a_module_whose_decode_is_a_submodule_is_staged_as_it_is() -> None:
     assert torch.equal(module(x), expected)
     detach_staging_hook(module)
     assert isinstance(module.decode, torch.nn.Linear) and torch.equal(module(x), expected)
+
+
+def test_an_fx_graph_staged_then_detached_runs_as_before() -> None:
+    # accelerate hooks an fx graph through its class's forward, and restores only that: the
+    # instance's forward the hook wrapped goes with the hook.
+    graph = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)).eval())
+    x = torch.randn(2, 4)
+    expected = graph(x)
+    attach_staging_hook(graph, ResidencyGroup("cpu"), name="graph")
+    assert torch.equal(graph(x), expected)
+    detach_staging_hook(graph)
+    assert "forward" not in vars(graph) and torch.equal(graph(x), expected)
