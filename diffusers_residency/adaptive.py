@@ -346,9 +346,9 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
 
 def make_room_to_retry(state: PipelineResidency, component: str) -> None:
     """``component`` ran out of device memory in its forward or a decode (see
-    hooks.retried_with_room) in a call planned from dry runs: their estimate fell short (of the
-    denoiser's step, of the decoder's final decode, or of one a step-end callback made for a
-    preview). Make the most room the budget has for it to run again, once: the least plan, every
+    retry_with_room.retried_with_room) in a call planned from dry runs: their estimate fell short
+    (of the denoiser's step, of the decoder's final decode, or of one a step-end callback made for
+    a preview). Make the most room the budget has for it to run again, once: the least plan, every
     other component's units off the device (for the decoder, the denoiser's trunk and the blocks
     the plan kept), the allocator's cache given back, and its need measured from here. The call
     then returns what it would have, a little later, where it would otherwise fail on its first

@@ -19,7 +19,8 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS, RETRIED_METHODS, call_then, offloaded_first
+from .hooks import IN_PLACE_WEIGHT_METHODS, call_then, offloaded_first
+from .retry_with_room import RETRIED_METHODS
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
 # merged by a function, not a component method the hooks could wrap): run with every component

@@ -30,6 +30,7 @@ from . import _device
 from .plans import PREFETCH_BLOCKS
 from .policy import Policy
 from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, ResidencyUnit
+from .retry_with_room import RETRIED_METHODS, retried_with_room
 from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,6 @@ logger = logging.getLogger(__name__)
 # writes would land in the device copy and be lost at its next offload, so they run offloaded: on
 # the masters, which are the weights then.
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
-
-# Entry points of a component that run again when it runs out of device memory in a call planned
-# from estimates (see retried_with_room), besides its forward (see _hook_component): a decoder's,
-# which reads its latents and writes nothing but its output, and whose hook diffusers calls inside
-# it (apply_forward_hook), not around it.
-RETRIED_METHODS = ("decode",)
 
 # The name diffusers' group offloading registers under (private to diffusers), read only to refuse
 # a combination that leaves dead hooks behind.
@@ -122,56 +117,6 @@ def offloaded_first(
             return call_then(lambda: method(*args, **kwargs), after_writing, method.__name__)
 
     return run_offloaded
-
-
-def retried_with_room(
-    method: Callable[..., Any], group: ResidencyGroup, component: str, module: nn.Module
-) -> Callable[..., Any]:
-    """``method`` of ``component`` (``module``), run once more when it runs out of device memory
-    while ``group`` can make room for a retry (``make_room_to_retry``, set under a plan made from
-    estimates), rather than the call failing on an estimate that fell short; unless the attempt
-    may have changed state that a second one would change again (see :func:`_why_not_run_again`)."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            make_room = group.make_room_to_retry
-            if make_room is None:
-                raise
-            unsafe = _why_not_run_again(module, kwargs)
-            if unsafe is not None:
-                logger.warning(
-                    "%r ran out of device memory under an estimate, and is not run again: %s", component, unsafe
-                )
-                raise
-        # Out of the except block: the failed attempt's tensors, which its traceback holds until
-        # then, are freed before the room is made.
-        make_room(component)
-        return method(*args, **kwargs)
-
-    return run
-
-
-def _why_not_run_again(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
-    """Why a forward of ``module`` that raised part way may not run again on the same inputs, or
-    None. diffusers' stateful hooks (its caches) keep what the attempt's first layers computed, and
-    a second attempt would skip or reuse work on that (FirstBlockCache then fails, pyramid
-    attention broadcast counts the step twice); a registry laid out otherwise than diffusers' own is
-    taken for one. A LoRA scale is applied to the adapters in place as the forward starts and
-    undone as it ends, outside a ``finally`` in some models (every one in diffusers 0.35, two in
-    0.42): a second attempt would apply it over the first."""
-    for sub in module.modules():
-        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
-        if registry is None:
-            continue
-        hooks = getattr(registry, "hooks", None)
-        if not isinstance(hooks, dict) or any(getattr(hook, "_is_stateful", True) for hook in hooks.values()):
-            return f"a stateful diffusers hook ({type(sub).__name__}) holds what the attempt computed"
-    if any(isinstance(value, dict) and value.get("scale", 1.0) != 1.0 for value in kwargs.values()):
-        return "it was given a LoRA scale, which the attempt may have left applied"
-    return None
 
 
 def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: str) -> Any:
@@ -467,9 +412,13 @@ def attach_block_streaming(
 
 def _hook_component(module: nn.Module, hook: StagingHook) -> StagingHook:
     """Attach ``hook`` to a component's ``module`` and retry its forward with room (see
-    retried_with_room): a denoiser's step reads its inputs and writes nothing but its output. The
-    forward that runs the hook is accelerate's, set after ``init_hook``: wrapped here, and dropped
-    when the hook is detached (accelerate itself restores only the class's forward of an fx graph)."""
+    retried_with_room): a denoiser's step writes nothing but its output, and what it consumes of its
+    inputs (the UNet pops T2I-Adapter residuals off a list) it consumes of the copies that
+    ``pre_forward`` passes on (``send_to_device`` rebuilds lists and dicts), so that a second
+    attempt finds the caller's whole. The forward that runs the hook is accelerate's, set after
+    ``init_hook``: wrapped here, and dropped when the hook is detached (accelerate itself restores
+    only the class's forward of an fx graph; for others it sets the module's own over the one
+    detaching puts back)."""
     add_hook_to_module(module, hook)
     hook._wrap(module, "forward", retried_with_room(module.forward, hook.group, hook.unit.component, module))
     return hook

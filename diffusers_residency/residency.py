@@ -190,7 +190,7 @@ class ResidencyGroup:
         self.estimate_from_inputs: Callable[[str, tuple, dict], None] | None = None
         # Set while a call runs under a plan made from those estimates: makes the most room the
         # budget has for a component (the denoiser, the decoder) that ran out of device memory
-        # under it, before it runs again (see hooks.retried_with_room).
+        # under it, before it runs again (see retry_with_room.retried_with_room).
         self.make_room_to_retry: Callable[[str], None] | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
         # budget: set before they are added (see host_budget), so that their weights are never

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel
+from diffusers.utils import scale_lora_layers, unscale_lora_layers
 
 from diffusers_residency import _device, adaptive, dry_runs
 from diffusers_residency.adaptive import DRY_RUN, PipelineResidency
@@ -26,6 +27,7 @@ from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.profile import CACHE_VARIABLE, shape_parts
 
 from .helpers import PipelineCase, sdxl_in_float16
+from .test_changing_weights import lora_state_dict
 from .test_profile import _budget, _measure_on_the_cpu, _run
 
 GB = 10**9
@@ -293,29 +295,69 @@ def test_a_component_short_of_memory_under_dry_run_estimates_runs_again_with_the
     assert torch.equal(_run(flux, size=48), larger)
 
 
-@pytest.mark.parametrize("kept_by", ["a first block cache", "a lora scale"])
-def test_a_step_short_of_memory_that_may_have_changed_state_is_not_run_again(
-    kept_by: str, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    kwargs = call_kwargs("flux")
-    if kept_by == "a first block cache":
-        # Its hook on the first block keeps that block's output, which a second attempt would read.
-        flux.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
-    else:
-        kwargs["joint_attention_kwargs"] = {"scale": 0.5}
-    state = _measured(flux, monkeypatch)
+def _short_in_the_second_block(state: PipelineResidency, times: int = 2) -> list[str]:
+    """The denoiser's second block running out of device memory the first ``times`` times it
+    starts; the plan's source at each start."""
     attempts: list[str] = []
 
     def short(*_: object) -> None:
         attempts.append(state.plan.source)
-        raise torch.OutOfMemoryError("short")
+        if len(attempts) <= times:
+            raise torch.OutOfMemoryError("short")
 
-    state.group.units_of("transformer")[2].module.register_forward_pre_hook(short)  # the second block
+    state.group.units_of("transformer")[2].module.register_forward_pre_hook(short)
+    return attempts
+
+
+def _with_a_lora(case: PipelineCase) -> dict:
+    """``case``'s pipeline with a LoRA on its transformer; the call kwargs that scale it by 0.5."""
+    case.pipe.load_lora_weights(lora_state_dict(case), adapter_name="style")
+    return {**call_kwargs("flux"), "joint_attention_kwargs": {"scale": 0.5}}
+
+
+@pytest.mark.parametrize("kept_by", ["a first block cache", "a lora scale left applied on an error"])
+def test_a_step_short_of_memory_that_may_have_changed_state_is_not_run_again(
+    kept_by: str, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if kept_by == "a first block cache":
+        # Its hook on the first block keeps that block's output, which a second attempt would read.
+        flux.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+        kwargs = call_kwargs("flux")
+    else:
+        plain = FluxTransformer2DModel.forward.__wrapped__
+
+        def forward_as_in_diffusers_0_35(self, *args, joint_attention_kwargs=None, **kwargs):
+            # The scale applied in place, and undone only when the forward returns.
+            attention_kwargs = dict(joint_attention_kwargs or {})
+            scale = attention_kwargs.pop("scale", 1.0)
+            scale_lora_layers(self, scale)
+            output = plain(self, *args, joint_attention_kwargs=attention_kwargs, **kwargs)
+            unscale_lora_layers(self, scale)
+            return output
+
+        monkeypatch.setattr(FluxTransformer2DModel, "forward", forward_as_in_diffusers_0_35)
+    state = _measured(flux, monkeypatch)
+    if kept_by != "a first block cache":
+        kwargs = _with_a_lora(flux)
+    attempts = _short_in_the_second_block(state)
     with pytest.raises(torch.OutOfMemoryError):
         pipeline_output(flux.pipe, kwargs)
     assert attempts == [DRY_RUN], "raised as it came, as before the estimate could be run again"
     assert "'transformer' ran out of device memory under an estimate, and is not run again" in caplog.text
     assert len(state.estimates_failed) == 1 and state.group.make_room_to_retry is None
+
+
+def test_a_step_with_a_lora_scale_its_forward_undoes_on_an_error_runs_again_exact(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kwargs = _with_a_lora(flux)
+    reference = pipeline_output(flux.pipe, kwargs)
+    flux.pipe.unload_lora_weights()
+    state = _measured(flux, monkeypatch)
+    kwargs = _with_a_lora(flux)  # loaded while enabled: the dry runs' copies are built without it
+    attempts = _short_in_the_second_block(state, times=1)
+    assert torch.equal(pipeline_output(flux.pipe, kwargs), reference)
+    assert attempts[:2] == [DRY_RUN, ""], "run again, under the least plan"
 
 
 @pytest.mark.parametrize("short_in_step", [1, 2])
