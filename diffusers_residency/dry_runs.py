@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .profile import IMAGE_ARGUMENTS
+from .residency import compute_dtypes
 from .streaming import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,12 @@ class _FusedAttention(TorchFunctionMode):
 def meta_twin(module: nn.Module) -> nn.Module | None:
     """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
     dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
-    tensors laid out otherwise than its config builds them: most quantized ones, adapters loaded)."""
+    tensors laid out otherwise than its config builds them: most quantized ones, adapters loaded).
+
+    Layers that diffusers' layerwise casting stores in a small dtype are copied in the dtype they
+    compute in: the meta device has no kernels for float8 matrices, and what a layer's forward
+    makes is what it makes in that dtype. (The compute dtype's copy of the running layer's weights,
+    which the casting makes and drops around it, is left to :data:`ALLOCATOR_FACTOR`.)"""
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -99,7 +105,11 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
         with torch.device("meta"):
             # diffusers' models are built from their config by from_config, transformers' by __init__.
             twin = type(module).from_config(config) if isinstance(module, ConfigMixin) else type(module)(config)
-        shapes = {name: torch.empty_like(tensor, device="meta") for name, tensor in module.state_dict().items()}
+        cast = compute_dtypes(module)
+        shapes = {
+            name: torch.empty_like(tensor, device="meta", dtype=cast.get(name.rpartition(".")[0], tensor.dtype))
+            for name, tensor in module.state_dict().items()
+        }
         twin.load_state_dict(shapes, strict=True, assign=True)
     except Exception as error:  # any failure means no estimate, never a failed call
         logger.debug("No dry run of %s: %s", type(module).__name__, error)

@@ -54,11 +54,19 @@ _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
 def casts_layerwise(module: nn.Module) -> bool:
     """Whether diffusers' layerwise casting is on anywhere in ``module``."""
-    return any(
-        registry.get_hook(_LAYERWISE_CASTING_HOOK) is not None
-        for registry in (getattr(sub, DIFFUSERS_REGISTRY_ATTR, None) for sub in module.modules())
-        if registry is not None
-    )
+    return any(compute_dtypes(module))
+
+
+def compute_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    """The dtype diffusers' layerwise casting computes in, per submodule of ``module`` (by name)
+    that it casts."""
+    dtypes = {}
+    for name, sub in module.named_modules():
+        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
+        hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
+        if hook is not None:
+            dtypes[name] = hook.compute_dtype
+    return dtypes
 
 
 @dataclass(eq=False)

@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
+from torch.overrides import TorchFunctionMode
 
 from diffusers_residency import _device, adaptive, dry_runs
 from diffusers_residency.adaptive import DRY_RUN, PipelineResidency
@@ -200,6 +202,43 @@ def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
     assert DRY_RUN not in sources and sources[0] == "", "the least on the device, then its first step's plan"
     assert "first step needed" in caplog.text and "Dry runs estimate" not in caplog.text
     assert flux.pipe.residency_plan().source == "measured"
+
+
+@pytest.mark.parametrize("short_of_memory", [False, True])
+def test_a_denoiser_computing_from_float8_storage_is_estimated_in_its_compute_dtype(
+    short_of_memory: bool, flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transformer = flux.pipe.transformer
+    transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    reference = _run(flux)
+    state = _measured(flux, monkeypatch)
+    assert {tensor.dtype for tensor in state.dry_runs.forward._twin.parameters()} == {torch.float32}
+    # A feed-forward layer of the second block running out of memory in its matrix product, the
+    # first time under the estimate: cast to float32 by its hook, and not cast back (that happens
+    # as its forward returns).
+    layer = state.group.units_of("transformer")[2].module.ff.net[0].proj
+    sources: list[str] = []
+    left_cast_up: list[torch.dtype] = []
+
+    class ShortInTheLayer(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear and args[1] is layer.weight:
+                sources.append(state.plan.source)
+                if short_of_memory and len(sources) == 1:
+                    raise torch.OutOfMemoryError("short")
+            return func(*args, **(kwargs or {}))
+
+    make_room = adaptive.make_room_to_retry
+    monkeypatch.setattr(
+        adaptive, "make_room_to_retry", lambda *a: left_cast_up.append(layer.weight.dtype) or make_room(*a)
+    )
+    with ShortInTheLayer():
+        assert torch.equal(_run(flux), reference)
+    assert sources[0] == DRY_RUN and (sources[1] == "") == short_of_memory
+    assert left_cast_up == ([torch.float32] if short_of_memory else [])
+    assert flux.pipe.residency_plan().source == "measured"
+    assert torch.equal(_run(flux), reference)
+    assert {tensor.dtype for name, tensor in transformer.named_parameters() if ".ff." in name} == {torch.float8_e4m3fn}
 
 
 def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(

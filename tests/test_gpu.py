@@ -282,7 +282,7 @@ def test_adapters_switched_hotswapped_and_deleted_on_cuda_match_resident() -> No
         assert torch.equal(case.run(), resident.run())
 
 
-@pytest.mark.parametrize("order", ["casting-then-offload", "offload-then-casting"])
+@pytest.mark.parametrize("order", ["casting-then-offload", "casting-then-offload-under-a-budget", "offload-then-casting"])
 def test_layerwise_fp8_casting_on_cuda_matches_resident_casting(order: str) -> None:
     fp8 = torch.float8_e4m3fn
     resident = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
@@ -290,9 +290,19 @@ def test_layerwise_fp8_casting_on_cuda_matches_resident_casting(order: str) -> N
     expected = resident.run()
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
-    if order == "casting-then-offload":
+    if order.startswith("casting-then-offload"):
         case.pipe.transformer.enable_layerwise_casting(storage_dtype=fp8, compute_dtype=torch.bfloat16)
-        case.pipe.enable_pinned_offload(vram_budget=None)
+        budget = half_way_budget(case.pipe) if order.endswith("budget") else None
+        case.pipe.enable_pinned_offload(vram_budget=budget)
+        if budget is not None:
+            # The first call planned from dry runs of the transformer's layers in bfloat16.
+            state = pipeline_state(case.pipe)
+            sources: list[str] = []
+            first_block = state.group.units_of("transformer")[1].module
+            hook = first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+            assert torch.equal(case.run(), expected)
+            hook.remove()
+            assert sources[0].startswith("estimated by dry runs"), sources
     else:
         case.pipe.enable_pinned_offload(vram_budget=None)
         case.run()
