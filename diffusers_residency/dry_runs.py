@@ -89,15 +89,23 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# How peft lays out a layer it adapts: the layer as ``base_layer`` beside the adapter's own
+# weights (``lora_A.<adapter name>.weight``, ``lora_magnitude_vector``, ...).
+_ADAPTED_LAYER = ".base_layer."
+_ADAPTER_PREFIX = "lora_"
+
+
 def meta_twin(module: nn.Module) -> nn.Module | None:
     """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
     dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
-    tensors laid out otherwise than its config builds them: most quantized ones, adapters loaded).
+    tensors laid out otherwise than its config builds them: most quantized ones).
 
     Layers that diffusers' layerwise casting stores in a small dtype are copied in the dtype they
     compute in: the meta device has no kernels for float8 matrices, and what a layer's forward
     makes is what it makes in that dtype. (The compute dtype's copy of the running layer's weights,
-    which the casting makes and drops around it, is left to :data:`ALLOCATOR_FACTOR`.)"""
+    which the casting makes and drops around it, is left to :data:`ALLOCATOR_FACTOR`.) Layers peft
+    adapts (a LoRA) are copied as the layer they adapt, without the adapter: what it adds to their
+    forward, a product of its rank and a sum the size of their output, is left to it too."""
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -106,10 +114,12 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
             # diffusers' models are built from their config by from_config, transformers' by __init__.
             twin = type(module).from_config(config) if isinstance(module, ConfigMixin) else type(module)(config)
         cast = compute_dtypes(module)
-        shapes = {
-            name: torch.empty_like(tensor, device="meta", dtype=cast.get(name.rpartition(".")[0], tensor.dtype))
-            for name, tensor in module.state_dict().items()
-        }
+        shapes = {}
+        for name, tensor in module.state_dict().items():
+            if any(part.startswith(_ADAPTER_PREFIX) for part in name.split(".")):
+                continue
+            dtype = cast.get(name.rpartition(".")[0], tensor.dtype)
+            shapes[name.replace(_ADAPTED_LAYER, ".")] = torch.empty_like(tensor, device="meta", dtype=dtype)
         twin.load_state_dict(shapes, strict=True, assign=True)
     except Exception as error:  # any failure means no estimate, never a failed call
         logger.debug("No dry run of %s: %s", type(module).__name__, error)

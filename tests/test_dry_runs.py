@@ -351,6 +351,10 @@ def _short_in_the_second_block(state: PipelineResidency, times: int = 2) -> list
 def _with_a_lora(case: PipelineCase) -> dict:
     """``case``'s pipeline with a LoRA on its transformer; the call kwargs that scale it by 0.5."""
     case.pipe.load_lora_weights(lora_state_dict(case), adapter_name="style")
+    return _scaled_by_half()
+
+
+def _scaled_by_half() -> dict:
     return {**call_kwargs("flux"), "joint_attention_kwargs": {"scale": 0.5}}
 
 
@@ -397,6 +401,21 @@ def test_a_step_with_a_lora_scale_its_forward_undoes_on_an_error_runs_again_exac
     attempts = _short_in_the_second_block(state, times=1)
     assert torch.equal(pipeline_output(flux.pipe, kwargs), reference)
     assert attempts[:2] == [DRY_RUN, ""], "run again, under the least plan"
+
+
+def test_a_denoiser_with_a_lora_loaded_before_enabling_is_estimated_from_its_base_layers(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = pipeline_output(flux.pipe, _with_a_lora(flux))
+    state = _measured(flux, monkeypatch)
+    twin = state.dry_runs.forward._twin
+    assert twin is not None and not any("lora" in name for name, _ in twin.named_parameters())
+    sources: list[str] = []
+    first_block = state.group.units_of("transformer")[1].module
+    first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    assert torch.equal(pipeline_output(flux.pipe, _scaled_by_half()), reference)
+    assert sources[0] == DRY_RUN
+    assert torch.equal(pipeline_output(flux.pipe, _scaled_by_half()), reference)
 
 
 @pytest.mark.parametrize("short_in_step", [1, 2])
