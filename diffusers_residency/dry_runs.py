@@ -98,14 +98,17 @@ _ADAPTER_PREFIX = "lora_"
 def meta_twin(module: nn.Module) -> nn.Module | None:
     """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
     dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
-    tensors laid out otherwise than its config builds them: most quantized ones).
+    tensors laid out otherwise than its config builds them).
 
     Layers that diffusers' layerwise casting stores in a small dtype are copied in the dtype they
     compute in: the meta device has no kernels for float8 matrices, and what a layer's forward
     makes is what it makes in that dtype. (The compute dtype's copy of the running layer's weights,
     which the casting makes and drops around it, is left to :data:`ALLOCATOR_FACTOR`.) Layers peft
     adapts (a LoRA) are copied as the layer they adapt, without the adapter: what it adds to their
-    forward, a product of its rank and a sum the size of their output, is left to it too."""
+    forward, a product of its rank and a sum the size of their output, is left to it too. A
+    quantized module is copied as the plain model its config builds, in float32 (to be cast as its
+    inputs are, see :class:`ForwardDryRun`): its layers make what plain ones make in the dtype they
+    compute in, and the dequantized copy of the running layer's weights is left to the same share."""
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -113,6 +116,8 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
         with torch.device("meta"):
             # diffusers' models are built from their config by from_config, transformers' by __init__.
             twin = type(module).from_config(config) if isinstance(module, ConfigMixin) else type(module)(config)
+        if holds_quantized(module):
+            return twin.float().eval()
         cast = compute_dtypes(module)
         shapes = {}
         for name, tensor in module.state_dict().items():
@@ -125,6 +130,13 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
         logger.debug("No dry run of %s: %s", type(module).__name__, error)
         return None
     return twin.eval()
+
+
+def holds_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` holds tensors of a quantization library (torchao's, optimum-quanto's,
+    GGUF's, bitsandbytes' parameters: subclasses of ``torch.Tensor``)."""
+    plain = (torch.Tensor, nn.Parameter)
+    return any(type(tensor) not in plain for tensor in (*module.parameters(), *module.buffers()))
 
 
 def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
@@ -318,6 +330,8 @@ class ForwardDryRun:
 
     def __init__(self, module: nn.Module) -> None:
         self._twin = meta_twin(module)
+        # A quantized module's copy computes in the dtype of the inputs it is given (see meta_twin).
+        self._cast_as_inputs = self._twin is not None and holds_quantized(module)
 
     def need(self, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
         if self._twin is None:
@@ -327,6 +341,9 @@ class ForwardDryRun:
         except Exception as error:  # an input tensor with no meta counterpart: no estimate
             logger.debug("No dry run of %s's inputs: %s", type(self._twin).__name__, error)
             return None
+        dtype = next((tensor.dtype for tensor in inputs if tensor.is_floating_point()), None)
+        if self._cast_as_inputs and dtype is not None:
+            self._twin.to(dtype)
         return dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
 
 

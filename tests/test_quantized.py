@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from diffusers_residency import Policy
+from diffusers_residency.adaptive import DRY_RUN
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.components import component_sizes, module_components
 from diffusers_residency.pipeline import pipeline_state
@@ -25,6 +26,7 @@ from .helpers import (
     enable_with_transformer,
     streaming_budget,
 )
+from .test_profile import _budget, _measure_on_the_cpu
 
 
 def _torchao(config: str) -> Callable[[PipelineCase, Path], None]:
@@ -137,6 +139,21 @@ def test_quantized_transformer_streamed_under_a_budget_is_exact(quantized: Pipel
 
     quantized.pipe.disable_pinned_offload()
     assert_weights_equal(before, quantized.state())
+    assert torch.equal(quantized.run(), quantized.reference)
+
+
+def test_a_quantized_transformers_first_call_under_a_budget_is_planned_from_dry_runs(
+    quantized: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quantized.pipe.enable_pinned_offload("cpu", vram_budget=_budget(quantized))
+    _measure_on_the_cpu(quantized, monkeypatch)
+    state = pipeline_state(quantized.pipe)
+    sources: list[str] = []
+    first_block = state.group.units_of("transformer")[1].module
+    first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    assert torch.equal(quantized.run(), quantized.reference)
+    assert sources[0] == DRY_RUN, "estimated from the plain model its config builds, in its inputs' dtype"
+    assert quantized.pipe.residency_plan().source == "measured"
     assert torch.equal(quantized.run(), quantized.reference)
 
 
