@@ -17,7 +17,7 @@ import functools
 import logging
 import numbers
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,25 +90,27 @@ class _FusedAttention(TorchFunctionMode):
 
 
 # How peft lays out a layer it adapts: the layer as ``base_layer`` beside the adapter's own
-# weights (``lora_A.<adapter name>.weight``, ``lora_magnitude_vector``, ...).
-_ADAPTED_LAYER = ".base_layer."
+# weights (``lora_A.<adapter name>.weight``, ...). DoRA's magnitude vector marks an adapter whose
+# forward makes matrices the size of the layer's weights, at every layer: no copy without it
+# stands for what that needs.
+_ADAPTED_LAYER = "base_layer"
 _ADAPTER_PREFIX = "lora_"
+_WEIGHT_SIZED_ADAPTER = "lora_magnitude_vector"
 
 
 def meta_twin(module: nn.Module) -> nn.Module | None:
     """A copy of ``module`` on the meta device, built from its config, with its tensors' shapes and
     dtypes and none of its memory or hooks; None for a module that cannot be built so (no config,
-    tensors laid out otherwise than its config builds them).
+    tensors laid out otherwise than its config builds them, a DoRA adapter).
 
     Layers that diffusers' layerwise casting stores in a small dtype are copied in the dtype they
     compute in: the meta device has no kernels for float8 matrices, and what a layer's forward
-    makes is what it makes in that dtype. (The compute dtype's copy of the running layer's weights,
-    which the casting makes and drops around it, is left to :data:`ALLOCATOR_FACTOR`.) Layers peft
-    adapts (a LoRA) are copied as the layer they adapt, without the adapter: what it adds to their
-    forward, a product of its rank and a sum the size of their output, is left to it too. A
-    quantized module is copied as the plain model its config builds, in float32 (to be cast as its
-    inputs are, see :class:`ForwardDryRun`): its layers make what plain ones make in the dtype they
-    compute in, and the dequantized copy of the running layer's weights is left to the same share."""
+    makes is what it makes in that dtype. A quantized module is copied as the plain model its
+    config builds, in float32 (to be cast as its inputs are, see :class:`ForwardDryRun`), for the
+    same reason. Either way each such layer of the copy holds a copy of its weights while it runs
+    (see :func:`_holding_a_weight_copy`). Layers peft adapts (a LoRA) are copied as the layer they
+    adapt, without the adapter: what it adds to their forward, a product of its rank and a sum the
+    size of their output, is left to :data:`ALLOCATOR_FACTOR`."""
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -117,26 +119,63 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
             # diffusers' models are built from their config by from_config, transformers' by __init__.
             twin = type(module).from_config(config) if isinstance(module, ConfigMixin) else type(module)(config)
         if holds_quantized(module):
+            _holding_a_weight_copy(twin, _quantized_layers(module))
             return twin.float().eval()
         cast = compute_dtypes(module)
         shapes = {}
         for name, tensor in module.state_dict().items():
-            if any(part.startswith(_ADAPTER_PREFIX) for part in name.split(".")):
-                continue
-            dtype = cast.get(name.rpartition(".")[0], tensor.dtype)
-            shapes[name.replace(_ADAPTED_LAYER, ".")] = torch.empty_like(tensor, device="meta", dtype=dtype)
+            parts = name.split(".")
+            if _WEIGHT_SIZED_ADAPTER in parts:
+                return None
+            if not any(part.startswith(_ADAPTER_PREFIX) for part in parts):
+                dtype = cast.get(name.rpartition(".")[0], tensor.dtype)
+                shapes[_unadapted(name)] = torch.empty_like(tensor, device="meta", dtype=dtype)
         twin.load_state_dict(shapes, strict=True, assign=True)
+        _holding_a_weight_copy(twin, cast)
     except Exception as error:  # any failure means no estimate, never a failed call
         logger.debug("No dry run of %s: %s", type(module).__name__, error)
         return None
     return twin.eval()
 
 
-def holds_quantized(module: nn.Module) -> bool:
-    """Whether ``module`` holds tensors of a quantization library (torchao's, optimum-quanto's,
-    GGUF's, bitsandbytes' parameters: subclasses of ``torch.Tensor``)."""
+def _unadapted(name: str) -> str:
+    """The name of a tensor or layer of an adapted model in the model without adapters."""
+    return ".".join(part for part in name.split(".") if part != _ADAPTED_LAYER)
+
+
+def _quantized_layers(module: nn.Module) -> list[str]:
+    """The layers of ``module`` whose own weights are quantized, by name."""
+    return [name for name, sub in module.named_modules() if holds_quantized(sub, recurse=False)]
+
+
+def _holding_a_weight_copy(twin: nn.Module, names: Iterable[str]) -> None:
+    """Make each layer of ``twin`` named in ``names`` (names of the module it copies) hold a copy
+    of its own weights while it runs: the one in the compute dtype that layerwise casting makes,
+    or the dequantized one a quantized layer makes, which the device holds beside the stored
+    weights for as long as the layer runs: at small sizes, much of a step's need."""
+    layers = dict(twin.named_modules())
+    for name in names:
+        layer = layers.get(_unadapted(name))
+        if layer is not None:
+            layer.register_forward_pre_hook(_take_weight_copy)
+            layer.register_forward_hook(_drop_weight_copy)
+
+
+def _take_weight_copy(layer: nn.Module, args: tuple) -> None:
+    layer.dry_run_weight_copies = [tensor.clone() for tensor in layer.parameters(recurse=False)]
+
+
+def _drop_weight_copy(layer: nn.Module, args: tuple, output: Any) -> None:
+    del layer.dry_run_weight_copies
+
+
+def holds_quantized(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (its own tensors only, without ``recurse``) holds tensors of a
+    quantization library (torchao's, optimum-quanto's, GGUF's, bitsandbytes' parameters:
+    subclasses of ``torch.Tensor``)."""
     plain = (torch.Tensor, nn.Parameter)
-    return any(type(tensor) not in plain for tensor in (*module.parameters(), *module.buffers()))
+    tensors = (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse))
+    return any(type(tensor) not in plain for tensor in tensors)
 
 
 def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
@@ -279,7 +318,9 @@ class DecoderDryRun:
             return None
         if not all(isinstance(value, int) for value in (factor, default, channels)):
             return None
-        dtype = casts.get("vae", (next(vae.parameters()).dtype,))[0]
+        dtype = casts.get("vae", (_computes_in(vae),))[0]
+        if dtype is None:
+            return None
         return cls("vae", vae, factor, default * factor, dtype)
 
     def need(self, parts: Mapping[str, Any]) -> int | None:
@@ -308,6 +349,15 @@ class DecoderDryRun:
             decode = lambda twin: twin.decode(latents, return_dict=False)  # noqa: E731
             self._needs[key] = dry_run_need(self._twin, decode, [latents])
         return self._needs.get(key)
+
+
+def _computes_in(module: nn.Module) -> torch.dtype | None:
+    """The dtype ``module`` computes in: the one layerwise casting casts its layers to, else its
+    first floating-point tensor's (a quantized module's packed bytes are not)."""
+    cast = compute_dtypes(module)
+    if cast:
+        return next(iter(cast.values()))
+    return next((tensor.dtype for tensor in module.parameters() if tensor.is_floating_point()), None)
 
 
 def _decode_settings(vae: nn.Module) -> dict[str, Any]:

@@ -241,6 +241,45 @@ def test_a_denoiser_computing_from_float8_storage_is_estimated_in_its_compute_dt
     assert {tensor.dtype for name, tensor in transformer.named_parameters() if ".ff." in name} == {torch.float8_e4m3fn}
 
 
+def _first_step_inputs(case: PipelineCase) -> tuple[tuple, dict]:
+    """The arguments ``case``'s transformer is given in its first step, resident."""
+    seen: list[tuple[tuple, dict]] = []
+    hook = case.pipe.transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append((args, kwargs)), with_kwargs=True
+    )
+    _run(case)
+    hook.remove()
+    return seen[0]
+
+
+def test_layers_cast_layerwise_are_estimated_holding_a_copy_of_their_weights_as_they_run(flux: PipelineCase) -> None:
+    args, kwargs = _first_step_inputs(flux)
+    plain = ForwardDryRun(flux.pipe.transformer).need(args, kwargs)
+    flux.pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert ForwardDryRun(flux.pipe.transformer).need(args, kwargs) > plain, "the compute dtype's copies counted"
+    # A VAE under layerwise casting decodes in the dtype it computes in, not its storage dtype.
+    flux.pipe.vae.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
+    assert decoder.dtype == torch.bfloat16 and decoder.need(_parts(32)) is not None
+
+
+def test_a_denoiser_with_a_dora_adapter_is_measured_as_before(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DoRA's forward makes matrices the size of each adapted layer's weights: not estimated.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], use_dora=True, init_lora_weights=False)
+    flux.pipe.transformer.add_adapter(config)
+    reference = _run(flux)
+    state = _measured(flux, monkeypatch)
+    assert state.dry_runs.forward._twin is None
+    sources: list[str] = []
+    first_block = state.group.units_of("transformer")[1].module
+    first_block.register_forward_pre_hook(lambda *_: sources.append(state.plan.source))
+    assert torch.equal(_run(flux), reference)
+    assert sources[0] == "", "measured with the least on the device"
+
+
 def test_the_same_inputs_give_the_same_estimated_plan_in_another_pipeline(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

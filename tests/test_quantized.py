@@ -15,6 +15,7 @@ from diffusers_residency import Policy
 from diffusers_residency.adaptive import DRY_RUN
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.components import component_sizes, module_components
+from diffusers_residency.dry_runs import ForwardDryRun
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.weights import module_tensors, storage_bytes, stored_tensors
 
@@ -26,6 +27,7 @@ from .helpers import (
     enable_with_transformer,
     streaming_budget,
 )
+from .test_dry_runs import _first_step_inputs
 from .test_profile import _budget, _measure_on_the_cpu
 
 
@@ -155,6 +157,10 @@ def test_a_quantized_transformers_first_call_under_a_budget_is_planned_from_dry_
     assert sources[0] == DRY_RUN, "estimated from the plain model its config builds, in its inputs' dtype"
     assert quantized.pipe.residency_plan().source == "measured"
     assert torch.equal(quantized.run(), quantized.reference)
+    # Each quantized layer holds its dequantized weights as it runs, beside the plain model's needs.
+    args, kwargs = _first_step_inputs(quantized)
+    plain = ForwardDryRun(PipelineCase("flux").pipe.transformer).need(args, kwargs)
+    assert ForwardDryRun(quantized.pipe.transformer).need(args, kwargs) > plain
 
 
 def test_every_stored_tensor_of_a_quantized_weight_moves_with_a_load(tmp_path: Path) -> None:
