@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,20 +54,21 @@ _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
 
 def casts_layerwise(module: nn.Module) -> bool:
-    """Whether diffusers' layerwise casting is on anywhere in ``module``."""
-    return any(compute_dtypes(module))
+    """Whether diffusers' layerwise casting is on anywhere in ``module`` (asked at loads: it stops
+    at the first layer cast)."""
+    return any(_casting_hook(sub) is not None for sub in module.modules())
 
 
 def compute_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
     """The dtype diffusers' layerwise casting computes in, per submodule of ``module`` (by name)
     that it casts."""
-    dtypes = {}
-    for name, sub in module.named_modules():
-        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
-        hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
-        if hook is not None:
-            dtypes[name] = hook.compute_dtype
-    return dtypes
+    hooks = ((name, _casting_hook(sub)) for name, sub in module.named_modules())
+    return {name: hook.compute_dtype for name, hook in hooks if hook is not None}
+
+
+def _casting_hook(module: nn.Module) -> Any | None:
+    registry = getattr(module, DIFFUSERS_REGISTRY_ATTR, None)
+    return registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
 
 
 @dataclass(eq=False)
