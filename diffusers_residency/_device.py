@@ -389,6 +389,11 @@ def compute_timestamp(device: torch.device) -> torch.Event | float:
     return event
 
 
+def has_passed(stamp: torch.Event | float) -> bool:
+    """Whether the compute stream has passed a :func:`compute_timestamp` (asked, not waited for)."""
+    return isinstance(stamp, float) or stamp.query()
+
+
 def seconds_between(start: torch.Event | float, end: torch.Event | float) -> float:
     """Seconds from one :func:`compute_timestamp` to a later one (waiting for the later one to pass)."""
     if isinstance(start, float):
@@ -431,6 +436,11 @@ class TimedCopy:
         """Total seconds the copies took on the copy stream (on the host clock on the CPU)."""
         self._collect()
         return self._seconds
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether the last copy may still be running (asked, not waited for)."""
+        return self._pending and not self._done.query()
 
     def _collect(self) -> None:
         if self._pending:

@@ -202,6 +202,9 @@ class ResidencyGroup:
         # budget has for a component (the denoiser, the decoder) that ran out of device memory
         # under it, before it runs again (see retry_with_room.retried_with_room).
         self.make_room_to_retry: Callable[[str], None] | None = None
+        # Set while a call runs under a plan made from those estimates whose denoiser has no step
+        # timed yet: plans its other steps once one is (see adaptive.plan_from_timed_step).
+        self.plan_from_timed_step: Callable[[str], None] | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
         # budget: set before they are added (see host_budget), so that their weights are never
         # copied or page-locked on the way.
@@ -275,6 +278,12 @@ class ResidencyGroup:
         """A streamed component's first pass (a denoiser's first step) ran: told to the budget watch."""
         if self.budget_watch is not None:
             self.budget_watch.first_pass_ran(component)
+
+    def timed_step_ran(self, component: str) -> None:
+        """A pass of a streamed component begins, one of its steps having been timed in its
+        activation: told to the plan waiting for that timing, if any."""
+        if self.plan_from_timed_step is not None:
+            self.plan_from_timed_step(component)
 
     def load_resident_ahead(self) -> None:
         """Start loading every resident unit that is not on the device, a plan having just made them
@@ -363,6 +372,7 @@ class ResidencyGroup:
         ended, or the setup is replaced."""
         self.estimate_from_inputs = None
         self.make_room_to_retry = None
+        self.plan_from_timed_step = None
 
     def units_of(self, component: str) -> list[ResidencyUnit]:
         return [unit for unit in self.units if unit.component == component]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .plans import ResidencyPlan
+from .plans import ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .report import report_for
 from .residency import ResidencyGroup
@@ -91,3 +91,20 @@ def step_timings(group: ResidencyGroup, plan: ResidencyPlan) -> dict[str, StepTi
             load_per_byte=row.load_seconds / row.loaded_bytes,
         )
     return timings
+
+
+def timing_so_far(group: ResidencyGroup, sizes: ComponentSizes) -> StepTiming | None:
+    """Streamed per-step component ``sizes``'s step as timed so far, read without waiting for the
+    device: the first step timed in its activation under way (None until the device has run it)
+    and its loads done (a load still copying is left out, with its bytes). For a plan made in the middle of a call (see
+    ``adaptive.plan_from_timed_step``)."""
+    units = group.units_of(sizes.name)
+    stream = next((unit.stream for unit in units if unit.stream is not None), None)
+    compute = None if stream is None else stream.step_seconds_so_far()
+    if compute is None:
+        return None
+    done = [unit.stager for unit in units if not unit.stager.load_in_flight]
+    loaded, seconds = sum(s.loaded_bytes for s in done), sum(s.load_seconds for s in done)
+    if not loaded or seconds <= 0:
+        return None
+    return StepTiming(compute_per_byte=compute / sum(sizes.block_bytes), load_per_byte=seconds / loaded)

@@ -185,6 +185,12 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
     def load_seconds(self) -> float:
         return self._copy.seconds
 
+    @property
+    def load_in_flight(self) -> bool:
+        """Whether the last load may still be copying (asked, not waited for): reading
+        :attr:`load_seconds` would wait for it."""
+        return self._copy.in_flight
+
     def _find_wrappers(self) -> None:
         """The wrapper subclasses among the modules' tensors (quantized weights): their device
         follows their bound inner tensors, and a write into one moves its own counter only."""

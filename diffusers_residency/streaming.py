@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 # median is the step the planner is given. One step's time moves with a garbage collection, an
 # allocator retry or another process on the device, and a plan chosen from it moved with it.
 STEPS_TIMED = 5
+# The blocks a window loads ahead at each entry, and those loaded ahead once and kept (see
+# BlockStream._compute_windows).
+_STREAMED = frozenset({Policy.STREAMED})
+_KEPT = frozenset({Policy.STAGED, Policy.RESIDENT})
 
 
 class Block(Protocol):
@@ -59,6 +63,9 @@ class StreamOwner(Protocol):
 
     def first_pass_ran(self, component: str) -> None:
         """Told once a component's blocks have run through once in a call."""
+
+    def timed_step_ran(self, component: str) -> None:
+        """Told as each pass of a component begins once one of its steps was timed in its activation."""
 
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -114,7 +121,7 @@ class BlockStream:
         # The pipeline call (the group's count) the recording last grew in.
         self._recorded_in_call = -1
         self._windows: dict[int, tuple[Block, ...]] = {}
-        self._staged_windows: dict[int, tuple[Block, ...]] = {}
+        self._kept_windows: dict[int, tuple[Block, ...]] = {}
         # Streamed blocks this stream loaded and has not dropped yet.
         self._held: list[Block] = []
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
@@ -144,19 +151,20 @@ class BlockStream:
         pass (the next denoising step) starts again at the top. A resident block holds no slot of
         the window while it runs, so the slot a streamed block would take loads one more ahead.
 
-        Also the staged blocks that follow it, as many: loaded once per activation, in its first
-        pass, they load ahead too, so that their copies run behind the compute of the blocks before
-        them rather than each in front of its own block (a whole step's worth of copy time, for
-        SDXL's UNet at 8 GB)."""
-        windows, staged = {}, {}
+        Also the blocks kept that follow it, as many: staged ones, loaded once per activation in
+        its first pass, and resident ones a plan made while the component runs has not loaded yet
+        (see ``adaptive.estimate_at_start``). They load ahead too, so that their copies run behind
+        the compute of the blocks before them rather than each in front of its own block (a whole
+        step's worth of copy time, for SDXL's UNet at 8 GB)."""
+        windows, kept = {}, {}
         for position, unit in enumerate(self._order):
             depth = self.prefetch_blocks + (unit.policy is not Policy.STREAMED)
-            windows[id(unit)] = self._following(position, Policy.STREAMED, depth)
-            staged[id(unit)] = self._following(position, Policy.STAGED, self.prefetch_blocks)
-        self._windows, self._staged_windows = windows, staged
+            windows[id(unit)] = self._following(position, _STREAMED, depth)
+            kept[id(unit)] = self._following(position, _KEPT, self.prefetch_blocks)
+        self._windows, self._kept_windows = windows, kept
 
-    def _following(self, position: int, policy: Policy, depth: int) -> tuple[Block, ...]:
-        """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around."""
+    def _following(self, position: int, policies: frozenset[Policy], depth: int) -> tuple[Block, ...]:
+        """Up to ``depth`` blocks of ``policies`` after ``position`` in order, wrapping around."""
         order = self._order
         count = len(order)
         ahead = []
@@ -164,7 +172,7 @@ class BlockStream:
             if len(ahead) >= depth:
                 break
             candidate = order[(position + step) % count]
-            if candidate.policy is policy:
+            if candidate.policy in policies:
                 ahead.append(candidate)
         return tuple(ahead)
 
@@ -184,6 +192,21 @@ class BlockStream:
         self._first_step = _step_seconds(self._first_step)
         self._latest_steps = [_step_seconds(stamps) for stamps in self._latest_steps]
         return self._first_step, statistics.median(self._latest_steps)
+
+    def step_seconds_so_far(self) -> float | None:
+        """Compute seconds of the first step timed in the activation under way (a call's second
+        step), once the device has run it; None before. Asked, not waited for: read in the middle
+        of a call (see ``adaptive.plan_from_timed_step``), waiting would hold the host until the
+        device caught up, and the device would then idle while the host planned."""
+        if not self._timed_in_activation:
+            return None
+        first = self._latest_steps[0]
+        if not isinstance(first, float):
+            # One stream's stamps pass in order: once the last block's end has, every one has.
+            if not first or not _device.has_passed(next(reversed(first.values()))[1]):
+                return None
+            self._latest_steps[0] = first = _step_seconds(first)
+        return first
 
     def _pass_begins(self, unit: Block) -> None:
         activation = (self.group.switches, self.group.calls)
@@ -208,6 +231,8 @@ class BlockStream:
             self._stamps = {}
         if self._passes == 2:
             self.group.first_pass_ran(self.component)
+        if self._timed_in_activation:
+            self.group.timed_step_ran(self.component)
 
     def _stamp_end(self, unit: Block) -> None:
         ran, started = self._running
@@ -272,7 +297,7 @@ class BlockStream:
                     ahead.load(ahead=True, slots=self.slots)
                 if ahead not in held:
                     held.append(ahead)
-            for ahead in self._staged_windows.get(id(unit), ()):
+            for ahead in self._kept_windows.get(id(unit), ()):
                 if not ahead.stager.loaded:
                     ahead.load(ahead=True)  # kept while the component runs: never held, never dropped here
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:

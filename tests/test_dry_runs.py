@@ -17,8 +17,8 @@ from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DMod
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
 from torch.overrides import TorchFunctionMode
 
-from diffusers_residency import _device, adaptive, dry_runs
-from diffusers_residency.adaptive import DRY_RUN, PipelineResidency
+from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_runs
+from diffusers_residency.adaptive import DRY_RUN, PipelineResidency, replan_in_place
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
@@ -169,6 +169,61 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
     plan = flux.pipe.residency_plan()
     assert plan.source == "measured" and plan.activations["transformer"] == 1000 + margin
     assert torch.equal(_run(flux), flux.reference)
+
+
+def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_step_it_timed(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With no step timed, a plan keeps the most resident bytes; the steps after the first one
+    # timed (the second: from the third on, on the CPU, whose clock is read as it passes) are
+    # planned for that timing, the call still planned from the dry runs, then measured.
+    caplog.set_level("INFO", logger="diffusers_residency")
+    kwargs = {"steps": 5, "height": 32, "width": 32}
+    reference = pipeline_output(flux.pipe, call_kwargs("flux", **kwargs))
+    state = _measured(flux, monkeypatch)
+    budget, sizes = state.plan.budget, {s.name: s for s in state.plan.sizes}
+    blocks = state.group.units_of("transformer")[1:]
+    # An estimate that leaves room for some of the transformer's blocks, not all: the largest need,
+    # a block's bytes at a time, whose plan keeps fewer than every block.
+    margin, smallest = int(budget * 0.02), min(sizes["transformer"].block_bytes)
+    measured = {name: 1000 + margin for name in ("text_encoder", "text_encoder_2", "vae")}
+
+    def resident_blocks(need: int) -> int:
+        try:
+            plan = replan_in_place(state, {**measured, "transformer": need + margin})
+        except BudgetTooSmallError:
+            return 0
+        return len(plan["transformer"].resident_blocks)
+
+    need = next(n for n in range(budget - margin, 0, -smallest) if 0 < resident_blocks(n) < len(blocks))
+    monkeypatch.setattr(state.dry_runs.forward, "need", lambda args, kwargs: need)
+    plans_in_step: list[ResidencyPlan] = []
+    # Read in the second block, its step's first one having entered (and planned, as a pass begins).
+    blocks[1].module.register_forward_pre_hook(lambda *_: plans_in_step.append(state.plan))
+    assert torch.equal(pipeline_output(flux.pipe, call_kwargs("flux", **kwargs)), reference)
+
+    assert len(plans_in_step) == 5 and {plan.source for plan in plans_in_step} == {DRY_RUN}
+    untimed, timed = plans_in_step[:2], plans_in_step[2:]
+    assert all(not plan.timings for plan in untimed), "no step timed before the second ran"
+    assert 0 < len(untimed[0]["transformer"].resident_blocks) < len(blocks), str(untimed[0])
+    stream = blocks[0].stream
+    first_step, _ = stream.step_compute_seconds()
+    compute_per_byte = first_step / sum(sizes["transformer"].block_bytes)
+    assert all(plan.timings["transformer"].compute_per_byte == compute_per_byte for plan in timed)
+    assert all(plan.activations == untimed[0].activations for plan in timed), "the estimates planned for, as before"
+    assert "timed a step under the dry runs' estimate" in caplog.text
+    assert state.group.plan_from_timed_step is None
+    assert flux.pipe.residency_plan().source == "measured"
+    assert torch.equal(pipeline_output(flux.pipe, call_kwargs("flux", **kwargs)), reference)
+
+    # A new, larger shape is planned from dry runs again, for a step timed in its own call.
+    larger = {**kwargs, "height": 48, "width": 48}
+    plans_in_step.clear()
+    pipeline_output(flux.pipe, call_kwargs("flux", **larger))
+    assert plans_in_step[0].source == DRY_RUN and not plans_in_step[0].timings
+    stream.step_compute_seconds()  # the steps this call timed, read
+    planned_for = plans_in_step[2].timings["transformer"].compute_per_byte * sum(sizes["transformer"].block_bytes)
+    assert planned_for == pytest.approx(stream._latest_steps[0], rel=1e-9) and stream._latest_steps[0] != first_step
 
 
 def test_a_first_call_of_sd15_at_its_default_size_is_planned_from_dry_runs(monkeypatch: pytest.MonkeyPatch) -> None:

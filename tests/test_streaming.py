@@ -233,6 +233,21 @@ def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase)
     detach_staging_hook(flux.pipe.transformer)
 
 
+def test_a_block_made_resident_while_its_component_streams_loads_ahead_of_its_turn(flux: PipelineCase) -> None:
+    # As a plan made in a call (from dry runs, as its denoiser starts) leaves it: resident, not loaded.
+    group = ResidencyGroup("cpu")
+    attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=1)
+    blocks = group.units_of("transformer")[1:]
+    blocks[3].policy = Policy.RESIDENT
+    blocks[0].stream.replan()
+    loaded_while_running = _record_loaded_while_running(blocks, Policy.RESIDENT)
+    assert torch.equal(flux.run(), flux.reference)
+    names = [b.name for b in blocks]
+    assert loaded_while_running[names[0]] == [names[3]], "loaded ahead, as the first kept block after the first"
+    assert blocks[3].stager.loads == 1 and blocks[3].stager.loaded, "and kept"
+    detach_staging_hook(flux.pipe.transformer)
+
+
 def _allocations_per_load(unit: ResidencyUnit) -> int:
     return 1 if unit.stager.one_buffer else len(unit.stager._layout())
 
