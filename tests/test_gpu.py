@@ -631,6 +631,30 @@ def test_a_step_or_decode_short_of_memory_under_dry_run_estimates_runs_again_on_
     assert torch.equal(case.run(), case.reference)
 
 
+def test_a_first_call_planned_from_dry_runs_on_cuda_plans_its_other_steps_for_a_step_timed_with_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diffusers_residency.adaptive import DRY_RUN
+    from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    reference = pipeline_output(case.pipe, call_kwargs("flux", steps=6))
+    case.pipe.to("cpu")
+    budget = half_way_budget(case.pipe)
+    peaks = record_peaks(monkeypatch)
+    case.pipe.enable_pinned_offload(vram_budget=budget)
+    state = pipeline_state(case.pipe)
+    plans = []
+    state.group.units_of("transformer")[2].module.register_forward_pre_hook(lambda *_: plans.append(state.plan))
+    assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", steps=6)), reference)
+    assert len(plans) == 6 and {plan.source for plan in plans} == {DRY_RUN}, plans
+    # From the third step on at the earliest: the second is the first timed, read once it ran.
+    timed = [step for step, plan in enumerate(plans) if "transformer" in plan.timings]
+    assert timed and timed[0] >= 2 and timed == list(range(timed[0], 6)), timed
+    assert max(peaks + [torch.cuda.max_memory_allocated()]) <= budget
+    assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", steps=6)), reference)
+
+
 def test_masters_served_from_files_on_cuda_are_exact_and_the_ring_is_unlocked_on_disable(tmp_path) -> None:
     from diffusers_residency import pinning
 
