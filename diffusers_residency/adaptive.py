@@ -360,11 +360,16 @@ def plan_from_timed_step(state: PipelineResidency, component: str) -> None:
     if timing is None:
         return
     state.group.plan_from_timed_step = None
+    streaming, whole = _hooked(state)
+    # Components hooked whole keep their policy: one made staged would stay on the device until the
+    # next switch, after the steps this plan is for.
+    kept_as_planned = {name: state.plan[name].policy for name in whole}
     try:
-        plan = replan_in_place(state, state.plan.activations, {**state.plan.timings, component: timing})
+        plan = state.replan(state.plan.activations, {**streaming, **kept_as_planned}, whole,
+                            {**state.plan.timings, component: timing})  # fmt: skip
     except BudgetTooSmallError:
         return  # the activations planned for fit no plan with these hooks: the plan in place stays
-    apply_plan(state, replace(plan, source=state.plan.source))
+    apply_plan(state, replace(plan, source=state.plan.source, shape=state.shape))
     logger.info("%r timed a step under the dry runs' estimate for calls of %s; its other steps are planned for it: %s",
                 component, state.shape, plan.summary())  # fmt: skip
 

@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 # median is the step the planner is given. One step's time moves with a garbage collection, an
 # allocator retry or another process on the device, and a plan chosen from it moved with it.
 STEPS_TIMED = 5
-# The blocks a window loads ahead at each entry, and those loaded ahead once and kept (see
-# BlockStream._compute_windows).
-_STREAMED = frozenset({Policy.STREAMED})
-_KEPT = frozenset({Policy.STAGED, Policy.RESIDENT})
 
 
 class Block(Protocol):
@@ -151,20 +147,24 @@ class BlockStream:
         pass (the next denoising step) starts again at the top. A resident block holds no slot of
         the window while it runs, so the slot a streamed block would take loads one more ahead.
 
-        Also the blocks kept that follow it, as many: staged ones, loaded once per activation in
-        its first pass, and resident ones a plan made while the component runs has not loaded yet
-        (see ``adaptive.estimate_at_start``). They load ahead too, so that their copies run behind
-        the compute of the blocks before them rather than each in front of its own block (a whole
-        step's worth of copy time, for SDXL's UNet at 8 GB)."""
+        Also the kept blocks that follow it, as many of each policy: staged ones, loaded once per
+        activation in its first pass, and resident ones that a plan made while the component runs
+        has not loaded yet (see ``adaptive.estimate_at_start`` and ``plan_from_timed_step``). They
+        load ahead too, so that their copies run behind the compute of the blocks before them
+        rather than each in front of its own block (a whole step's worth of copy time, for SDXL's
+        UNet at 8 GB). Apart: resident blocks, loaded but for those, would take staged ones' places."""
         windows, kept = {}, {}
         for position, unit in enumerate(self._order):
             depth = self.prefetch_blocks + (unit.policy is not Policy.STREAMED)
-            windows[id(unit)] = self._following(position, _STREAMED, depth)
-            kept[id(unit)] = self._following(position, _KEPT, self.prefetch_blocks)
+            windows[id(unit)] = self._following(position, Policy.STREAMED, depth)
+            kept[id(unit)] = (
+                self._following(position, Policy.STAGED, self.prefetch_blocks)
+                + self._following(position, Policy.RESIDENT, self.prefetch_blocks)
+            )
         self._windows, self._kept_windows = windows, kept
 
-    def _following(self, position: int, policies: frozenset[Policy], depth: int) -> tuple[Block, ...]:
-        """Up to ``depth`` blocks of ``policies`` after ``position`` in order, wrapping around."""
+    def _following(self, position: int, policy: Policy, depth: int) -> tuple[Block, ...]:
+        """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around."""
         order = self._order
         count = len(order)
         ahead = []
@@ -172,7 +172,7 @@ class BlockStream:
             if len(ahead) >= depth:
                 break
             candidate = order[(position + step) % count]
-            if candidate.policy in policies:
+            if candidate.policy is policy:
                 ahead.append(candidate)
         return tuple(ahead)
 
@@ -202,8 +202,7 @@ class BlockStream:
             return None
         first = self._latest_steps[0]
         if not isinstance(first, float):
-            # One stream's stamps pass in order: once the last block's end has, every one has.
-            if not first or not _device.has_passed(next(reversed(first.values()))[1]):
+            if not first or not all(_device.has_passed(end) for _, end in first.values()):
                 return None
             self._latest_steps[0] = first = _step_seconds(first)
         return first
