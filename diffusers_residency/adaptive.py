@@ -40,6 +40,8 @@ RESERVE_MARGIN = 0.02
 ESTIMATED = "estimated"
 COVERING = f"{ESTIMATED} from calls of"
 DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
+# How a plan made again for allocator retries says why (see learn_overshoot).
+RETRIED = "The allocator ran out of room under its cap and retried"
 
 
 # The attribute of a pipeline that holds its PipelineResidency.
@@ -93,7 +95,6 @@ class PipelineResidency:
         return bool(self.group.units)
 
 
-
 def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
     """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
     for component in plan.components:
@@ -137,7 +138,7 @@ def _watch(state: PipelineResidency, *, measure: bool, estimated: bool = False) 
         group.loaded_bytes,
         state.plan.budget,
         lambda component, overshoot, retried: learn_overshoot(state, component, overshoot, retried),
-        on_first_call=(lambda measured: learn_activations(state, measured)) if measure else None,
+        on_first_call=(lambda measured, retried: learn_activations(state, measured, retried)) if measure else None,
         on_first_step=(lambda component, need: learn_first_step(state, component, need)) if measure else None,
         call_start=state.call_start,
         call_end=state.call_end,
@@ -145,7 +146,6 @@ def _watch(state: PipelineResidency, *, measure: bool, estimated: bool = False) 
         # all that shows it was short: told as the call returns, for the plan of its shape.
         retries_while_measuring=estimated,
     )
-
 
 
 def replan_in_place(
@@ -201,11 +201,7 @@ def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, re
         state.retry_replans[component] = times + 1
         # Doubled while the room lasts, then one margin at a time.
         margins = [margin << times, margin] if times else margins
-    what = (
-        f"Peak device memory went {format_bytes(overshoot)} over vram_budget"
-        if overshoot
-        else "The allocator ran out of room under its cap and retried"
-    )
+    what = f"Peak device memory went {format_bytes(overshoot)} over vram_budget" if overshoot else RETRIED
     for margin in margins:
         need = plan.activation_bytes_of(component) + overshoot + margin
         try:
@@ -234,7 +230,7 @@ def learn_overshoot(state: PipelineResidency, component: str, overshoot: int, re
     )
 
 
-def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> None:
+def learn_activations(state: PipelineResidency, measured: Mapping[str, int], retried: Sequence[str] = ()) -> None:
     """The first call of a shape ran with the least on the device (or under a plan estimated from a
     larger shape's figures) and measured what each component needed above the weights, and how long
     a step of a streamed per-step component computes and loads.
@@ -242,16 +238,27 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
 
     Measured, not guessed: what a call needs varies across components far more than across calls
     (an SDXL VAE decoding at 1024x1024 in float32 needs about 5 GB, its UNet a fraction of that),
-    and one reserve for all would either waste the denoiser's room or leave the decoder short."""
+    and one reserve for all would either waste the denoiser's room or leave the decoder short.
+
+    The components that made the allocator retry under an estimate (``retried``) get the margin
+    :func:`learn_overshoot` would give them in this same plan, where it fits: a timed plan of
+    FLUX.1-dev takes the host about 0.1 s, and the call's caller waits for what is planned as it
+    returns."""
     plan = state.plan
     margin = int(plan.budget * RESERVE_MARGIN)
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
+    with_retries = {**activations, **{name: activations.get(name, plan.reserve) + margin for name in retried}}
     needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
-    try:
-        # A component whose step this call did not time (a call of fewer than three steps) keeps
-        # the timing the plan had, or takes the latest one timed, in an earlier call.
-        new_plan = replan_in_place(state, activations, {**plan.timings, **step_timings(state.group, state.plan)})
-    except BudgetTooSmallError:
+    # A component whose step this call did not time (a call of fewer than three steps) keeps the
+    # timing the plan had, or takes the latest one timed, in an earlier call.
+    timings = {**plan.timings, **step_timings(state.group, state.plan)}
+    for planned in (with_retries, activations) if retried else (activations,):
+        try:
+            new_plan = replan_in_place(state, planned, timings)
+            break
+        except BudgetTooSmallError:
+            continue
+    else:
         logger.warning(
             "%s measured %s above the weights; with margins no plan fits vram_budget %s, so the plan it "
             "ran under stays. Raise vram_budget.",
@@ -278,8 +285,14 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int]) -> 
         format_bytes(plan.budget),
         new_plan.summary(),
     )
-
-
+    for name in retried:
+        if planned is with_retries:
+            state.retry_replans[name] = 1
+            logger.warning(
+                "%s while %r ran; planned with %s for its activations", RETRIED, name, format_bytes(planned[name])
+            )
+        else:
+            learn_overshoot(state, name, 0, True)  # no room for a margin more: as later retries are
 
 
 def _first_call(state: PipelineResidency) -> str:
@@ -505,7 +518,11 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
     state.group.forget_estimates()
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
-    if isinstance(error, torch.OutOfMemoryError) and state.shape is not None and state.plan.source.startswith(ESTIMATED):
+    if (
+        isinstance(error, torch.OutOfMemoryError)
+        and state.shape is not None
+        and state.plan.source.startswith(ESTIMATED)
+    ):
         state.estimates_failed.add(state.shape)
     state.shape = None
 
@@ -542,5 +559,9 @@ def end_call(state: PipelineResidency) -> None:
         try:
             write_profile(state.profile_file, state.profile)
         except OSError as exc:
-            logger.warning("Could not save the residency profile to %s (%s); the next process measures again", state.profile_file, exc)
+            logger.warning(
+                "Could not save the residency profile to %s (%s); the next process measures again",
+                state.profile_file,
+                exc,
+            )
             state.profile_file = None

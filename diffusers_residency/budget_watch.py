@@ -38,12 +38,12 @@ class BudgetWatch:
     reset (and the allocator's cache emptied) each time another component starts, and what
     each one needed above the weights (its reserved peak less the weight bytes loaded when it
     ended: the call's tensors, its activations, the allocator's fragmentation) is told once, as
-    ``on_first_call({component: bytes})``, when the next call starts (or as the pipeline call
+    ``on_first_call({component: bytes}, retried)``, when the next call starts (or as the pipeline call
     returns, see :meth:`end_call`). A call that never reaches ``call_end`` (latents as output)
     does not count. While measuring, a peak over the budget is measured, not
-    told, and retries are not told either (with ``retries_while_measuring``, they are, right after
-    ``on_first_call``, unless it calls :meth:`drop_retries`); ``on_first_step(component, bytes)`` is told what a
-    streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
+    told, and retries are not told either (with ``retries_while_measuring``, they are, as
+    ``on_first_call``'s second argument: the components that retried); ``on_first_step(component,
+    bytes)`` is told what a streamed component needed in its first pass (see :meth:`first_pass_ran`)."""
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class BudgetWatch:
         vram_budget: int,
         on_over_budget: Callable[[str, int, bool], None],
         *,
-        on_first_call: Callable[[dict[str, int]], None] | None = None,
+        on_first_call: Callable[[dict[str, int], tuple[str, ...]], None] | None = None,
         on_first_step: Callable[[str, int], None] | None = None,
         call_start: str | None = None,
         call_end: str | None = None,
@@ -229,12 +229,10 @@ class BudgetWatch:
                 self._call_started = True
                 return
             on_first_call, self.on_first_call = self.on_first_call, None
-            on_first_call(self._measured)
-            # Told now, against the plan just made for the measured call's shape: told as the
-            # next call starts, they would go to that call's plan, which may be another shape's.
+            # Told with what was measured, for the one plan of the measured call's shape: told as
+            # the next call starts, they would go to that call's plan, which may be another shape's.
             retried, self._retried = self._retried, {}
-            for short in retried:
-                self.on_over_budget(short, 0, True)
+            on_first_call(self._measured, tuple(retried))
         elif component == self._call_end and self._call_started:
             self._call_end_ran = True
 

@@ -913,10 +913,14 @@ def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns
     _run(flux, 48)
     large = flux.pipe.residency_plan()
     retrying[0] = True
+    state = pipeline_state(flux.pipe)
+    replans, replan = [], state.replan
+    monkeypatch.setattr(state, "replan", lambda *args, **kwargs: replans.append(args) or replan(*args, **kwargs))
     with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
         assert torch.equal(_run(flux, 32), flux.reference)
     retrying[0] = False
     assert "retried while 'transformer' ran" in caplog.text
+    assert len(replans) == 2, "planned as it began, and once as it returned: the retries' margin in that plan"
     margin = int(budget * 0.02)
     small = flux.pipe.residency_plan()
     # Measured (1000 bytes and a margin), then a margin more for the retries: this shape's figures.

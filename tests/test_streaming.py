@@ -403,7 +403,7 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
         pytest.fail("no overshoot")
 
     # A component loaded outside a call (the VAE at enable, say) starts nothing.
-    watch = watch_budget(group, never_over, on_first_call=told.append, **CALL_ENDS)
+    watch = watch_budget(group, never_over, on_first_call=lambda measured, retried: told.append(measured), **CALL_ENDS)
     watch.component_starts("vae")
     first_call = ["text_encoder", "text_encoder_2", "text_encoder", "text_encoder_2", *["unet"] * 3, "vae"]
     latents_call = ["text_encoder", "text_encoder_2", *["unet"] * 3]
@@ -413,7 +413,7 @@ def test_the_first_call_ends_when_its_first_component_runs_after_the_last(monkey
     for component in latents_call + first_call:
         watch.component_starts(component)
     assert told == [{"text_encoder": 10, "text_encoder_2": 10, "unet": 10, "vae": 10}], "told once, as the call after the first began"
-    watch = watch_budget(group, never_over, on_first_call=told.append, **CALL_ENDS)
+    watch = watch_budget(group, never_over, on_first_call=lambda measured, retried: told.append(measured), **CALL_ENDS)
     for component in latents_call + latents_call:
         watch.component_starts(component)
     assert len(told) == 1, "calls that never reach the VAE are not whole calls"
@@ -427,7 +427,7 @@ def test_an_overshoot_while_measuring_is_measured_and_later_ones_are_each_told(m
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     overshoots: list[tuple[str, int, bool]] = []
-    watch = watch_budget(group, lambda *over: overshoots.append(over), on_first_call=told.append, **CALL_ENDS)
+    watch = watch_budget(group, lambda *over: overshoots.append(over), on_first_call=lambda measured, retried: told.append(measured), **CALL_ENDS)
 
     def call(peaks_now: dict[str, int]) -> None:
         peaks.clear()
@@ -538,7 +538,7 @@ def test_retries_while_measuring_are_measured_not_told(monkeypatch: pytest.Monke
     group = ResidencyGroup("cpu")
     told: list[dict[str, int]] = []
     shortfalls: list[tuple[str, int, bool]] = []
-    watch = watch_budget(group, lambda *short: shortfalls.append(short), on_first_call=told.append, **CALL_ENDS)
+    watch = watch_budget(group, lambda *short: shortfalls.append(short), on_first_call=lambda measured, retried: told.append(measured), **CALL_ENDS)
     for component in ("text_encoder", "unet", "vae"):  # the measuring call: the UNet retries
         watch.component_starts(component)
         retries[0] += component == "unet"
