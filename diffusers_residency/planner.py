@@ -82,6 +82,7 @@ STEP_TIE = 0.02
 DEFAULT_RESERVE_FRACTION = 0.1
 MIN_RESERVE_BYTES = 3 << 30
 
+
 def default_reserve(budget: int) -> int:
     return max(MIN_RESERVE_BYTES, int(budget * DEFAULT_RESERVE_FRACTION))
 
@@ -94,12 +95,39 @@ class _Room:
         self.footprint = footprint_of(by_name)
         self.budget = budget
         self.need = need
+        # Simulated steps by the plans they were simulated for: a timed plan's passes over the
+        # per-step component's choices (see plan_residency) meet a quarter of them again.
+        self.steps: dict[tuple, float] = {}
 
     def peak(self, plans: Mapping[str, ComponentPlan]) -> int:
         return call_peak(list(plans.values()), self.footprint, self.need)
 
     def fits(self, plans: Mapping[str, ComponentPlan]) -> bool:
         return self.peak(plans) <= self.budget
+
+    def fits_as(self, plans: Mapping[str, ComponentPlan], name: str) -> Callable[[int, int], bool]:
+        """Whether ``plans`` fit with streamed component ``name`` keeping (resident, transient) weight
+        bytes, the others as they are: :meth:`fits` with the others' part worked out once, for a
+        search over hundreds of sets of ``name``'s resident blocks."""
+        others = [(plan, self.footprint(plan)) for other, plan in plans.items() if other != name]
+        others_stay = sum(stays for _, (stays, _) in others)
+        others_transient = max((transient for _, (_, transient) in others), default=0)
+        # The largest moment of a component that is not resident, and the largest need of one that
+        # is (its moment adds the largest transient bytes, the streamed component's included).
+        streaming_moment = max(
+            (transient + self.need(p.name) for p, (_, transient) in others if p.policy is not Policy.RESIDENT),
+            default=0,
+        )
+        resident_need = max((self.need(p.name) for p, _ in others if p.policy is Policy.RESIDENT), default=None)
+        own_need, budget = self.need(name), self.budget - others_stay
+
+        def fits(resident: int, transient: int) -> bool:
+            moment = max(transient + own_need, streaming_moment)
+            if resident_need is not None:
+                moment = max(moment, resident_need + max(others_transient, transient))
+            return resident + moment <= budget
+
+        return fits
 
     def transient_room(self, plans: Mapping[str, ComponentPlan], name: str) -> int:
         """The most transient bytes streamed component ``name`` may take with the others as in
@@ -250,7 +278,11 @@ def plan_residency(
         if s.name not in fixed:
             return ComponentPlan(s.name, Policy.RESIDENT)
         plan = _as_given(s, fixed[s.name])
-        return replace(plan, resident_blocks=frozenset(range(len(s.block_bytes)))) if plan.policy is Policy.STREAMED else plan
+        return (
+            replace(plan, resident_blocks=frozenset(range(len(s.block_bytes))))
+            if plan.policy is Policy.STREAMED
+            else plan
+        )
 
     resident = {s.name: most_resident(s) for s in sizes}
     if fits(resident) and not least:
@@ -381,12 +413,13 @@ def _with_resident_blocks(
     steps within :data:`STEP_TIE` of it, the first depth, then the most bytes); its staged blocks
     are left to :func:`_stage_blocks`."""
     sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
+    fits = room.fits_as(plans, name)
     fitting = (
         {**plans, name: replace(plan, resident_blocks=resident, prefetch_blocks=depth)}
         for depth in depths
-        for resident, _, _ in _resident_block_choices(sizes, depth)
+        for resident, resident_bytes, transient in _resident_block_choices(sizes, depth)
+        if fits(sizes.trunk_bytes + resident_bytes, transient)
     )
-    fitting = (trial for trial in fitting if room.fits(trial))
     if timing is None:
         return next(fitting, plans)
     seconds = functools.partial(_step_seconds, name=name, by_name=by_name, room=room, timing=timing)
@@ -419,9 +452,15 @@ def _step_seconds(
     timing: StepTiming,
 ) -> float:
     """Component ``name``'s simulated step under ``plans``, with the staged blocks they leave room for."""
-    plan = _stage_blocks(plans, by_name, room)[name]
-    kept = plan.resident_blocks | plan.staged_blocks
-    return _simulated_step_seconds(by_name[name].block_bytes, kept, plan.prefetch_blocks, timing)
+    key = (name, *plans.values())
+    seconds = room.steps.get(key)
+    if seconds is None:
+        plan = _stage_blocks(plans, by_name, room)[name]
+        kept = plan.resident_blocks | plan.staged_blocks
+        seconds = room.steps[key] = _simulated_step_seconds(
+            by_name[name].block_bytes, kept, plan.prefetch_blocks, timing
+        )
+    return seconds
 
 
 # The three choices of a timed plan (see plan_residency) simulate the same sets of kept blocks
@@ -457,8 +496,10 @@ def _stage_blocks(
             # Blocks with no bytes (a repeated block without weights) all fit where the rest does.
             fitting = spare // size if size else (len(run) if spare >= 0 else 0)
             count = max(0, min(len(run) - 1, fitting))
-            whole_run = count == len(run) - 1 and room.fits(_staging(plans, name, run))
-            plans = _staging(plans, name, run if whole_run else run[:count])
+            if count == len(run) - 1 and room.fits(whole_run := _staging(plans, name, run)):
+                plans = whole_run
+            elif count:
+                plans = _staging(plans, name, run[:count])
     return plans
 
 
