@@ -252,13 +252,14 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int], ret
     # A component whose step this call did not time (a call of fewer than three steps) keeps the
     # timing the plan had, or takes the latest one timed, in an earlier call.
     timings = {**plan.timings, **step_timings(state.group, state.plan)}
+    new_plan = None
     for planned in (with_retries, activations) if retried else (activations,):
         try:
             new_plan = replan_in_place(state, planned, timings)
             break
         except BudgetTooSmallError:
             continue
-    else:
+    if new_plan is None:
         logger.warning(
             "%s measured %s above the weights; with margins no plan fits vram_budget %s, so the plan it "
             "ran under stays. Raise vram_budget.",
@@ -273,26 +274,30 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int], ret
             state.estimates_failed.add(state.shape)
             _apply_least_plan(state)
             state.group.budget_watch.drop_retries()
-        return
-    apply_plan(state, new_plan)
-    state.group.load_resident_ahead()
-    if new_plan.timings:
-        _time_steps_again(state, new_plan)
-    logger.info(
-        "%s measured, above the weights: %s. Plan for vram_budget %s: %s",
-        _first_call(state),
-        needs,
-        format_bytes(plan.budget),
-        new_plan.summary(),
-    )
+            return
+    else:
+        apply_plan(state, new_plan)
+        state.group.load_resident_ahead()
+        if new_plan.timings:
+            _time_steps_again(state, new_plan)
+        logger.info(
+            "%s measured, above the weights: %s. Plan for vram_budget %s: %s",
+            _first_call(state),
+            needs,
+            format_bytes(plan.budget),
+            new_plan.summary(),
+        )
     for name in retried:
-        if planned is with_retries:
+        if new_plan is not None and planned is with_retries:
+            # Counted as learn_overshoot counts its first: a shape measured anew starts with none
+            # counted and none left alone (see begin_call).
             state.retry_replans[name] = 1
             logger.warning(
                 "%s while %r ran; planned with %s for its activations", RETRIED, name, format_bytes(planned[name])
             )
         else:
-            learn_overshoot(state, name, 0, True)  # no room for a margin more: as later retries are
+            # The margins found no room together: each is tried on its own, as later retries are.
+            learn_overshoot(state, name, 0, True)
 
 
 def _first_call(state: PipelineResidency) -> str:

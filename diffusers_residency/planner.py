@@ -96,7 +96,8 @@ class _Room:
         self.budget = budget
         self.need = need
         # Simulated steps by the plans they were simulated for: a timed plan's passes over the
-        # per-step component's choices (see plan_residency) meet a quarter of them again.
+        # per-step component's choices (see plan_residency) meet a quarter to two fifths of them
+        # again. Made for one plan, in which each component has one timing.
         self.steps: dict[tuple, float] = {}
 
     def peak(self, plans: Mapping[str, ComponentPlan]) -> int:
@@ -116,13 +117,15 @@ class _Room:
         # is (its moment adds the largest transient bytes, the streamed component's included).
         streaming_moment = max(
             (transient + self.need(p.name) for p, (_, transient) in others if p.policy is not Policy.RESIDENT),
-            default=0,
+            default=None,
         )
         resident_need = max((self.need(p.name) for p, _ in others if p.policy is Policy.RESIDENT), default=None)
         own_need, budget = self.need(name), self.budget - others_stay
 
         def fits(resident: int, transient: int) -> bool:
-            moment = max(transient + own_need, streaming_moment)
+            moment = transient + own_need
+            if streaming_moment is not None:
+                moment = max(moment, streaming_moment)
             if resident_need is not None:
                 moment = max(moment, resident_need + max(others_transient, transient))
             return resident + moment <= budget
@@ -463,9 +466,9 @@ def _step_seconds(
     return seconds
 
 
-# The three choices of a timed plan (see plan_residency) simulate the same sets of kept blocks
-# again, two in three times for FLUX.1-dev at 16 GB, and a plan made again for the same figures
-# (a shape switched back to) simulates them all again.
+# Trials of a timed plan (see plan_residency) that differ in their resident blocks often keep the
+# same blocks once staged ones are counted (half of them for FLUX.1-dev at 12 and 16 GB), and a
+# plan made again for the same figures (a shape switched back to) simulates them all again.
 _simulated_step_seconds = functools.lru_cache(maxsize=4096)(simulated_step_seconds)
 
 
