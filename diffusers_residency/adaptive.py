@@ -28,7 +28,6 @@ from .profile import CallFigures, ResidencyProfile, covering_shape, shape_parts,
 from .residency import ResidencyGroup
 from .retiming import Retime, step_timings, steps_timed, timing_so_far
 from .step_timing import StepTiming
-from .streaming import BlockStream
 from .text import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -432,11 +431,6 @@ def _hooked(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
     return streaming, whole
 
 
-def _streams(state: PipelineResidency) -> dict[str, BlockStream]:
-    """The block stream of each component hooked by blocks."""
-    return {unit.component: unit.stream for unit in state.group.units if unit.stream is not None}
-
-
 def _apply_least_plan(state: PipelineResidency) -> None:
     """The measuring plan, with the least on the device, on the hooks in place."""
     streaming, whole = _hooked(state)
@@ -492,10 +486,6 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
     group.retention.set_release_before(figures.release_before, learned_for=state.shape)
     plan = replace(plan, source=source, shape=state.shape)
     apply_plan(state, plan)
-    streams = _streams(state)
-    for name, order in figures.orders.items():
-        if name in streams:
-            streams[name].take_order(order)
     if estimated:
         _watch(state, measure=True, estimated=True)
     else:
@@ -558,8 +548,6 @@ def end_call(state: PipelineResidency) -> None:
     # Merged: a call that cast a component not at all (one returning latents never decodes) leaves
     # what was known of it.
     casts = {**(known.casts if known is not None else {}), **{name: trip for name, trip in made.items() if trip}}
-    learned = {name: stream.learned_order() for name, stream in _streams(state).items()}
-    orders = {**(known.orders if known is not None else {}), **{name: o for name, o in learned.items() if o}}
     figures = CallFigures(
         dict(state.plan.activations),
         dict(state.plan.timings),
@@ -567,7 +555,6 @@ def end_call(state: PipelineResidency) -> None:
         retimed=not isinstance(watch.on_call_start if watch is not None else None, Retime),
         plan=state.plan.components,
         casts=casts,
-        orders=orders,
     )
     if known == figures:
         return

@@ -184,8 +184,7 @@ class CallFigures:
     made for those figures, which a first call from them takes as it is (see ``plan_residency``);
     and the casts such a call made of a component and undid, losing nothing (SDXL's VAE: to float32
     to decode, and back to float16; see ``casts.lossless_round_trip``), which a pipeline
-    enabled from them makes before its first call; and the order in which each streamed
-    component's blocks ran, as positions among them (see ``BlockStream.take_order``)."""
+    enabled from them makes before its first call."""
 
     activations: Mapping[str, int]
     timings: Mapping[str, StepTiming] = field(default_factory=dict)
@@ -195,7 +194,6 @@ class CallFigures:
     retimed: bool = True
     plan: tuple[ComponentPlan, ...] = ()
     casts: Mapping[str, tuple[torch.dtype, ...]] = field(default_factory=dict)
-    orders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -208,7 +206,6 @@ class CallFigures:
                 for p in self.plan
             ],
             "casts": {name: [str(dtype).removeprefix("torch.") for dtype in dtypes] for name, dtypes in self.casts.items()},
-            "orders": {name: list(order) for name, order in self.orders.items()},
         }
 
     @classmethod
@@ -222,9 +219,7 @@ class CallFigures:
         release_before, retimed = frozenset(map(str, data["release_before"])), bool(data["retimed"])
         # Files of format 3 written before casts were kept have none.
         casts = {str(name): tuple(map(_dtype, dtypes)) for name, dtypes in data.get("casts", {}).items()}
-        # Nor orders, those written before orders were kept.
-        orders = {str(name): tuple(map(int, order)) for name, order in data.get("orders", {}).items()}
-        return cls(activations, timings, release_before, retimed, plan, casts, orders)
+        return cls(activations, timings, release_before, retimed, plan, casts)
 
 
 def _dtype(name: str) -> torch.dtype:

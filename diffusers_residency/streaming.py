@@ -176,29 +176,6 @@ class BlockStream:
                 ahead.append(candidate)
         return tuple(ahead)
 
-    def learned_order(self) -> tuple[int, ...] | None:
-        """The order learned from a first pass, as positions among the blocks (None before one ran
-        whole): kept in a residency profile, so that a first call from it prefetches in that order."""
-        if self._recording is not None:
-            return None
-        position = {id(unit): index for index, unit in enumerate(self.blocks)}
-        return tuple(position[id(unit)] for unit in self._order)
-
-    def take_order(self, positions: Sequence[int]) -> None:
-        """Prefetch in ``positions``' order (a profile's, see :meth:`learned_order`) from here on,
-        rather than in definition order until a first pass is recorded: an SDXL UNet's blocks do
-        not run in their definition order, and a first call from a profile would otherwise wait for
-        each staged block it reaches. Not taken once an order was learned or is being recorded here,
-        nor where ``positions`` name no blocks of these, or one twice (a pipeline changed since):
-        the order is learned then. A wrong order costs waits, never a wrong result (see
-        :class:`BlockStream`)."""
-        if self._recording != [] or not positions or len(set(positions)) != len(positions):
-            return
-        if all(isinstance(index, int) and 0 <= index < len(self.blocks) for index in positions):
-            self._order = tuple(self.blocks[index] for index in positions)
-            self._recording = None
-            self._compute_windows()
-
     def replan(self, prefetch_blocks: int | None = None) -> None:
         """Recompute the windows after block policies changed (other resident blocks), loading
         ``prefetch_blocks`` ahead from here on where given."""

@@ -83,8 +83,6 @@ def _measured_pipeline(monkeypatch: pytest.MonkeyPatch, whole: tuple[str, ...] =
 def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # Room beside the reserve for the text encoders whole, which a measuring call streams.
     first, budget = _measured_pipeline(monkeypatch, whole=("text_encoder", "text_encoder_2"))
-    # A component run once a call (the VAE) has its order known once its second pass begins.
-    assert torch.equal(first.run(), first.reference)
     learned = first.pipe.residency_plan()
     assert learned.source == "measured" and learned["transformer"].resident_blocks, str(learned)
     profile = residency_profile(first.pipe)
@@ -116,12 +114,6 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     resident = [unit for unit in group.units if unit.policy is Policy.RESIDENT]
     assert resident and all(unit.stager.loaded for unit in resident)
     assert not any(unit.stager.loaded for unit in group.units if unit.policy is not Policy.RESIDENT)
-    # The VAE decodes only: its blocks ran in an order of their own, without the encoder's. The
-    # order is kept, and taken before the first call, whose prefetches then follow it.
-    vae_order = pipeline_state(first.pipe).group.units_of("vae")[1].stream.learned_order()
-    assert len(vae_order) < len(group.units_of("vae")) - 1
-    assert profile.shapes[learned.shape].orders["vae"] == vae_order
-    assert group.units_of("vae")[1].stream.learned_order() == vae_order
     measuring = _measured_calls(second)
     handed.clear()
     assert torch.equal(second.run(), second.reference)
@@ -907,8 +899,7 @@ def test_retries_under_an_estimate_that_never_runs_whole_go_to_no_other_shape(
     assert torch.equal(_run(flux, 48), resident)
     plan = flux.pipe.residency_plan()
     assert plan.source == "measured" and plan.activations == measured.activations, str(plan)
-    # (Components run once a call have their blocks' order known from their second call on.)
-    assert replace(residency_profile(flux.pipe).shapes[large], orders={}) == replace(measured, orders={})
+    assert residency_profile(flux.pipe).shapes[large] == measured
 
 
 def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns(
@@ -1005,16 +996,9 @@ def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
     )
     key = {"pipeline": "P"}
     figures = CallFigures({"transformer": 5}, {"transformer": StepTiming(1e-9, 2e-11)}, frozenset({"vae"}), True, plan)
-    figures = replace(figures, orders={"transformer": (2, 0, 1, 3)})
     path = tmp_path / "p.json"
     write_profile(path, ResidencyProfile(key, {"s": figures}))
     assert read_profile(path, key).shapes["s"] == figures
-    # A file written before orders were kept reads with none.
-    data = json.loads(path.read_text())
-    del data["shapes"]["s"]["orders"]
-    path.write_text(json.dumps(data))
-    assert read_profile(path, key).shapes["s"] == replace(figures, orders={})
-    write_profile(path, ResidencyProfile(key, {"s": figures}))
     # Before plans were kept (format 1), the policies given were not keyed either: a plan made
     # again from those figures might not be the one the policies given now ask for.
     data = json.loads(path.read_text())
