@@ -934,6 +934,45 @@ def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns
     assert residency_profile(flux.pipe).shapes[large.shape].activations == large.activations
 
 
+def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_alone_and_left_alone(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The call under an estimate measures needs that leave room for their margins but not for the
+    # retries' margin on top: it is planned for what it measured, and the retries are told as
+    # later ones are (learn_overshoot), which finds no room either and leaves them alone.
+    reference_48 = _run(flux, 48)
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(flux, monkeypatch)
+    retrying = _retrying_while_the_transformer_runs(flux, monkeypatch)
+    assert torch.equal(_run(flux, 48), reference_48)
+    state = pipeline_state(flux.pipe)
+    margin = int(budget * adaptive.RESERVE_MARGIN)
+    names = [p.name for p in state.plan.components]
+
+    def fits(need: int, extra: int) -> bool:
+        try:
+            adaptive.replan_in_place(state, {**{n: need + margin for n in names}, "transformer": need + margin + extra})
+            return True
+        except BudgetTooSmallError:
+            return False
+
+    # The largest need that fits with its margins alone: then no room for one margin more.
+    low, high = 0, budget
+    while high - low > 1:
+        low, high = ((low + high) // 2, high) if fits((low + high) // 2, 0) else (low, (low + high) // 2)
+    assert fits(low, 0) and not fits(low, margin)
+    _measure_on_the_cpu(flux, monkeypatch, need=low)
+    retrying[0] = True
+    with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
+        assert torch.equal(_run(flux, 32), flux.reference)
+    retrying[0] = False
+    plan = flux.pipe.residency_plan()
+    assert plan.activations["transformer"] == low + margin, str(plan)
+    assert "no plan leaves it more room" in caplog.text
+    assert state.retries_left_alone == {"transformer"}
+
+
 def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() -> None:
     sizes = (
         ComponentSizes("text_encoder", 300 * MB, (100 * MB,) * 3),
