@@ -902,15 +902,25 @@ def test_retries_under_an_estimate_that_never_runs_whole_go_to_no_other_shape(
     assert residency_profile(flux.pipe).shapes[large] == measured
 
 
-def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _measured_at_48_retrying_on_demand(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.Tensor, int, list[bool]]:
+    """The tiny FLUX pipeline under :func:`_budget`, its 48x48 calls measured (exact), with the
+    allocator retrying while the transformer runs once the list returned holds True; and the
+    resident 48x48 output and the budget."""
     reference_48 = _run(flux, 48)
     budget = _budget(flux)
     flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     _measure_on_the_cpu(flux, monkeypatch)
     retrying = _retrying_while_the_transformer_runs(flux, monkeypatch)
-    _run(flux, 48)
+    assert torch.equal(_run(flux, 48), reference_48)
+    return reference_48, budget, retrying
+
+
+def test_retries_under_an_estimate_are_learned_for_its_shape_as_its_call_returns(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference_48, budget, retrying = _measured_at_48_retrying_on_demand(flux, monkeypatch)
     large = flux.pipe.residency_plan()
     retrying[0] = True
     state = pipeline_state(flux.pipe)
@@ -940,12 +950,7 @@ def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_a
     # The call under an estimate measures needs that leave room for their margins but not for the
     # retries' margin on top: it is planned for what it measured, and the retries are told as
     # later ones are (learn_overshoot), which finds no room either and leaves them alone.
-    reference_48 = _run(flux, 48)
-    budget = _budget(flux)
-    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(flux, monkeypatch)
-    retrying = _retrying_while_the_transformer_runs(flux, monkeypatch)
-    assert torch.equal(_run(flux, 48), reference_48)
+    _, budget, retrying = _measured_at_48_retrying_on_demand(flux, monkeypatch)
     state = pipeline_state(flux.pipe)
     margin = int(budget * adaptive.RESERVE_MARGIN)
     names = [p.name for p in state.plan.components]
