@@ -559,6 +559,11 @@ def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path,
     assert all(c.host_ms > 0 and c.kernel_ms is None for c in trace.components)
     assert trace.device_busy_ms is None and trace.gaps == ()
     assert "one call traced" in str(trace)
+    # Each step's length, for the one component entered more than once; no Python traced unasked.
+    ((name, step_ms),) = trace.entry_ms
+    transformer = next(c for c in trace.components if c.name == "transformer")
+    assert name == "transformer" and len(step_ms) == steps and sum(step_ms) == pytest.approx(transformer.host_ms)
+    assert trace.functions == ()
     # The ranges were added for that call only.
     assert case.pipe.transformer.__dict__["forward"] is hooked_forward
     for name, component in case.pipe.components.items():
@@ -584,9 +589,36 @@ def test_the_first_call_can_be_the_traced_one(tmp_path, capsys) -> None:
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [len(r["call_seconds"]) for r in results] == [2, 2], "the traced call is the first warm-up call, timed"
     assert all(r["trace"] and r["exact"] is not False for r in results)
+    # The first call's Python is traced: the pinned mode's shows where the package's hooks went.
+    pinned = next(r["trace"] for r in results if r["mode"] == "pinned")
+    assert "host time in this package's functions" in pinned and "diffusers_residency/hooks.py(" in pinned
     with pytest.raises(SystemExit):
         main(["--trace", "first", "--warmup", "0", "--out", str(tmp_path)])
     assert "give --warmup 1 or more" in capsys.readouterr().err
+
+
+def test_a_python_trace_sums_the_packages_functions_and_device_waits_outermost_calls_only() -> None:
+    planner, hook = "diffusers_residency/planner.py(10): plan", "diffusers_residency/hooks.py(5): pre_forward"
+    sync = "<built-in method synchronize of PyCapsule object at 0x7f00>"
+    events = [
+        _span("python_function", planner, 0, 30),
+        _span("python_function", planner, 5, 10),  # recursive: inside the call above, not counted again
+        _span("python_function", planner, 40, 20),
+        _span("python_function", hook, 100, 1),
+        _span("python_function", hook, 102, 1),
+        _span("python_function", sync, 20, 8),
+        _span("python_function", "diffusers_residency/bench/trace.py(1): entered", 0, 200),  # the bench's own
+        _span("python_function", "diffusers/models/attention.py(3): forward", 0, 200),  # not this package's
+        _span("python_function", "<built-in function len>", 0, 50),
+    ]
+
+    functions = summarise(events, 1.0, with_device=False).functions
+
+    assert [(f.name, f.calls, f.ms) for f in functions] == [
+        (planner, 2, 0.05),
+        ("<built-in method synchronize>", 1, 0.008),
+        (hook, 2, 0.002),
+    ]
 
 
 def _span(cat: str, name: str, ts: int, dur: int, correlation: int | None = None) -> dict:

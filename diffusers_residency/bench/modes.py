@@ -486,9 +486,10 @@ def _traced_first_call(
 ) -> tuple[str, torch.Tensor]:
     """The first call under the profiler: its summary and its output, its time appended to
     ``seconds`` (the profiler's own cost included: it is where a first call's excess goes that this
-    shows, not its length). A failure fails the mode, as an untraced first call's would."""
+    shows, not its length; Python is traced too, to show the planning and measuring a first call
+    does). A failure fails the mode, as an untraced first call's would."""
     outputs: list[torch.Tensor] = []
-    traced = traced_call(pipe, lambda: outputs.append(call()), device)
+    traced = traced_call(pipe, lambda: outputs.append(call()), device, python_functions=True)
     seconds.append(traced.wall_ms / 1000)
     return str(traced), outputs[0]
 

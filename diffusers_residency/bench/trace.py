@@ -6,8 +6,12 @@ host time spent staging weights (see ``residency_report()``'s ``host s``) shows 
 idling. The s/call of the benchmark cannot say where that happens; a trace can. Each component's
 forward (and a VAE's ``decode``) runs inside a profiler range, and for each component the summary
 gives the host time inside its ranges, the device time of its kernels and copies, and the device's
-idle time within them; then the longest stretches the device sat idle during the call, with the
-component the host was in and the host operations that ran meanwhile.
+idle time within them; the length of each entry of a component entered more than once (a
+denoiser's steps, where a first step that loads or plans shows); then the longest stretches the
+device sat idle during the call, with the component the host was in and the host operations that
+ran meanwhile; then, where Python was traced (``python_functions=True``), the functions of this
+package the host spent longest in, and its device synchronisations and cache releases: where a
+first call's planning and measuring go.
 
 The ranges are added for the traced call only: a ``record_function`` in every forward would cost
 every call something.
@@ -44,6 +48,12 @@ _GAPS_SHOWN = 5
 _OP_MIN_US = 300.0
 # Device events by what they are counted as.
 _DEVICE_WORK = {"kernel": "kernel", "gpu_memset": "kernel", "gpu_memcpy": "copy"}
+# Traced Python functions shown: this package's own (not the benchmark's), and the runtime calls
+# that wait for the device or give its memory back.
+_PACKAGE_FILES = "diffusers_residency/"
+_BENCH_FILES = "diffusers_residency/bench/"
+_WAITING_BUILTINS = ("synchronize", "emptyCache", "empty_cache")
+_FUNCTIONS_SHOWN = 15
 
 Interval = tuple[float, float]
 
@@ -72,11 +82,24 @@ class DeviceGap:
 
 
 @dataclass(frozen=True)
+class FunctionTime:
+    """A traced Python function's calls and host time within the call (a recursive one's outermost
+    calls only)."""
+
+    name: str  # as the profiler names it: "path/to/module.py(line): function"
+    calls: int
+    ms: float
+
+
+@dataclass(frozen=True)
 class CallTrace:
     wall_ms: float
     device_busy_ms: float | None
     components: tuple[ComponentTrace, ...]
     gaps: tuple[DeviceGap, ...]
+    # The ms of each entry, in order, of the components entered more than once.
+    entry_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    functions: tuple[FunctionTime, ...] = ()
 
     def __str__(self) -> str:
         def ms(value: float | None) -> str:
@@ -89,20 +112,30 @@ class CallTrace:
             for c in self.components
         ]
         lines = [f"one call traced: {self.wall_ms:.1f} ms wall{busy}", *text_table((header, *rows))]
+        for name, entries in self.entry_ms:
+            lines.append(f"{name}, each entry: " + ", ".join(f"{entry:.1f}" for entry in entries) + " ms")
         if self.gaps:
             lines.append(f"longest device idle stretches (over {_GAP_MIN_US / 1000:.0f} ms):")
         for gap in self.gaps:
             ops = ", ".join(f"{name} {op_ms:.1f} ms" for name, op_ms in gap.host_ops) or "no long host operation"
             lines.append(f"  {gap.ms:.1f} ms at +{gap.at_ms:.1f} ms, host in {gap.component or '-'}: {ops}")
+        if self.functions:
+            lines.append("host time in this package's functions and in device waits (Python traced, so slowed):")
+        for function in self.functions:
+            lines.append(f"  {function.ms:.1f} ms in {function.calls} calls: {function.name}")
         return "\n".join(lines)
 
 
-def traced_call(pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device) -> CallTrace:
-    """Run ``call`` once under the profiler, with a range around every entry into a component."""
+def traced_call(
+    pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device, *, python_functions: bool = False
+) -> CallTrace:
+    """Run ``call`` once under the profiler, with a range around every entry into a component; with
+    ``python_functions``, every Python call traced too (which slows the host: the functions' times
+    say where the host went, not how long that takes untraced)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with _component_ranges(pipe), profile(activities=activities) as profiler:
+    with _component_ranges(pipe), profile(activities=activities, with_stack=python_functions) as profiler:
         started = time.perf_counter()
         with record_function(_CALL):
             call()
@@ -208,12 +241,41 @@ def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallT
         )
         for name, ranges in entries.items()
     )
+    entry_ms = tuple(
+        (name, tuple((end - start) / 1000 for start, end in ranges))
+        for name, ranges in entries.items()
+        if len(ranges) > 1
+    )
+    functions = _function_times(spans)
     call = next((e for e in host_ranges if e["name"] == _CALL), None)
     if not with_device or call is None:
-        return CallTrace(wall_ms, None, components, ())
+        return CallTrace(wall_ms, None, components, (), entry_ms, functions)
     start, end = call["ts"], call["ts"] + call["dur"]
     inside = _clip(busy, start, end)
-    return CallTrace(wall_ms, _length(inside) / 1000, components, _gaps(inside, start, end, entries, spans))
+    gaps = _gaps(inside, start, end, entries, spans)
+    return CallTrace(wall_ms, _length(inside) / 1000, components, gaps, entry_ms, functions)
+
+
+def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
+    """The traced Python functions of this package, and the runtime's device waits, by host time.
+    A call made from inside another call of the same function is counted in that one."""
+    calls: dict[str, list[Interval]] = collections.defaultdict(list)
+    for event in sorted((e for e in spans if e.get("cat") == "python_function"), key=lambda e: e["ts"]):
+        name = event["name"]
+        own = name.startswith(_PACKAGE_FILES) and not name.startswith(_BENCH_FILES)
+        if not own and not (name.startswith("<built-in") and any(word in name for word in _WAITING_BUILTINS)):
+            continue
+        ranges = calls[name]
+        if ranges and event["ts"] < ranges[-1][1]:
+            continue
+        ranges.append((event["ts"], event["ts"] + event["dur"]))
+    times = [FunctionTime(_builtin_name(name), len(ranges), _length(ranges) / 1000) for name, ranges in calls.items()]
+    return tuple(sorted(times, key=lambda f: -f.ms)[:_FUNCTIONS_SHOWN])
+
+
+def _builtin_name(name: str) -> str:
+    # "<built-in method synchronize of PyCapsule object at 0x7f...>": the address says nothing.
+    return name.split(" of ")[0] + ">" if name.startswith("<built-in") and " of " in name else name
 
 
 def _owner(entries: dict[str, list[Interval]], moment: float) -> str | None:
