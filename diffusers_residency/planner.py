@@ -21,14 +21,14 @@ reserve stands in for them.
 3. If the per-step component does not fit, it streams too: its trunk (embeddings, norms,
    projections) and as many of its blocks as the room allows stay resident, and the rest stream,
    one block computing while the next :data:`PREFETCH_BLOCKS` load. Which blocks stay is chosen for
-   the bus, see :func:`_resident_block_choices`: the largest ones (the window's slots are as large
+   the bus, see :func:`~.kept_blocks.resident_block_choices`: the largest ones (the window's slots are as large
    as the largest streamed block), spread evenly through the order (the copy stream then has work
    while each resident block computes).
    Once a first call has timed a step of the per-step component (compute, and loads, per byte),
    the choice is the one whose step a simulation of the two streams finishes first: resident bytes
    alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
    double-stream block resident, then 38 single-stream blocks to stream behind a third of the
-   compute), slower than fewer resident bytes spread out. See :func:`simulated_step_seconds`.
+   compute), slower than fewer resident bytes spread out. See :func:`~.step_timing.simulated_step_seconds`.
    Once every component is planned, the same simulation chooses how many of its blocks load ahead
    (:data:`PREFETCH_CHOICES`), the others' room left as it is: one, where the bus is the bound,
    gives a window slot to blocks that stay.
@@ -45,23 +45,13 @@ reserve stands in for them.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .plans import (
-    PREFETCH_BLOCKS,
-    BudgetTooSmallError,
-    ComponentPlan,
-    ComponentSizes,
-    ResidencyPlan,
-    blocks_bytes,
-    call_peak,
-    footprint_of,
-    window_bytes,
-)
+from . import kept_blocks
+from .plans import PREFETCH_BLOCKS, BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
-from .step_timing import StepTiming, simulated_step_seconds
+from .step_timing import StepTiming
 from .text import format_bytes
 
 # The depths a timed plan chooses from at its end (see plan_residency), the default first: where
@@ -69,10 +59,6 @@ from .text import format_bytes
 # (the next copy is queued behind the one running), and the slot it frees holds blocks that do not
 # move at every step.
 PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
-# Simulated steps within this fraction of the shortest count as equal (see _with_resident_blocks):
-# a timed step moves by more than that from one call or process to the next, and between near-equal
-# choices it would pick another set of resident blocks each time.
-STEP_TIE = 0.02
 # Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
 # budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
 # (the VAE decoding at full resolution: 2.6 GB, docs/measurements.md), plus room for the
@@ -87,73 +73,6 @@ def default_reserve(budget: int) -> int:
     return max(MIN_RESERVE_BYTES, int(budget * DEFAULT_RESERVE_FRACTION))
 
 
-class _Room:
-    """The device's room under ``budget`` during a call: whether plans fit, and how many transient
-    bytes a streamed component may take beside the others."""
-
-    def __init__(self, by_name: Mapping[str, ComponentSizes], budget: int, need: Callable[[str], int]) -> None:
-        self.footprint = footprint_of(by_name)
-        self.budget = budget
-        self.need = need
-        # Simulated steps by the plans they were simulated for: a timed plan's passes over the
-        # per-step component's choices (see plan_residency) meet a quarter to two fifths of them
-        # again. Made for one plan, in which each component has one timing.
-        self.steps: dict[tuple, float] = {}
-
-    def peak(self, plans: Mapping[str, ComponentPlan]) -> int:
-        return call_peak(list(plans.values()), self.footprint, self.need)
-
-    def fits(self, plans: Mapping[str, ComponentPlan]) -> bool:
-        return self.peak(plans) <= self.budget
-
-    def fits_as(self, plans: Mapping[str, ComponentPlan], name: str) -> Callable[[int, int], bool]:
-        """Whether ``plans`` fit with streamed component ``name`` keeping (resident, transient) weight
-        bytes, the others as they are: :meth:`fits` with the others' part worked out once, for a
-        search over hundreds of sets of ``name``'s resident blocks."""
-        others = [(plan, self.footprint(plan)) for other, plan in plans.items() if other != name]
-        others_stay = sum(stays for _, (stays, _) in others)
-        others_transient = max((transient for _, (_, transient) in others), default=0)
-        # The largest moment of a component that is not resident, and the largest need of one that
-        # is (its moment adds the largest transient bytes, the streamed component's included).
-        streaming_moment = max(
-            (transient + self.need(p.name) for p, (_, transient) in others if p.policy is not Policy.RESIDENT),
-            default=None,
-        )
-        resident_need = max((self.need(p.name) for p, _ in others if p.policy is Policy.RESIDENT), default=None)
-        own_need, budget = self.need(name), self.budget - others_stay
-
-        def fits(resident: int, transient: int) -> bool:
-            moment = transient + own_need
-            if streaming_moment is not None:
-                moment = max(moment, streaming_moment)
-            if resident_need is not None:
-                moment = max(moment, resident_need + max(others_transient, transient))
-            return resident + moment <= budget
-
-        return fits
-
-    def transient_room(self, plans: Mapping[str, ComponentPlan], name: str) -> int:
-        """The most transient bytes streamed component ``name`` may take with the others as in
-        ``plans``, or -1 where another's moment overflows whatever it takes: :func:`call_peak`
-        solved for its transient bytes (its resident ones, and the others', stay as they are).
-        Its own moment, and each resident component's (which keeps every transient byte of the
-        one before it), bound them."""
-        bytes_of = {other: self.footprint(plan) for other, plan in plans.items()}
-        left = self.budget - sum(stays for stays, _ in bytes_of.values())
-        others_transient = max((transient for other, (_, transient) in bytes_of.items() if other != name), default=0)
-        room = left - self.need(name)
-        for other, plan in plans.items():
-            if other == name:
-                continue
-            if plan.policy is Policy.RESIDENT:
-                if others_transient + self.need(other) > left:
-                    return -1
-                room = min(room, left - self.need(other))
-            elif bytes_of[other][1] + self.need(other) > left:
-                return -1
-        return room
-
-
 def _streamed(sizes: ComponentSizes) -> ComponentPlan:
     return ComponentPlan(sizes.name, Policy.STREAMED, frozenset(), PREFETCH_BLOCKS)
 
@@ -165,52 +84,6 @@ def _off_device_between_uses(sizes: ComponentSizes) -> ComponentPlan:
     if sizes.streamable and streamed.resident_bytes(sizes) + streamed.transient_bytes(sizes) < sizes.nbytes:
         return streamed
     return ComponentPlan(sizes.name, Policy.STAGED)
-
-
-def _spread(positions: Sequence[int], count: int) -> list[int]:
-    """``count`` of ``positions``, evenly spaced, the first one included."""
-    return [positions[i * len(positions) // count] for i in range(count)]
-
-
-@functools.lru_cache(maxsize=64)
-def _resident_block_choices(sizes: ComponentSizes, prefetch_blocks: int) -> tuple[tuple[frozenset[int], int, int], ...]:
-    """Every set of resident blocks worth considering for a streamed component, as (positions,
-    resident bytes, transient bytes), the most resident bytes first (then the smallest window).
-
-    The window's slots are as large as the largest *streamed* block, so each choice starts from a
-    slot size: every block larger than it stays resident, some of the blocks of that size do, and
-    then smaller ones, largest first. On FLUX.1-dev, whose double-stream blocks are 2.4x its
-    single-stream ones, keeping every double block resident shrinks the window from 2 GB to 0.85 GB,
-    room that goes to more resident blocks.
-
-    Within blocks of one size, the resident ones are spread evenly through the order (the first
-    block included, which cache hooks always run). A resident run computes with no new block to
-    load once the window is full, so a long resident prefix idles the copy stream for most of its
-    compute at every step; short runs between streamed blocks keep it busy behind them.
-    """
-    blocks = sizes.block_bytes
-    classes = sorted(set(blocks), reverse=True)
-    positions = {size: [i for i, nbytes in enumerate(blocks) if nbytes == size] for size in classes}
-
-    def filled(sizes_in_order: Sequence[int], count: int) -> list[int]:
-        chosen = []
-        for size in sizes_in_order:
-            take = min(count, len(positions[size]))
-            chosen += _spread(positions[size], take) if take else []
-            count -= take
-        return chosen
-
-    choices: dict[frozenset[int], tuple[int, int]] = {}
-    for slot_class, slot in enumerate(classes):
-        required = filled(classes[:slot_class], len(blocks))
-        smaller = classes[slot_class + 1 :]
-        # All of the slot's size resident is a choice of the next slot size, unless none is smaller.
-        for of_slot in range(len(positions[slot]) + (not smaller)):
-            for of_smaller in range(sum(len(positions[size]) for size in smaller) + 1):
-                resident = frozenset(required + filled((slot,), of_slot) + filled(smaller, of_smaller))
-                choices[resident] = (blocks_bytes(blocks, resident), window_bytes(blocks, resident, prefetch_blocks))
-    ranked = sorted(choices.items(), key=lambda item: (-item[1][0], item[1][1], sorted(item[0])))
-    return tuple((resident, resident_bytes, transient) for resident, (resident_bytes, transient) in ranked)
 
 
 def _checked(sizes: Sequence[ComponentSizes], fixed: Mapping[str, Policy]) -> dict[str, Policy]:
@@ -270,7 +143,7 @@ def plan_residency(
     activations = dict(activations or {})
     timings = dict(timings or {})
     by_name = {s.name: s for s in sizes}
-    room = _Room(by_name, budget, lambda name: activations.get(name, reserve))
+    room = kept_blocks.Room(by_name, budget, lambda name: activations.get(name, reserve))
     fits = room.fits
 
     def as_plan(plans: Mapping[str, ComponentPlan]) -> ResidencyPlan:
@@ -309,7 +182,7 @@ def plan_residency(
         # A per-step component whose activations a measuring call already measured (its first
         # step) keeps, for the rest of that call, the blocks its own moment has room for; the
         # others' moments are still unknown, and staged blocks leave them all their room.
-        return as_plan(_stage_blocks(plans, by_name, room, only=activations.keys()))
+        return as_plan(kept_blocks.stage_blocks(plans, by_name, room, only=activations.keys()))
     # The per-step components first: whole if they fit, else as many resident blocks as fit. Only
     # then the once-per-call ones, smallest first, with what is left: a byte they take from a
     # per-step component would be streamed at every step to save one load per call.
@@ -319,11 +192,11 @@ def plan_residency(
             if fits(trial):
                 plans = trial
         plans = _grow_streamed(plans, by_name, room, timings)
-    plans = _with_depths(_stage_blocks(plans, by_name, room), by_name, room, timings)
+    plans = _with_depths(kept_blocks.stage_blocks(plans, by_name, room), by_name, room, timings)
     whole = _staged_whole_where_room(plans, free, room)
     if whole != plans:
         # Their trunks, resident while they streamed, leave room at every moment of the call.
-        grown = _stage_blocks(_grow_streamed(whole, by_name, room, timings), by_name, room)
+        grown = kept_blocks.stage_blocks(_grow_streamed(whole, by_name, room, timings), by_name, room)
         plans = _with_depths(grown, by_name, room, timings)
     return as_plan(plans)
 
@@ -331,7 +204,7 @@ def plan_residency(
 def _with_depths(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
-    room: _Room,
+    room: kept_blocks.Room,
     timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan]:
     """For each timed streamed component, the window's depth and the resident blocks that go with
@@ -340,13 +213,13 @@ def _with_depths(
     them, not to blocks of this one."""
     for name, timing in timings.items():
         if name in plans and plans[name].policy is Policy.STREAMED:
-            plans = _with_resident_blocks(plans, name, by_name, room, timing, PREFETCH_CHOICES)
-            plans = _stage_blocks(plans, by_name, room)
+            plans = kept_blocks.with_resident_blocks(plans, name, by_name, room, timing, PREFETCH_CHOICES)
+            plans = kept_blocks.stage_blocks(plans, by_name, room)
     return plans
 
 
 def _staged_whole_where_room(
-    plans: dict[str, ComponentPlan], free: Sequence[ComponentSizes], room: _Room
+    plans: dict[str, ComponentPlan], free: Sequence[ComponentSizes], room: kept_blocks.Room
 ) -> dict[str, ComponentPlan]:
     """Stage whole each once-per-call component planned to stream with no block resident, smallest
     first, where its whole fits beside everything else as planned. Its blocks move once per call
@@ -390,122 +263,16 @@ def _still_holds(
 def _grow_streamed(
     plans: dict[str, ComponentPlan],
     by_name: Mapping[str, ComponentSizes],
-    room: _Room,
+    room: kept_blocks.Room,
     timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan]:
     """Give each streamed component, per-step ones first, the resident blocks that fit: the most
     bytes, or with a timing the shortest simulated step (the most bytes among equals), its staged
-    blocks (see :func:`_stage_blocks`) counted as kept."""
+    blocks (see :func:`~.kept_blocks.stage_blocks`) counted as kept."""
     streamed = [name for name, p in plans.items() if p.policy is Policy.STREAMED]
     streamed.sort(key=lambda name: not by_name[name].per_step)
     for name in streamed:
-        plans = _with_resident_blocks(plans, name, by_name, room, timings.get(name), (plans[name].prefetch_blocks,))
-    return plans
-
-
-def _with_resident_blocks(
-    plans: dict[str, ComponentPlan],
-    name: str,
-    by_name: Mapping[str, ComponentSizes],
-    room: _Room,
-    timing: StepTiming | None,
-    depths: Sequence[int],
-) -> dict[str, ComponentPlan]:
-    """``plans`` with streamed component ``name``'s resident blocks (and window depth, one of
-    ``depths``) chosen to fit: the most bytes, or with a timing the shortest simulated step (among
-    steps within :data:`STEP_TIE` of it, the first depth, then the most bytes); its staged blocks
-    are left to :func:`_stage_blocks`."""
-    sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
-    fits = room.fits_as(plans, name)
-    fitting = (
-        {**plans, name: replace(plan, resident_blocks=resident, prefetch_blocks=depth)}
-        for depth in depths
-        for resident, resident_bytes, transient in _resident_block_choices(sizes, depth)
-        if fits(sizes.trunk_bytes + resident_bytes, transient)
-    )
-    if timing is None:
-        return next(fitting, plans)
-    seconds = functools.partial(_step_seconds, name=name, by_name=by_name, room=room, timing=timing)
-    # No step is shorter than its compute alone (less the simulation's rounding, some 1e-14 of
-    # it): once the choice among the steps simulated so far is within STEP_TIE of that, it is
-    # within STEP_TIE of the shortest of all, and the trials before it are not, so no trial after
-    # it can change the choice. With room for every block the search stops at the first trial
-    # rather than simulating every fitting one.
-    within_tie_of_any = sum(sizes.block_bytes) * timing.compute_per_byte * (1 - 1e-12) * (1 + STEP_TIE)
-    timed: list[tuple[float, dict[str, ComponentPlan]]] = []
-    for trial in fitting:
-        timed.append((seconds(trial), trial))
-        if timed[-1][0] <= within_tie_of_any and _chosen(timed)[0] <= within_tie_of_any:
-            break
-    return _chosen(timed)[1] if timed else plans
-
-
-def _chosen(timed: Sequence[tuple[float, dict[str, ComponentPlan]]]) -> tuple[float, dict[str, ComponentPlan]]:
-    """The first of the timed trials whose step is within STEP_TIE of the shortest."""
-    shortest = min(step for step, _ in timed)
-    return next(item for item in timed if item[0] <= shortest * (1 + STEP_TIE))
-
-
-def _step_seconds(
-    plans: dict[str, ComponentPlan],
-    *,
-    name: str,
-    by_name: Mapping[str, ComponentSizes],
-    room: _Room,
-    timing: StepTiming,
-) -> float:
-    """Component ``name``'s simulated step under ``plans``, with the staged blocks they leave room for."""
-    key = (name, *plans.values())
-    seconds = room.steps.get(key)
-    if seconds is None:
-        plan = _stage_blocks(plans, by_name, room)[name]
-        kept = plan.resident_blocks | plan.staged_blocks
-        seconds = room.steps[key] = _simulated_step_seconds(
-            by_name[name].block_bytes, kept, plan.prefetch_blocks, timing
+        plans = kept_blocks.with_resident_blocks(
+            plans, name, by_name, room, timings.get(name), (plans[name].prefetch_blocks,)
         )
-    return seconds
-
-
-# Trials of a timed plan (see plan_residency) that differ in their resident blocks often keep the
-# same blocks once staged ones are counted (half of them for FLUX.1-dev at 12 and 16 GB), and a
-# plan made again for the same figures (a shape switched back to) simulates them all again.
-_simulated_step_seconds = functools.lru_cache(maxsize=4096)(simulated_step_seconds)
-
-
-def _stage_blocks(
-    plans: dict[str, ComponentPlan],
-    by_name: Mapping[str, ComponentSizes],
-    room: _Room,
-    only: Collection[str] | None = None,
-) -> dict[str, ComponentPlan]:
-    """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
-    largest first: each one kept moves once per call instead of once per step. Once-per-call
-    components keep none (they gain nothing: each of their blocks moves once a call either way, and
-    a streamed one loads behind the compute).
-
-    Blocks of one size are taken as a run: while some of that size still stream, the window keeps
-    its slot size and each one more kept only adds its bytes, so the most that fit follow from the
-    component's transient room (a timed plan asks this for every candidate). The last one of a size
-    may shrink the window's slots: it is tried on its own."""
-    for name, plan in plans.items():
-        sizes = by_name[name]
-        if plan.policy is not Policy.STREAMED or not sizes.per_step or (only is not None and name not in only):
-            continue
-        transient_room = room.transient_room(plans, name)
-        streamed = [i for i in range(len(sizes.block_bytes)) if i not in plan.resident_blocks]
-        for size in sorted({sizes.block_bytes[i] for i in streamed}, reverse=True):
-            run = [i for i in streamed if sizes.block_bytes[i] == size]
-            spare = transient_room - room.footprint(plans[name])[1]
-            # Blocks with no bytes (a repeated block without weights) all fit where the rest does.
-            fitting = spare // size if size else (len(run) if spare >= 0 else 0)
-            count = max(0, min(len(run) - 1, fitting))
-            if count == len(run) - 1 and room.fits(whole_run := _staging(plans, name, run)):
-                plans = whole_run
-            elif count:
-                plans = _staging(plans, name, run[:count])
     return plans
-
-
-def _staging(plans: dict[str, ComponentPlan], name: str, blocks: Collection[int]) -> dict[str, ComponentPlan]:
-    """``plans`` with ``blocks`` of component ``name`` staged too."""
-    return {**plans, name: replace(plans[name], staged_blocks=plans[name].staged_blocks | frozenset(blocks))}

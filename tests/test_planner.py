@@ -301,9 +301,24 @@ def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep
         sizes = (ComponentSizes("transformer", 600 * MB, (100 * MB,) * 6 + (0, 0), True),)
         return [plan_residency(sizes, b * MB, 100 * MB) for b in (400, 450, 500, 650, 800)]
 
+    def every_trial_staged_whole(plans, name, by_name, room, timing):
+        # A search's trials staged as whole plans, block by block: the planner stages each from
+        # its own plan and the transient room the others leave it (see _step_seconds_of).
+        from dataclasses import replace
+
+        sizes = by_name[name]
+
+        def seconds(resident, depth, _resident_bytes):
+            trial = replace(plans[name], resident_blocks=resident, prefetch_blocks=depth, staged_blocks=frozenset())
+            staged = _stage_blocks_one_by_one({**plans, name: trial}, by_name, room)[name]
+            return simulated_step_seconds(sizes.block_bytes, resident | staged.staged_blocks, depth, timing)
+
+        return seconds
+
     counted = plans()
     empty = plans_with_empty_blocks()
-    monkeypatch.setattr("diffusers_residency.planner._stage_blocks", _stage_blocks_one_by_one)
+    monkeypatch.setattr("diffusers_residency.kept_blocks.stage_blocks", _stage_blocks_one_by_one)
+    monkeypatch.setattr("diffusers_residency.kept_blocks._step_seconds_of", every_trial_staged_whole)
     assert counted == plans()
     assert empty == plans_with_empty_blocks()
     assert any(plan["transformer"].staged_blocks for plan in counted), "some budget stages blocks"
@@ -311,10 +326,11 @@ def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep
 
 def test_a_search_checks_its_choices_fit_as_the_whole_plan_would() -> None:
     # The search over a streamed component's resident blocks works the others' part of the
-    # device's peak out once (_Room.fits_as): each choice must fit exactly where the whole plan
-    # with it does, beside resident others (whose moments count the largest transient bytes),
-    # staged and streamed ones, at every window depth.
-    from diffusers_residency import planner
+    # device's peak out once (Room.fits_as, Room.transient_room_as): each choice must fit
+    # exactly where the whole plan with it does, beside resident others (whose moments count the
+    # largest transient bytes), staged and streamed ones, at every window depth, and leave its
+    # staged blocks the room the whole plan would.
+    from diffusers_residency import kept_blocks, planner
 
     by_name = {s.name: s for s in FLUX}
     needs = {"text_encoder": 89 * MB, "text_encoder_2": 303 * MB, "transformer": 954 * MB, "vae": 3100 * MB}
@@ -324,19 +340,24 @@ def test_a_search_checks_its_choices_fit_as_the_whole_plan_would() -> None:
         {"text_encoder": Policy.STAGED, "text_encoder_2": Policy.STREAMED, "vae": Policy.STAGED},
         {"text_encoder": Policy.RESIDENT, "text_encoder_2": Policy.RESIDENT, "vae": Policy.RESIDENT},
     ]
-    outcomes = set()
+    outcomes, rooms = set(), set()
     for budget in (8 * GB, 12 * GB, 16 * GB, 30 * GB):
-        room = planner._Room(by_name, budget, needs.__getitem__)
+        room = kept_blocks.Room(by_name, budget, needs.__getitem__)
         for policies in others:
             plans = {name: planner._as_given(by_name[name], policy) for name, policy in policies.items()}
             plans["transformer"] = planner._streamed(transformer)
             for depth in (1, 2):
                 fits = room.fits_as(plans, "transformer")
-                for resident, resident_bytes, transient in planner._resident_block_choices(transformer, depth):
+                transient_room = room.transient_room_as(plans, "transformer")
+                for resident, resident_bytes, transient in kept_blocks.resident_block_choices(transformer, depth):
                     trial = {**plans, "transformer": ComponentPlan("transformer", Policy.STREAMED, resident, depth)}
                     assert fits(transformer.trunk_bytes + resident_bytes, transient) == room.fits(trial)
+                    # And the room its staged blocks are chosen in, as the whole plan leaves it.
+                    room_left = transient_room(transformer.trunk_bytes + resident_bytes)
+                    assert room_left == room.transient_room(trial, "transformer")
                     outcomes.add(room.fits(trial))
-    assert outcomes == {True, False}
+                    rooms.add(room_left > 0)
+    assert outcomes == rooms == {True, False}
 
 
 def test_timings_a_few_percent_apart_choose_the_same_resident_blocks() -> None:
@@ -388,7 +409,7 @@ def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whol
         ]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("diffusers_residency.planner._simulated_step_seconds", counted)
+        patch.setattr("diffusers_residency.kept_blocks._simulated_step_seconds", counted)
         timing = StepTiming(compute_per_byte=0.174 / sum(blocks), load_per_byte=1 / 54.6e9)
         at_30gb = plan_residency(FLUX, 30 * GB, 3 * GB, streamed, activations, timings={"transformer": timing})
     assert len(at_30gb["transformer"].resident_blocks) == len(blocks), str(at_30gb)
@@ -397,10 +418,10 @@ def test_a_timed_plan_stops_at_a_step_no_choice_can_beat_and_chooses_as_the_whol
     assert len(simulated) == 2, f"{len(simulated)} steps simulated"
     simulated.clear()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("diffusers_residency.planner._simulated_step_seconds", counted)
+        patch.setattr("diffusers_residency.kept_blocks._simulated_step_seconds", counted)
         stopping, stopping_steps = plans(), len(simulated)
     simulated.clear()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("diffusers_residency.planner._simulated_step_seconds", slower)
+        patch.setattr("diffusers_residency.kept_blocks._simulated_step_seconds", slower)
         assert plans() == stopping
     assert stopping_steps < len(simulated) / 2, (stopping_steps, len(simulated))
