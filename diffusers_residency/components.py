@@ -5,7 +5,7 @@ defaulted, their sizes and blocks, the budget and activation reserve resolved fr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -74,12 +74,19 @@ def component_policies(
     }
 
 
-def component_sizes(pipe: DiffusionPipeline, modules: Mapping[str, nn.Module]) -> list[ComponentSizes]:
+def component_sizes(
+    pipe: DiffusionPipeline,
+    modules: Mapping[str, nn.Module],
+    tensor_bytes: Callable[[Iterable[torch.Tensor]], int] = storage_bytes,
+) -> list[ComponentSizes]:
+    """The planner's view of each component. ``tensor_bytes``: what a set of tensors takes on the
+    device (their storages' bytes; a pipeline built on the meta device, whose tensors have none,
+    counts them otherwise)."""
     return [
         ComponentSizes(
             name=name,
-            nbytes=storage_bytes(module_tensors((module,))),
-            block_bytes=tuple(storage_bytes(module_tensors((block,))) for _, block in repeated_blocks(module)),
+            nbytes=tensor_bytes(module_tensors((module,))),
+            block_bytes=tuple(tensor_bytes(module_tensors((block,))) for _, block in repeated_blocks(module)),
             per_step=name in _PER_STEP_COMPONENTS,
         )
         for name, module in modules.items()
@@ -101,7 +108,8 @@ def resolve_budget(
         # What is free now, plus what this process's allocator holds unused, plus what the
         # components hold there: they move to host masters.
         held = sum(
-            storage_bytes(t for t in module_tensors((m,)) if _device.same_device(t.device, device)) for m in modules.values()
+            storage_bytes(t for t in module_tensors((m,)) if _device.same_device(t.device, device))
+            for m in modules.values()
         )
         budget = memory.free + memory.cached + held
     else:
@@ -145,7 +153,9 @@ def planner_for(
         return lambda *args, **kwargs: plan_as_given(sizes, policies)
     # The user's choices, and the components diffusers keeps on the device, are fixed; the planner
     # places the rest.
-    fixed = {name: policy for name, policy in policies.items() if name in (components or {}) or policy is Policy.RESIDENT}
+    fixed = {
+        name: policy for name, policy in policies.items() if name in (components or {}) or policy is Policy.RESIDENT
+    }
     budget_bytes, reserve = budget
     if reserve is None:
         reserve = default_reserve_for(sizes, budget_bytes, fixed)

@@ -17,6 +17,7 @@ import torch
 from diffusers_residency.bench import __main__ as bench_main
 from diffusers_residency.bench import first_calls, modes, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
+from diffusers_residency.bench.builders import build_pipeline
 from diffusers_residency.bench.modes import (
     MMGP_INSTALL,
     MODES,
@@ -763,3 +764,19 @@ def test_the_compile_table_counts_cuda_graphs_only_where_a_mode_recorded_them() 
 def test_components_given_badly_are_refused_with_the_form_expected(spec: str, says: str) -> None:
     with pytest.raises(SystemExit, match=says):
         main(["--components", spec])
+
+
+def test_the_planners_host_time_is_timed_on_sizes_counted_on_the_meta_device(capsys) -> None:
+    from diffusers_residency.bench import planning
+    from diffusers_residency.components import component_sizes
+
+    # Counted on the meta device, where tensors have no storage, as the pipeline counts storages.
+    pipe = build_pipeline("sdxl", dtype=torch.float16)
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert planning.meta_sizes("sdxl", "tiny") == component_sizes(pipe, modules)
+
+    assert planning.main(["--pipeline", "sdxl", "--budgets", "8GB,12GB"]) == 0
+    out = capsys.readouterr().out
+    assert "full sdxl, 6.94 GB of weights" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("8.00 GB", "12.00 GB"))]
+    assert len(rows) == 2 and all(len(row) == 5 and all(float(s) > 0 for s in row[2:]) for row in rows), out

@@ -1,0 +1,105 @@
+"""``python -m diffusers_residency.bench.planning``: how long the planner takes the host, for a
+published pipeline's sizes at each budget. No device, no weights: the pipeline is built on the meta
+device, and the plans are made from the figures a measured call gives them.
+
+A first call plans on the host while the device waits: as its denoiser's timed step ends (the
+rest of its steps are planned for it), and as it returns (the plan for what it measured). Both are
+timed steps' plans, the slowest the planner makes, and the first of them, in a fresh process, meets
+no simulation or choice of blocks made before. So each budget is timed as a process meets it: the
+planner's caches emptied, a plan for the estimated figures, then one for the measured ones (the
+VAE's larger), then that one again (a plan made again for a shape switched back to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .. import kept_blocks
+from ..components import component_sizes
+from ..planner import plan_residency
+from ..plans import ComponentSizes
+from ..policy import Policy
+from ..step_timing import StepTiming
+from ..text import format_bytes, parse_bytes, text_table
+from .builders import build_pipeline
+
+_MB = 10**6
+# What a first call at 1024x1024 measured above the weights, per component (docs/benchmarks.md), the
+# denoiser's step seconds (all its blocks' compute) and the bus's bytes per second; the VAE's need
+# as the dry runs estimated it, and as the call measured it with its margins.
+FIGURES = {
+    "flux": (
+        {"text_encoder": 409 * _MB, "text_encoder_2": 623 * _MB, "transformer": 1454 * _MB},
+        ("vae", 3222 * _MB, 4064 * _MB),
+        ("transformer", 0.174, 54.6e9),
+    ),
+    "sdxl": (
+        {"text_encoder": 249 * _MB, "text_encoder_2": 234 * _MB, "unet": 690 * _MB},
+        ("vae", 6443 * _MB, 6760 * _MB),
+        ("unet", 0.061, 53.9e9),
+    ),
+}
+_DEFAULT_BUDGETS = {"flux": "8GB,16GB,30GB", "sdxl": "8GB"}
+# The reserve for a component no figure names (none here: every one is named).
+_RESERVE = 3 << 30
+
+
+def meta_sizes(kind: str, scale: str = "full") -> list[ComponentSizes]:
+    """The planner's view of a ``kind`` pipeline, built on the meta device. Its tensors have no
+    storage there: each parameter and buffer counts its own bytes once (tied ones are one)."""
+    dtype = torch.float16 if kind == "sdxl" else torch.bfloat16
+    pipe = build_pipeline(kind, scale, dtype=dtype, device="meta")
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+    return component_sizes(pipe, modules, _tensor_bytes)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in tensors}.values())
+
+
+def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tuple[float, float, float]:
+    """Seconds of the three plans a fresh process's first call and a later one make (see the module)."""
+    others, (decoder, estimated, measured), (denoiser, step, bus) = FIGURES[kind]
+    blocks = next(s for s in sizes if s.name == denoiser).block_bytes
+    timing = {denoiser: StepTiming(compute_per_byte=step / sum(blocks), load_per_byte=1 / bus)}
+    # As the pipeline replans once a call is under way: what streams keeps streaming.
+    streaming = {s.name: Policy.STREAMED for s in sizes if s.streamable}
+
+    def plan(decoder_need: int) -> Callable[[], object]:
+        activations: Mapping[str, int] = {**others, decoder: decoder_need}
+        return lambda: plan_residency(sizes, budget, _RESERVE, streaming, activations, timings=timing)
+
+    kept_blocks.clear_caches()
+    return _seconds(plan(estimated)), _seconds(plan(measured)), _seconds(plan(measured))
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffusers_residency.bench.planning", description=__doc__)
+    parser.add_argument("--pipeline", choices=sorted(FIGURES), default="flux")
+    parser.add_argument("--budgets", help="comma-separated, e.g. 8GB,16GB (default: the benchmark's for it)")
+    args = parser.parse_args(argv)
+    budgets = [parse_bytes(b) for b in (args.budgets or _DEFAULT_BUDGETS[args.pipeline]).split(",")]
+    sizes = meta_sizes(args.pipeline)
+    rows = [("budget", "estimated figures s", "measured figures s", "the same again s")]
+    for budget in budgets:
+        rows.append((format_bytes(budget), *(f"{s:.4f}" for s in timed_plans(sizes, budget, args.pipeline))))
+    print(f"full {args.pipeline}, {format_bytes(sum(s.nbytes for s in sizes))} of weights; torch {torch.__version__}, "
+          f"python {sys.version.split()[0]}")  # fmt: skip
+    print("\n".join(text_table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
