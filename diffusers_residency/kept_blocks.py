@@ -1,14 +1,14 @@
 """Which of a streamed component's blocks stay on the device: the choices of resident blocks worth
 weighing, the search among them (the most bytes, or the shortest simulated step), and the blocks
 staged while it runs in the room the rest of the plan leaves. The planner (see :mod:`.planner`) asks
-this for the per-step component at each pass, a timed plan for some two thousand candidates: each
-is checked against the other components' part of the call's peak, worked out once per search.
+this for each streamed component at each of its passes, a timed plan of the per-step one for some
+two thousand candidates: each is checked against the other components' part of the call's peak,
+worked out once per search.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -41,13 +41,20 @@ class Room:
     def fits(self, plans: Mapping[str, ComponentPlan]) -> bool:
         return self.peak(plans) <= self.budget
 
+    def _others(
+        self, plans: Mapping[str, ComponentPlan], name: str
+    ) -> tuple[list[tuple[ComponentPlan, tuple[int, int]]], int, int]:
+        """The plans but ``name``'s with their (resident, transient) bytes, the resident bytes they
+        keep together, and the largest transient bytes among them."""
+        others = [(plan, self.footprint(plan)) for other, plan in plans.items() if other != name]
+        others_stay = sum(stays for _, (stays, _) in others)
+        return others, others_stay, max((transient for _, (_, transient) in others), default=0)
+
     def fits_as(self, plans: Mapping[str, ComponentPlan], name: str) -> Callable[[int, int], bool]:
         """Whether ``plans`` fit with streamed component ``name`` keeping (resident, transient) weight
         bytes, the others as they are: :meth:`fits` with the others' part worked out once, for a
         search over hundreds of sets of ``name``'s resident blocks."""
-        others = [(plan, self.footprint(plan)) for other, plan in plans.items() if other != name]
-        others_stay = sum(stays for _, (stays, _) in others)
-        others_transient = max((transient for _, (_, transient) in others), default=0)
+        others, others_stay, others_transient = self._others(plans, name)
         # The largest moment of a component that is not resident, and the largest need of one that
         # is (its moment adds the largest transient bytes, the streamed component's included).
         streaming_moment = max(
@@ -70,9 +77,7 @@ class Room:
     def transient_room_as(self, plans: Mapping[str, ComponentPlan], name: str) -> Callable[[int], int]:
         """:meth:`transient_room` of streamed component ``name`` as a function of its resident
         bytes, the others as they are, worked out once for a search over its resident blocks."""
-        others = [(plan, self.footprint(plan)) for other, plan in plans.items() if other != name]
-        others_stay = sum(stays for _, (stays, _) in others)
-        others_transient = max((transient for _, (_, transient) in others), default=0)
+        others, others_stay, others_transient = self._others(plans, name)
         # The largest moment of another component (whatever name takes), and the largest need
         # that name's transient bytes share a moment with.
         moments = [
@@ -219,17 +224,14 @@ def _step_seconds_of(
 ) -> Callable[[frozenset[int], int, int], float]:
     """Streamed component ``name``'s simulated step as a function of its resident blocks, window
     depth and resident block bytes (a :data:`_Trial`), with the staged blocks the others in
-    ``plans`` leave room for."""
-    sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
-    staged_before = itertools.takewhile(lambda other: other != name, plans)
-    if any(plans[other].policy is Policy.STREAMED and by_name[other].per_step for other in staged_before):
-        # Another per-step component stages its blocks first, in room that this one's choice moves:
-        # each trial is staged whole.
-        def staged_with_others(resident: frozenset[int], depth: int, _resident_bytes: int) -> ComponentPlan:
-            trial = {**plans, name: replace(plan, resident_blocks=resident, prefetch_blocks=depth)}
-            return stage_blocks(trial, by_name, room, until=name)[name]
+    ``plans`` leave room for where it runs at every step (see :func:`stage_blocks`).
 
-        return lambda *trial: _plan_step_seconds(staged_with_others(*trial), sizes, timing)
+    Each trial is staged from its own plan and the transient room the others leave it, as
+    :func:`stage_blocks` would stage the whole plan with it: a per-step component staged before it
+    changes only its own transient bytes, within its own room, which the trial (checked to fit as
+    a whole, see :meth:`Room.fits_as`) leaves its moment within the budget, so that this one's
+    room is the same either way."""
+    sizes, plan = by_name[name], replace(plans[name], staged_blocks=frozenset())
     transient_room = room.transient_room_as(plans, name)
 
     def seconds(resident: frozenset[int], depth: int, resident_bytes: int) -> float:
@@ -238,7 +240,8 @@ def _step_seconds_of(
         found = room.steps.get(key)
         if found is None:
             trial = replace(plan, resident_blocks=resident, prefetch_blocks=depth)
-            found = room.steps[key] = _plan_step_seconds(_staged(trial, sizes, room_left), sizes, timing)
+            staged = _staged(trial, sizes, room_left) if sizes.per_step else trial
+            found = room.steps[key] = _plan_step_seconds(staged, sizes, timing)
         return found
 
     return seconds
@@ -250,9 +253,10 @@ def _plan_step_seconds(plan: ComponentPlan, sizes: ComponentSizes, timing: StepT
     )
 
 
-# Trials of a timed plan (see plan_residency) that differ in their resident blocks often keep the
-# same blocks once staged ones are counted (half of them for FLUX.1-dev at 12 and 16 GB), and a
-# plan made again for the same figures (a shape switched back to) simulates them all again.
+# Trials of a timed plan (see planner.plan_residency) that differ in their resident blocks often
+# keep the same blocks once staged ones are counted (half of them for FLUX.1-dev at 12 and 16 GB),
+# and a plan made again for other figures (a call's measured ones after its estimated ones, steps
+# timed again) meets many of them again.
 _simulated_step_seconds = functools.lru_cache(maxsize=4096)(simulated_step_seconds)
 
 
@@ -261,20 +265,16 @@ def stage_blocks(
     by_name: Mapping[str, ComponentSizes],
     room: Room,
     only: Collection[str] | None = None,
-    until: str | None = None,
 ) -> dict[str, ComponentPlan]:
     """Keep, while each streamed per-step component runs, as many of its streamed blocks as fit,
     largest first: each one kept moves once per call instead of once per step. Once-per-call
     components keep none (they gain nothing: each of their blocks moves once a call either way, and
     a streamed one loads behind the compute). Components are staged in plan order, each in the room
-    the ones before it left; ``until``: none after that one (a timed search asks for one
-    component's staged blocks only)."""
+    the ones before it left."""
     for name, plan in plans.items():
         sizes = by_name[name]
         if plan.policy is Policy.STREAMED and sizes.per_step and (only is None or name in only):
             plans = {**plans, name: _staged(plan, sizes, room.transient_room(plans, name))}
-        if name == until:
-            break
     return plans
 
 

@@ -21,14 +21,15 @@ reserve stands in for them.
 3. If the per-step component does not fit, it streams too: its trunk (embeddings, norms,
    projections) and as many of its blocks as the room allows stay resident, and the rest stream,
    one block computing while the next :data:`PREFETCH_BLOCKS` load. Which blocks stay is chosen for
-   the bus, see :func:`~.kept_blocks.resident_block_choices`: the largest ones (the window's slots are as large
-   as the largest streamed block), spread evenly through the order (the copy stream then has work
-   while each resident block computes).
+   the bus, see :func:`~.kept_blocks.resident_block_choices`: the largest ones (the window's slots
+   are as large as the largest streamed block), spread evenly through the order (the copy stream
+   then has work while each resident block computes).
    Once a first call has timed a step of the per-step component (compute, and loads, per byte),
    the choice is the one whose step a simulation of the two streams finishes first: resident bytes
    alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
    double-stream block resident, then 38 single-stream blocks to stream behind a third of the
-   compute), slower than fewer resident bytes spread out. See :func:`~.step_timing.simulated_step_seconds`.
+   compute), slower than fewer resident bytes spread out. See
+   :func:`~.step_timing.simulated_step_seconds`.
    Once every component is planned, the same simulation chooses how many of its blocks load ahead
    (:data:`PREFETCH_CHOICES`), the others' room left as it is: one, where the bus is the bound,
    gives a window slot to blocks that stay.

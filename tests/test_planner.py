@@ -296,6 +296,21 @@ def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep
         untimed = [plan_residency(FLUX, b * GB // 4, 3 * GB, activations=activations) for b in range(24, 130, 3)]
         return untimed + [plan_residency(FLUX, b * GB, 3 * GB, activations=activations, timings=timing) for b in (9, 14)]
 
+    def plans_of_two_denoisers_and_a_timed_encoder() -> list:
+        # Two per-step components (as Wan 2.2's two experts), each staging in the room the other
+        # leaves; and a once-per-call component given a timing, whose blocks are never staged.
+        experts = (
+            ComponentSizes("transformer", 14 * GB, (350 * MB,) * 40, True),
+            ComponentSizes("transformer_2", 14 * GB, (350 * MB,) * 38 + (120 * MB,) * 4, True),
+            ComponentSizes("vae", 250 * MB, (10 * MB,) * 12),
+        )
+        needs = {"transformer": 2 * GB, "transformer_2": 2 * GB, "vae": 5 * GB}
+        steps = {name: StepTiming(compute_per_byte=0.3 / (14 * GB), load_per_byte=1 / 52e9) for name in needs}
+        two = [plan_residency(experts, b * GB, 1 * GB, activations=needs, timings=steps) for b in (10, 13, 16, 19)]
+        encoder = ComponentSizes("text_encoder", 1200 * MB, (200 * MB, 300 * MB, 100 * MB, 300 * MB, 300 * MB))
+        timed = {"text_encoder": StepTiming(compute_per_byte=1e-12, load_per_byte=1e-10)}
+        return two + [plan_residency([encoder], 1000 * MB, 0, {"text_encoder": Policy.STREAMED}, timings=timed)]
+
     def plans_with_empty_blocks() -> list:
         # A repeated block with no weights of its own: it stages for free, wherever the rest fits.
         sizes = (ComponentSizes("transformer", 600 * MB, (100 * MB,) * 6 + (0, 0), True),)
@@ -317,11 +332,14 @@ def test_staged_blocks_counted_from_the_room_are_those_block_by_block_would_keep
 
     counted = plans()
     empty = plans_with_empty_blocks()
+    others = plans_of_two_denoisers_and_a_timed_encoder()
     monkeypatch.setattr("diffusers_residency.kept_blocks.stage_blocks", _stage_blocks_one_by_one)
     monkeypatch.setattr("diffusers_residency.kept_blocks._step_seconds_of", every_trial_staged_whole)
     assert counted == plans()
     assert empty == plans_with_empty_blocks()
+    assert others == plans_of_two_denoisers_and_a_timed_encoder()
     assert any(plan["transformer"].staged_blocks for plan in counted), "some budget stages blocks"
+    assert any(plan["transformer"].staged_blocks and plan["transformer_2"].staged_blocks for plan in others[:-1])
 
 
 def test_a_search_checks_its_choices_fit_as_the_whole_plan_would() -> None:
