@@ -199,7 +199,8 @@ def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallT
     queued nothing.) A component's device idle time is the time within its host ranges when
     nothing ran on the device."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    host_ranges = sorted((e for e in spans if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    # Outer ranges first where two start together: one that starts inside another counts in it.
+    host_ranges = sorted((e for e in spans if e.get("cat") == "user_annotation"), key=_outer_first)
     entries: dict[str, list[Interval]] = {}
     for event in host_ranges:
         label = event["name"]
@@ -260,7 +261,7 @@ def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
     """The traced Python functions of this package, and the runtime's device waits, by host time.
     A call made from inside another call of the same function is counted in that one."""
     calls: dict[str, list[Interval]] = collections.defaultdict(list)
-    for event in sorted((e for e in spans if e.get("cat") == "python_function"), key=lambda e: e["ts"]):
+    for event in sorted((e for e in spans if e.get("cat") == "python_function"), key=_outer_first):
         name = event["name"]
         own = name.startswith(_PACKAGE_FILES) and not name.startswith(_BENCH_FILES)
         if not own and not (name.startswith("<built-in") and any(word in name for word in _WAITING_BUILTINS)):
@@ -273,9 +274,13 @@ def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
     return tuple(sorted(times, key=lambda f: -f.ms)[:_FUNCTIONS_SHOWN])
 
 
+def _outer_first(event: dict) -> tuple[float, float]:
+    return event["ts"], -event["dur"]
+
+
 def _builtin_name(name: str) -> str:
-    # "<built-in method synchronize of PyCapsule object at 0x7f...>": the address says nothing.
-    return name.split(" of ")[0] + ">" if name.startswith("<built-in") and " of " in name else name
+    # "<built-in method synchronize of torch._C.Event object at 0x7f...>": the address says nothing.
+    return name.split(" at 0x")[0] + ">" if name.startswith("<built-in") and " at 0x" in name else name
 
 
 def _owner(entries: dict[str, list[Interval]], moment: float) -> str | None:
