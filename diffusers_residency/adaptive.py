@@ -242,8 +242,8 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int], ret
 
     The components that made the allocator retry under an estimate (``retried``) get the margin
     :func:`learn_overshoot` would give them in this same plan, where it fits: a timed plan of
-    FLUX.1-dev takes the host about 0.1 s, and the call's caller waits for what is planned as it
-    returns."""
+    FLUX.1-dev takes the host tens of milliseconds (``bench.planning``), and the call's caller waits
+    for what is planned as it returns."""
     plan = state.plan
     margin = int(plan.budget * RESERVE_MARGIN)
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
