@@ -12,9 +12,9 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from . import _device
+from . import _device, kept_blocks
 from .host_budget import HostPlacement
-from .planner import default_reserve, plan_as_given, plan_residency
+from .planner import PREFETCH_CHOICES, default_reserve, plan_as_given, plan_residency
 from .plans import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .step_timing import StepTiming
@@ -159,6 +159,7 @@ def planner_for(
     budget_bytes, reserve = budget
     if reserve is None:
         reserve = default_reserve_for(sizes, budget_bytes, fixed)
+    kept_blocks.weigh_choices_ahead(sizes, PREFETCH_CHOICES)
 
     def plan(
         activations: Mapping[str, int],

@@ -306,6 +306,16 @@ def _staging(plan: ComponentPlan, blocks: Collection[int]) -> ComponentPlan:
     return replace(plan, staged_blocks=plan.staged_blocks | frozenset(blocks))
 
 
+def weigh_choices_ahead(sizes: Sequence[ComponentSizes], depths: Sequence[int]) -> None:
+    """Work out now (as a pipeline is enabled) the choices of resident blocks the searches of a
+    streamed component weigh at each window depth, which a first call's plans would otherwise work
+    out while the device waits for them: some 0.01 s a depth for FLUX.1-dev's transformer."""
+    for component in sizes:
+        if component.streamable:
+            for depth in depths:
+                resident_block_choices(component, depth)
+
+
 def clear_caches() -> None:
     """Forget every choice, staging and simulated step worked out so far, as a fresh process starts
     without them (for timing the planner as a first call meets it)."""

@@ -780,4 +780,4 @@ def test_the_planners_host_time_is_timed_on_sizes_counted_on_the_meta_device(cap
     out = capsys.readouterr().out
     assert "full sdxl, 6.94 GB of weights" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("8.00 GB", "12.00 GB"))]
-    assert len(rows) == 2 and all(len(row) == 5 and all(float(s) > 0 for s in row[2:]) for row in rows), out
+    assert len(rows) == 2 and all(len(row) == 6 and all(float(s) > 0 for s in row[2:]) for row in rows), out

@@ -17,7 +17,7 @@ from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DMod
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
 from torch.overrides import TorchFunctionMode
 
-from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_runs
+from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_runs, kept_blocks
 from diffusers_residency.adaptive import DRY_RUN, PipelineResidency, replan_in_place
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
@@ -25,6 +25,7 @@ from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
 from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.planner import PREFETCH_CHOICES
 from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.profile import CACHE_VARIABLE, shape_parts
 
@@ -180,7 +181,11 @@ def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_
     caplog.set_level("INFO", logger="diffusers_residency")
     kwargs = {"steps": 5, "height": 32, "width": 32}
     reference = pipeline_output(flux.pipe, call_kwargs("flux", **kwargs))
+    kept_blocks.clear_caches()
     state = _measured(flux, monkeypatch)
+    # The choices of resident blocks the call's searches weigh were worked out as it was enabled.
+    weighed = kept_blocks.resident_block_choices.cache_info()
+    assert weighed.currsize == len(PREFETCH_CHOICES) * sum(s.streamable for s in state.plan.sizes) > 0
     budget, sizes = state.plan.budget, {s.name: s for s in state.plan.sizes}
     blocks = state.group.units_of("transformer")[1:]
     # An estimate that leaves room for some of the transformer's blocks, not all: the largest need,
@@ -203,6 +208,8 @@ def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_
     assert torch.equal(pipeline_output(flux.pipe, call_kwargs("flux", **kwargs)), reference)
 
     assert len(plans_in_step) == 5 and {plan.source for plan in plans_in_step} == {DRY_RUN}
+    searched = kept_blocks.resident_block_choices.cache_info()
+    assert searched.misses == weighed.misses and searched.hits > weighed.hits
     untimed, timed = plans_in_step[:2], plans_in_step[2:]
     assert all(not plan.timings for plan in untimed), "no step timed before the second ran"
     assert 0 < len(untimed[0]["transformer"].resident_blocks) < len(blocks), str(untimed[0])

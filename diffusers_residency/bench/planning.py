@@ -6,9 +6,10 @@ A first call plans on the host while the device waits: as its denoiser's timed s
 rest of its steps are planned for it), and as it returns (the plan for what it measured); a later
 call plans once more where its steps, timed again under that plan, moved (see ``retiming``). All
 three are timed steps' plans, the slowest the planner makes, and the first of them, in a fresh
-process, meets no simulation or choice of blocks made before. So each budget is timed as a process
-meets it: the planner's caches emptied, a plan for the estimated figures, then one for the measured
-ones (the VAE's larger), then one for a step timed again 15 % longer.
+process, meets no simulation made before. So each budget is timed as a process meets it: the
+planner's caches emptied, the choices of resident blocks weighed as enabling a pipeline weighs them
+(timed too), a plan for the estimated figures, then one for the measured ones (the VAE's larger),
+then one for a step timed again 15 % longer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from .. import kept_blocks
 from ..components import component_sizes
-from ..planner import plan_residency
+from ..planner import PREFETCH_CHOICES, plan_residency
 from ..plans import ComponentSizes
 from ..policy import Policy
 from ..step_timing import StepTiming
@@ -64,8 +65,9 @@ def _tensor_bytes(tensors) -> int:
     return sum({id(t): t.numel() * t.element_size() for t in tensors}.values())
 
 
-def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tuple[float, float, float]:
-    """Seconds of the three plans a fresh process's first calls make (see the module)."""
+def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tuple[float, float, float, float]:
+    """Seconds of the choices weighed at enable, and of the three plans a fresh process's first
+    calls make (see the module)."""
     others, (decoder, estimated, measured), (denoiser, step, bus) = FIGURES[kind]
     blocks = next(s for s in sizes if s.name == denoiser).block_bytes
     # As the pipeline replans once a call is under way: what streams keeps streaming.
@@ -77,7 +79,13 @@ def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tupl
         return lambda: plan_residency(sizes, budget, _RESERVE, streaming, activations, timings=timing)
 
     kept_blocks.clear_caches()
-    return _seconds(plan(estimated, step)), _seconds(plan(measured, step)), _seconds(plan(measured, step * 1.15))
+    enabled = _seconds(lambda: kept_blocks.weigh_choices_ahead(sizes, PREFETCH_CHOICES))
+    return (
+        enabled,
+        _seconds(plan(estimated, step)),
+        _seconds(plan(measured, step)),
+        _seconds(plan(measured, step * 1.15)),
+    )
 
 
 def _seconds(call: Callable[[], object]) -> float:
@@ -93,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     budgets = [parse_bytes(b) for b in (args.budgets or _DEFAULT_BUDGETS[args.pipeline]).split(",")]
     sizes = meta_sizes(args.pipeline)
-    rows = [("budget", "estimated figures s", "measured figures s", "timed again s")]
+    rows = [("budget", "at enable s", "estimated figures s", "measured figures s", "timed again s")]
     for budget in budgets:
         rows.append((format_bytes(budget), *(f"{s:.4f}" for s in timed_plans(sizes, budget, args.pipeline))))
     print(f"full {args.pipeline}, {format_bytes(sum(s.nbytes for s in sizes))} of weights; torch {torch.__version__}, "
