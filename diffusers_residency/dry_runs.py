@@ -207,9 +207,9 @@ def _replaying_repeats(twin: nn.Module, counter: _LiveBytes) -> Callable[[], Non
 
 
 # Each twin's repeated blocks with their layouts (class, and tensors' names and shapes), worked out
-# once, as the twin is made (at enable): FLUX.1-dev's 57 blocks' state dicts took the host 8 ms in
-# each dry run, at a first call. A twin's tensors keep their shapes (a quantized one's
-# ``to(dtype)`` changes only their dtype).
+# once, as the twin is made (at enable), rather than from every block's state dict in each dry run,
+# which a first call waits for. A twin's tensors keep their shapes (a quantized one's ``to(dtype)``
+# changes only their dtype).
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, tuple]]] = weakref.WeakKeyDictionary()
 
 
