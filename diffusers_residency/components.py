@@ -146,7 +146,8 @@ def planner_for(
     """The plan for these components as a function of per-component activations, of policies to pin
     besides the user's, of components that can only move whole, of ``least`` and of a plan ``chosen``
     before (see :func:`~diffusers_residency.planner.plan_residency`): planned again when a call says
-    what its components need."""
+    what its components need. Under a budget, the choices of resident blocks its timed plans weigh
+    are listed here, at enable (see :func:`~.kept_blocks.prepare_block_choices`)."""
     sizes = component_sizes(pipe, modules)
     policies = component_policies(pipe, modules, components)
     if budget is None:
@@ -159,7 +160,8 @@ def planner_for(
     budget_bytes, reserve = budget
     if reserve is None:
         reserve = default_reserve_for(sizes, budget_bytes, fixed)
-    kept_blocks.weigh_choices_ahead(sizes, PREFETCH_CHOICES)
+    searched = [s for s in sizes if fixed.get(s.name, Policy.STREAMED) is Policy.STREAMED]
+    kept_blocks.prepare_block_choices(searched, PREFETCH_CHOICES)
 
     def plan(
         activations: Mapping[str, int],

@@ -121,7 +121,8 @@ def _spread(positions: Sequence[int], count: int) -> list[int]:
     return [positions[i * len(positions) // count] for i in range(count)]
 
 
-@functools.lru_cache(maxsize=64)
+# Room for the choices of some thirty pipelines' components at each depth (a few MB at most).
+@functools.lru_cache(maxsize=256)
 def resident_block_choices(sizes: ComponentSizes, prefetch_blocks: int) -> tuple[tuple[frozenset[int], int, int], ...]:
     """Every set of resident blocks worth considering for a streamed component, as (positions,
     resident bytes, transient bytes), the most resident bytes first (then the smallest window).
@@ -306,12 +307,13 @@ def _staging(plan: ComponentPlan, blocks: Collection[int]) -> ComponentPlan:
     return replace(plan, staged_blocks=plan.staged_blocks | frozenset(blocks))
 
 
-def weigh_choices_ahead(sizes: Sequence[ComponentSizes], depths: Sequence[int]) -> None:
-    """Work out now (as a pipeline is enabled) the choices of resident blocks the searches of a
-    streamed component weigh at each window depth, which a first call's plans would otherwise work
-    out while the device waits for them: some 0.01 s a depth for FLUX.1-dev's transformer."""
+def prepare_block_choices(sizes: Sequence[ComponentSizes], depths: Sequence[int]) -> None:
+    """List now (as a pipeline is enabled) the choices of resident blocks that a timed search of each
+    per-step component weighs at each window depth. The plan made at enable lists those at the
+    default depth; the others would be listed by a first call's first timed plan, while the device
+    waits for it."""
     for component in sizes:
-        if component.streamable:
+        if component.per_step and component.streamable:
             for depth in depths:
                 resident_block_choices(component, depth)
 

@@ -600,7 +600,7 @@ def test_the_first_call_can_be_the_traced_one(tmp_path, capsys) -> None:
 
 def test_a_python_trace_sums_the_packages_functions_and_device_waits_outermost_calls_only() -> None:
     planner, hook = "diffusers_residency/planner.py(10): plan", "diffusers_residency/hooks.py(5): pre_forward"
-    sync = "<built-in method synchronize of PyCapsule object at 0x7f00>"
+    sync, other_sync = (f"<built-in method synchronize of torch.Event object at 0x7f0{i}>" for i in range(2))
     events = [
         _span("python_function", planner, 0, 10),  # recursive, starting with the call below: counted in it
         _span("python_function", planner, 0, 30),
@@ -609,6 +609,7 @@ def test_a_python_trace_sums_the_packages_functions_and_device_waits_outermost_c
         _span("python_function", hook, 100, 1),
         _span("python_function", hook, 102, 1),
         _span("python_function", sync, 20, 8),
+        _span("python_function", other_sync, 70, 2),  # another event's: the same function
         _span("python_function", "diffusers_residency/bench/trace.py(1): entered", 0, 200),  # the bench's own
         _span("python_function", "diffusers/models/attention.py(3): forward", 0, 200),  # not this package's
         _span("python_function", "<built-in function len>", 0, 50),
@@ -618,7 +619,7 @@ def test_a_python_trace_sums_the_packages_functions_and_device_waits_outermost_c
 
     assert [(f.name, f.calls, f.ms) for f in functions] == [
         (planner, 2, 0.05),
-        ("<built-in method synchronize of PyCapsule object>", 1, 0.008),
+        ("<built-in method synchronize of torch.Event object>", 2, 0.01),
         (hook, 2, 0.002),
     ]
 

@@ -188,10 +188,13 @@ def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_
     reference = pipeline_output(flux.pipe, call_kwargs("flux", **kwargs))
     kept_blocks.clear_caches()
     state = _measured(flux, monkeypatch)
-    # The choices of resident blocks the call's searches weigh were worked out as it was enabled.
-    weighed = kept_blocks.resident_block_choices.cache_info()
-    assert weighed.currsize == len(PREFETCH_CHOICES) * sum(s.streamable for s in state.plan.sizes) > 0
+    # The choices of resident blocks the call's searches weigh, the transformer's at every window
+    # depth its timed plans try, were listed as it was enabled.
     budget, sizes = state.plan.budget, {s.name: s for s in state.plan.sizes}
+    listed = kept_blocks.resident_block_choices.cache_info()
+    for depth in PREFETCH_CHOICES:
+        kept_blocks.resident_block_choices(sizes["transformer"], depth)
+    assert kept_blocks.resident_block_choices.cache_info().misses == listed.misses
     blocks = state.group.units_of("transformer")[1:]
     # An estimate that leaves room for some of the transformer's blocks, not all: the largest need,
     # a block's bytes at a time, whose plan keeps fewer than every block.
@@ -214,7 +217,7 @@ def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_
 
     assert len(plans_in_step) == 5 and {plan.source for plan in plans_in_step} == {DRY_RUN}
     searched = kept_blocks.resident_block_choices.cache_info()
-    assert searched.misses == weighed.misses and searched.hits > weighed.hits
+    assert searched.misses == listed.misses and searched.hits > listed.hits
     untimed, timed = plans_in_step[:2], plans_in_step[2:]
     assert all(not plan.timings for plan in untimed), "no step timed before the second ran"
     assert 0 < len(untimed[0]["transformer"].resident_blocks) < len(blocks), str(untimed[0])

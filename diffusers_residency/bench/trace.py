@@ -258,19 +258,20 @@ def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallT
 
 
 def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
-    """The traced Python functions of this package, and the runtime's device waits, by host time.
-    A call made from inside another call of the same function is counted in that one."""
+    """The traced Python functions of this package, and the runtime's device waits, by host time
+    (a built-in method's calls on every object of its type together). A call made from inside
+    another call of the same function is counted in that one."""
     calls: dict[str, list[Interval]] = collections.defaultdict(list)
     for event in sorted((e for e in spans if e.get("cat") == "python_function"), key=_outer_first):
         name = event["name"]
         own = name.startswith(_PACKAGE_FILES) and not name.startswith(_BENCH_FILES)
         if not own and not (name.startswith("<built-in") and any(word in name for word in _WAITING_BUILTINS)):
             continue
-        ranges = calls[name]
+        ranges = calls[_builtin_name(name)]
         if ranges and event["ts"] < ranges[-1][1]:
             continue
         ranges.append((event["ts"], event["ts"] + event["dur"]))
-    times = [FunctionTime(_builtin_name(name), len(ranges), _length(ranges) / 1000) for name, ranges in calls.items()]
+    times = [FunctionTime(name, len(ranges), _length(ranges) / 1000) for name, ranges in calls.items()]
     return tuple(sorted(times, key=lambda f: -f.ms)[:_FUNCTIONS_SHOWN])
 
 
@@ -279,7 +280,8 @@ def _outer_first(event: dict) -> tuple[float, float]:
 
 
 def _builtin_name(name: str) -> str:
-    # "<built-in method synchronize of torch._C.Event object at 0x7f...>": the address says nothing.
+    # "<built-in method synchronize of torch.Event object at 0x7f...>": the address says nothing, and
+    # the events of a ring are one function.
     return name.split(" at 0x")[0] + ">" if name.startswith("<built-in") and " at 0x" in name else name
 
 
