@@ -442,4 +442,8 @@ class CallDryRuns:
         decoder = DecoderDryRun.of(pipe, casts, modules[denoiser])
         if decoder is None or sequence[-1] != decoder.name or denoiser == decoder.name:
             return None
+        # The decode of the pipeline's default size, estimated now rather than as a first call of
+        # that size starts, while the device waits (a call of another size, or with the VAE tiled
+        # or sliced since, is estimated as it starts).
+        decoder.need({})
         return cls(denoiser, ForwardDryRun(modules[denoiser]), decoder)
