@@ -10,6 +10,11 @@ process, meets no simulation made before. So each budget is timed as a process m
 planner's caches emptied, the planning enabling a pipeline does (the choices of resident blocks
 listed, and a first plan with no figure), then a plan for the estimated figures, one for the
 measured ones (the VAE's larger), and one for a step timed again 15 % longer.
+
+A first call also estimates on the host, by dry runs on the meta device (see ``dry_runs``): its
+decoder's need at the default size as the pipeline is enabled, and its denoiser's as the denoiser
+first starts, from its inputs, which are made here in the shapes the pipeline gives them at
+1024x1024 (with these, the estimates are those the H200's runs printed).
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from diffusers import DiffusionPipeline
 from torch import nn
 
 from .. import kept_blocks
-from ..components import component_sizes, default_reserve_for
+from ..casts import guessed_casts
+from ..components import component_sizes, default_reserve_for, offload_sequence
+from ..dry_runs import CallDryRuns
 from ..planner import PREFETCH_CHOICES, plan_residency
 from ..plans import ComponentSizes
 from ..policy import Policy
@@ -55,13 +63,22 @@ _RESERVE = 3 << 30
 _RETIMED = 1.15
 
 
-def meta_sizes(kind: str, scale: str = "full") -> list[ComponentSizes]:
-    """The planner's view of a ``kind`` pipeline, built on the meta device. Its tensors have no
-    storage there: each parameter and buffer counts its own bytes once (tied ones are one)."""
-    dtype = torch.float16 if kind == "sdxl" else torch.bfloat16
-    pipe = build_pipeline(kind, scale, dtype=dtype, device="meta")
-    modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
-    return component_sizes(pipe, modules, _tensor_bytes)
+def _dtype(kind: str) -> torch.dtype:
+    return torch.float16 if kind == "sdxl" else torch.bfloat16
+
+
+def meta_pipeline(kind: str, scale: str = "full") -> DiffusionPipeline:
+    return build_pipeline(kind, scale, dtype=_dtype(kind), device="meta")
+
+
+def meta_sizes(pipe: DiffusionPipeline) -> list[ComponentSizes]:
+    """The planner's view of a pipeline built on the meta device. Its tensors have no storage there:
+    each parameter and buffer counts its own bytes once (tied ones are one)."""
+    return component_sizes(pipe, _modules(pipe), _tensor_bytes)
+
+
+def _modules(pipe: DiffusionPipeline) -> dict[str, nn.Module]:
+    return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
 
 
 def _tensor_bytes(tensors) -> int:
@@ -95,6 +112,40 @@ def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tupl
     )
 
 
+def _step_inputs(kind: str) -> dict[str, object]:
+    """The denoiser's inputs at its first step of a 1024x1024 call with guidance, as meta tensors."""
+    dtype = _dtype(kind)
+
+    def meta(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    if kind == "flux":
+        tokens, text = 4096, 512
+        return dict(hidden_states=meta(1, tokens, 64), encoder_hidden_states=meta(1, text, 4096),
+                    pooled_projections=meta(1, 768), timestep=meta(1), img_ids=meta(tokens, 3), txt_ids=meta(text, 3),
+                    guidance=meta(1, dtype=torch.float32), joint_attention_kwargs=None, return_dict=False)  # fmt: skip
+    return dict(sample=meta(2, 4, 128, 128), timestep=meta(dtype=torch.int64), encoder_hidden_states=meta(2, 77, 2048),
+                timestep_cond=None, cross_attention_kwargs=None, return_dict=False,
+                added_cond_kwargs={"text_embeds": meta(2, 1280), "time_ids": meta(2, 6)})  # fmt: skip
+
+
+def timed_dry_runs(pipe: DiffusionPipeline, kind: str) -> tuple[tuple[str, float, int | None], ...]:
+    """(what, seconds, the estimate in bytes) of making the dry runs at enable (the decode of the
+    default size estimated with them), of the decoder's estimate as a first call of that size starts,
+    and of the denoiser's as it first starts."""
+    made: list[CallDryRuns | None] = []
+    enable = _seconds(
+        lambda: made.append(CallDryRuns.of(pipe, _modules(pipe), offload_sequence(pipe), guessed_casts(pipe)))
+    )
+    runs = made[0]
+    if runs is None:
+        raise RuntimeError(f"no dry runs for {kind}'s pipeline")
+    needs: list[int | None] = []
+    decoder = _seconds(lambda: needs.append(runs.decoder.need({"height": 1024, "width": 1024})))
+    denoiser = _seconds(lambda: needs.append(runs.forward.need((), _step_inputs(kind))))
+    return (("at enable", enable, None), (runs.decoder.name, decoder, needs[0]), (runs.denoiser, denoiser, needs[1]))
+
+
 def _seconds(call: Callable[[], object]) -> float:
     started = time.perf_counter()
     call()
@@ -107,13 +158,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budgets", help="comma-separated, e.g. 8GB,16GB (default: the benchmark's for it)")
     args = parser.parse_args(argv)
     budgets = [parse_bytes(b) for b in (args.budgets or _DEFAULT_BUDGETS[args.pipeline]).split(",")]
-    sizes = meta_sizes(args.pipeline)
+    pipe = meta_pipeline(args.pipeline)
+    sizes = meta_sizes(pipe)
     rows = [("budget", "at enable s", "estimated figures s", "measured figures s", "timed again s")]
     for budget in budgets:
         rows.append((format_bytes(budget), *(f"{s:.4f}" for s in timed_plans(sizes, budget, args.pipeline))))
     print(f"full {args.pipeline}, {format_bytes(sum(s.nbytes for s in sizes))} of weights; torch {torch.__version__}, "
           f"python {sys.version.split()[0]}")  # fmt: skip
     print("\n".join(text_table(rows)))
+    dry = [("dry run", "s", "estimate")]
+    for what, seconds, need in timed_dry_runs(pipe, args.pipeline):
+        dry.append((what, f"{seconds:.4f}", "-" if need is None else format_bytes(need)))
+    print("\n".join(text_table(dry)))
     return 0
 
 
