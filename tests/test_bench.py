@@ -770,12 +770,11 @@ def test_components_given_badly_are_refused_with_the_form_expected(spec: str, sa
 
 def test_the_planners_host_time_is_timed_on_sizes_counted_on_the_meta_device(capsys) -> None:
     from diffusers_residency.bench import planning
-    from diffusers_residency.components import component_sizes
+    from diffusers_residency.components import component_sizes, module_components
 
     # Counted on the meta device, where tensors have no storage, as the pipeline counts storages.
     pipe = build_pipeline("sdxl", dtype=torch.float16)
-    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-    assert planning.meta_sizes(planning.meta_pipeline("sdxl", "tiny")) == component_sizes(pipe, modules)
+    assert planning.meta_sizes(planning.meta_pipeline("sdxl", "tiny")) == component_sizes(pipe, module_components(pipe))
 
     assert planning.main(["--pipeline", "sdxl", "--budgets", "8GB,12GB"]) == 0
     out = capsys.readouterr().out

@@ -26,11 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from diffusers import DiffusionPipeline
-from torch import nn
 
 from .. import kept_blocks
 from ..casts import guessed_casts
-from ..components import component_sizes, default_reserve_for, offload_sequence
+from ..components import component_sizes, default_reserve_for, module_components, offload_sequence
 from ..dry_runs import CallDryRuns
 from ..planner import PREFETCH_CHOICES, plan_residency
 from ..plans import ComponentSizes
@@ -74,11 +73,7 @@ def meta_pipeline(kind: str, scale: str = "full") -> DiffusionPipeline:
 def meta_sizes(pipe: DiffusionPipeline) -> list[ComponentSizes]:
     """The planner's view of a pipeline built on the meta device. Its tensors have no storage there:
     each parameter and buffer counts its own bytes once (tied ones are one)."""
-    return component_sizes(pipe, _modules(pipe), _tensor_bytes)
-
-
-def _modules(pipe: DiffusionPipeline) -> dict[str, nn.Module]:
-    return {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+    return component_sizes(pipe, module_components(pipe), _tensor_bytes)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -135,7 +130,7 @@ def timed_dry_runs(pipe: DiffusionPipeline, kind: str) -> tuple[tuple[str, float
     and of the denoiser's as it first starts."""
     made: list[CallDryRuns | None] = []
     enable = _seconds(
-        lambda: made.append(CallDryRuns.of(pipe, _modules(pipe), offload_sequence(pipe), guessed_casts(pipe)))
+        lambda: made.append(CallDryRuns.of(pipe, module_components(pipe), offload_sequence(pipe), guessed_casts(pipe)))
     )
     runs = made[0]
     if runs is None:
