@@ -16,8 +16,9 @@ from typing import Any
 
 from diffusers import DiffusionPipeline
 
-from .adaptive import STATE_ATTR, abort_call, begin_call, end_call
+from .adaptive import abort_call, begin_call, end_call
 from .hooks import StagingHook
+from .pipeline_residency import STATE_ATTR
 from .profile import call_shape
 from .residency import ResidencyGroup
 

@@ -29,8 +29,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .diffusers_hooks import compute_dtypes
 from .profile import IMAGE_ARGUMENTS
-from .residency import compute_dtypes
 from .streaming import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # former in a measuring call, 1.56 for FLUX.1-dev's transformer there (1.24 to 1.32 alone). The
 # allocator's rounding and cache, and what kernels take for themselves (a convolution's workspace)
 # without a tensor to show for it. The decoders set it: short of room, they would decode again
-# with the rest of the pipeline off the device (see adaptive.make_room_to_retry), a first call
+# with the rest of the pipeline off the device (see dry_run_plans.make_room_to_retry), a first call
 # slower by a decode and the reloads after it.
 ALLOCATOR_FACTOR = 2.0
 

@@ -27,9 +27,10 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from . import _device
+from .diffusers_hooks import GROUP_OFFLOADING_HOOK, registered_hook
 from .plans import PREFETCH_BLOCKS
 from .policy import Policy
-from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup, ResidencyUnit
+from .residency import ResidencyGroup, ResidencyUnit
 from .retry_with_room import RETRIED_METHODS, retried_with_room
 from .streaming import BlockStream, repeated_blocks
 
@@ -40,10 +41,6 @@ logger = logging.getLogger(__name__)
 # writes would land in the device copy and be lost at its next offload, so they run offloaded: on
 # the masters, which are the weights then.
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
-
-# The name diffusers' group offloading registers under (private to diffusers), read only to refuse
-# a combination that leaves dead hooks behind.
-_GROUP_OFFLOADING_HOOK = "group_offloading"
 
 # Hook methods kept out of torch.compile, each with the function it wraps.
 _UNCOMPILED: list[tuple[Callable, Callable]] = []
@@ -92,8 +89,7 @@ def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None 
                 "e.g. pipe.remove_all_hooks() after enable_model_cpu_offload()/enable_sequential_cpu_offload(), "
                 "or accelerate.hooks.remove_hook_from_module(module, recurse=True)."
             )
-        registry = getattr(sub, DIFFUSERS_REGISTRY_ATTR, None)
-        if registry is not None and registry.get_hook(_GROUP_OFFLOADING_HOOK) is not None:
+        if registered_hook(sub, GROUP_OFFLOADING_HOOK) is not None:
             raise ValueError(
                 f"{where!r} has diffusers group offloading enabled. Pinned offload replaces it; "
                 "reload the component (or remove its group offloading) before enabling pinned offload."

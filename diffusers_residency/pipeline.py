@@ -20,7 +20,7 @@ from accelerate.hooks import remove_hook_from_module
 from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
-from .adaptive import STATE_ATTR, PipelineResidency, apply_plan, plan_ahead
+from .adaptive import plan_ahead, watch_budget
 from .calls import wrap_every_pipeline_call
 from .casts import guessed_casts, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
@@ -29,6 +29,7 @@ from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
 from .host_budget import file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
+from .pipeline_residency import STATE_ATTR, PipelineResidency, apply_plan
 from .planner import default_reserve
 from .plans import BudgetTooSmallError, ResidencyPlan
 from .policy import Policy
@@ -110,7 +111,7 @@ def _hooked_whole(
     figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream,
     and, enabled again, those hooked whole so before.
 
-    Hooks are attached once, here, and later plans keep them (see ``adaptive.replan_in_place``):
+    Hooks are attached once, here, and later plans keep them (see ``pipeline_residency.replan_in_place``):
     hooked by blocks, a component streams for good; hooked whole, it never streams. Without
     figures, the measuring call gives each component the most room it can, streaming what streams.
     Encoders only (see :func:`_encoders`): what they need does not grow with the image, where a VAE
@@ -277,6 +278,7 @@ def enable_pinned_offload(
         previous.group.retention.forget_releases()
         previous.group.budget_watch = None  # watched again for the new plan, the peak reset
         apply_plan(previous, plan)
+        watch_budget(previous)
         _load_excluded(pipe, previous)
         plan_ahead(previous, guessed_casts(pipe))
         return
@@ -321,6 +323,7 @@ def enable_pinned_offload(
         )
         group.call_order = tuple(modules)
         apply_plan(state, plan)
+        watch_budget(state)
         _load_excluded(pipe, state)
     except BaseException:
         for name in hooks:

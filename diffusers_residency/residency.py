@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from torch import nn
 from . import _device, files, pinning
 from .budget_watch import BudgetWatch
 from .conversions import check_sources_ahead
+from .diffusers_hooks import casts_layerwise
 from .host_copy import HostCopy
 from .mapped_masters import FileBacking
 from .masters import staged_by
@@ -33,16 +33,13 @@ from .placement import DeviceSlots
 from .policy import Policy
 from .retention import RetentionBudget
 from .staging import ModuleStager
+from .start_order import Start, StartOrder
 from .streaming import BlockStream
 from .weights import module_stored_tensors, module_tensors
 
 logger = logging.getLogger(__name__)
 
 
-# diffusers' registry of model hooks and the name its layerwise casting registers under, both private
-# to diffusers: read to tell a unit whose weights its forwards move to storage of their own (see
-# ResidencyUnit.load).
-DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
 # The largest block (bytes of its weights, at each load) whose load takes one device buffer, like a
 # whole component's: one allocation, and one copy per run of masters side by side on the host,
 # where a load per storage makes one of each per weight (SDXL's UNet and text encoder blocks load
@@ -50,25 +47,6 @@ DIFFUSERS_REGISTRY_ATTR = "_diffusers_hook"
 # per block of FLUX.1-dev (270 and 648 MiB) ran its transformer out of room under a 16 GB cap,
 # where storages of their own fit between the activations.
 ONE_BUFFER_BLOCK_BYTES = 128 << 20
-_LAYERWISE_CASTING_HOOK = "layerwise_casting"
-
-
-def casts_layerwise(module: nn.Module) -> bool:
-    """Whether diffusers' layerwise casting is on anywhere in ``module`` (asked at loads: it stops
-    at the first layer cast)."""
-    return any(_casting_hook(sub) is not None for sub in module.modules())
-
-
-def compute_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
-    """The dtype diffusers' layerwise casting computes in, per submodule of ``module`` (by name)
-    that it casts."""
-    hooks = ((name, _casting_hook(sub)) for name, sub in module.named_modules())
-    return {name: hook.compute_dtype for name, hook in hooks if hook is not None}
-
-
-def _casting_hook(module: nn.Module) -> Any | None:
-    registry = getattr(module, DIFFUSERS_REGISTRY_ATTR, None)
-    return registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
 
 
 @dataclass(eq=False)
@@ -186,24 +164,19 @@ class ResidencyGroup:
         # computes. No room, no loading ahead.
         self.call_order: tuple[str, ...] = ()
         self.weight_room: Callable[[str], int] | None = None
-        # Inside pipeline calls, the component that started after each start, by that start's
-        # component and how many times it had started before in its call, as the last call ran
-        # them: loading ahead goes there rather than to the next in call order, which a call may
-        # leave (a negative prompt runs the text encoders twice; img2img encodes with the VAE
-        # before the UNet). And the call those counts are for, the counts, and the last start.
-        self._next_start: dict[tuple[str, int], str] = {}
-        self._starts_of_call: tuple[int, dict[str, int], tuple[str, int] | None] = (-1, {}, None)
+        # What started after what in the last calls, for loading ahead (see _load_ahead).
+        self.start_order = StartOrder()
         # The budget watched at each switch, under a budget (see adaptive, which sets it).
         self.budget_watch: BudgetWatch | None = None
         # Set while a measured call waits for a component's inputs to estimate its need from, before
-        # it starts (see adaptive.estimate_at_start): told each whole component's and trunk's inputs.
+        # it starts (see dry_run_plans.estimate_at_start): told each whole component's and trunk's inputs.
         self.estimate_from_inputs: Callable[[str, tuple, dict], None] | None = None
         # Set while a call runs under a plan made from those estimates: makes the most room the
         # budget has for a component (the denoiser, the decoder) that ran out of device memory
         # under it, before it runs again (see retry_with_room.retried_with_room).
         self.make_room_to_retry: Callable[[str], None] | None = None
         # Set while a call runs under a plan made from those estimates whose denoiser has no step
-        # timed yet: plans its other steps once one is (see adaptive.plan_from_timed_step).
+        # timed yet: plans its other steps once one is (see dry_run_plans.plan_from_timed_step).
         self.plan_from_timed_step: Callable[[str], None] | None = None
         # Modules (by id) whose masters are served from checkpoint files for good, under a host
         # budget: set before they are added (see host_budget), so that their weights are never
@@ -411,7 +384,7 @@ class ResidencyGroup:
         else:
             unit.stager.ready()  # loaded ahead: the compute stream waits for the copy from here
         if switched:
-            self._load_ahead(self._note_start(unit.component))
+            self._load_ahead(self.start_order.note(unit.component, self.calls, self.calls_running > 0))
 
     def evict_others(self, component: str | None) -> None:
         """Offload the evictable units of every component but ``component``, which becomes the active
@@ -437,32 +410,10 @@ class ResidencyGroup:
     def loaded_bytes(self) -> int:
         return sum(unit.stager.weight_bytes for unit in self.units if unit.stager.loaded)
 
-    def _note_start(self, component: str) -> tuple[str, int]:
-        """``component`` starts (a switch to it): noted as what followed the start before it, inside
-        a pipeline call. Returns this start (see ``_next_start``)."""
-        call, counts, last = self._starts_of_call
-        if call != self.calls:
-            call, counts, last = self.calls, {}, None
-        if last is not None and self.calls_running:
-            self._next_start[last] = component
-        start = (component, counts.get(component, 0))
-        counts[component] = start[1] + 1
-        self._starts_of_call = (call, counts, start)
-        return start
-
-    def _following(self, start: tuple[str, int]) -> str | None:
-        """The component expected to start after ``start``: the one that did in the last call that
-        ran it, else the next in call order (outside a call, or before one ran it)."""
-        following = self._next_start.get(start) if self.calls_running else None
-        if following is None and start[0] in self.call_order:
-            order = self.call_order
-            following = order[(order.index(start[0]) + 1) % len(order)]
-        return following
-
-    def _load_ahead(self, start: tuple[str, int]) -> None:
-        """Start loading the component expected after ``start`` (see :meth:`_following`), whole, if
-        the room for weights while ``start``'s component runs holds it beside what is loaded: its
-        copy then runs behind this component's compute. A streamed one loads only what is whole
+    def _load_ahead(self, start: Start) -> None:
+        """Start loading the component expected after ``start`` (see :class:`~.start_order.StartOrder`),
+        whole, if the room for weights while ``start``'s component runs holds it beside what is
+        loaded: its copy then runs behind this component's compute. A streamed one loads only what is whole
         (its trunk): its staged blocks load in its own first pass, each as the window ahead of the
         running block reaches it (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
         to the device until that pass (its latents and timesteps, a text encoder's token ids), and
@@ -471,7 +422,7 @@ class ResidencyGroup:
         for a component that does not come next, weights would be evicted unused, the next
         component's compute waiting for their copies first."""
         component = start[0]
-        following = self._following(start)
+        following = self.start_order.following(start, self.call_order, self.calls_running > 0)
         if self.weight_room is None or following is None:
             return
         if any(u.stream is not None for u in self.units_of(component)):

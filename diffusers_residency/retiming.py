@@ -20,7 +20,7 @@ from .residency import ResidencyGroup
 from .step_timing import StepTiming
 
 if TYPE_CHECKING:
-    from .adaptive import PipelineResidency
+    from .pipeline_residency import PipelineResidency
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def timing_so_far(group: ResidencyGroup, sizes: ComponentSizes) -> StepTiming | 
     """Streamed per-step component ``sizes``'s step as timed so far, read without waiting for the
     device: the first step timed in its activation under way (None until the device has run it)
     and its loads done (a load still copying is left out, with its bytes). For a plan made in the
-    middle of a call (see ``adaptive.plan_from_timed_step``)."""
+    middle of a call (see ``dry_run_plans.plan_from_timed_step``)."""
     units = group.units_of(sizes.name)
     stream = next((unit.stream for unit in units if unit.stream is not None), None)
     compute = None if stream is None else stream.step_seconds_so_far()

@@ -1,6 +1,6 @@
 """Running a component again, with room made, when it runs out of device memory in a call planned
 from estimates, rather than failing the call on an estimate that fell short (see
-``adaptive.make_room_to_retry``, which makes the room); and telling when running it again could
+``dry_run_plans.make_room_to_retry``, which makes the room); and telling when running it again could
 change its output, where the error is raised as it came.
 """
 
@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .residency import DIFFUSERS_REGISTRY_ATTR, ResidencyGroup
+from .diffusers_hooks import DIFFUSERS_REGISTRY_ATTR
+from .residency import ResidencyGroup
 
 logger = logging.getLogger(__name__)
 

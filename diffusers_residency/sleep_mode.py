@@ -22,9 +22,9 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
-from .adaptive import PipelineResidency
 from .checkpoints import checkpoint_views, component_folder
 from .pipeline import enable_pinned_offload, pipeline_state
+from .pipeline_residency import PipelineResidency
 from .policy import Policy
 from .residency import ResidencyUnit
 

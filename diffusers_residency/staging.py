@@ -35,10 +35,10 @@ from .masters import (
     claim,
     refuse_staged_elsewhere,
     release,
-    snapshot,
 )
 from .placement import DeviceCopies, DeviceSlots
 from .retention import RetentionBudget
+from .snapshots import snapshot
 from .weights import (
     Wrappers,
     module_tensors,

@@ -149,7 +149,7 @@ class BlockStream:
 
         Also the kept blocks that follow it, as many of each policy: staged ones, loaded once per
         activation in its first pass, and resident ones that a plan made while the component runs
-        has not loaded yet (see ``adaptive.estimate_at_start`` and ``plan_from_timed_step``). They
+        has not loaded yet (see ``dry_run_plans.estimate_at_start`` and ``plan_from_timed_step``). They
         load ahead too, so that their copies run behind the compute of the blocks before them
         rather than each in front of its own block (a whole step's worth of copy time, for SDXL's
         UNet at 8 GB). Apart: resident blocks, loaded but for those, would take staged ones' places."""
@@ -196,7 +196,7 @@ class BlockStream:
     def step_seconds_so_far(self) -> float | None:
         """Compute seconds of the first step timed in the activation under way (a call's second
         step), once the device has run it; None before. Asked, not waited for: read in the middle
-        of a call (see ``adaptive.plan_from_timed_step``), waiting would hold the host until the
+        of a call (see ``dry_run_plans.plan_from_timed_step``), waiting would hold the host until the
         device caught up, and the device would then idle while the host planned."""
         if not self._timed_in_activation:
             return None
@@ -255,7 +255,7 @@ class BlockStream:
 
     def forget_unfinished_pass(self) -> None:
         """The call under way cut this component's pass short (it raised, or runs a step or a decode
-        again from its start: see ``adaptive.make_room_to_retry``): a first pass it recorded is only
+        again from its start: see ``dry_run_plans.make_room_to_retry``): a first pass it recorded is only
         that pass's start, and taken for the order it would leave the blocks after it out of
         prefetching for good. Recorded again from the next pass. A pass recorded whole in an earlier
         call stays.

@@ -17,14 +17,14 @@ from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DMod
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
 from torch.overrides import TorchFunctionMode
 
-from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_runs, kept_blocks
-from diffusers_residency.adaptive import DRY_RUN, PipelineResidency, replan_in_place
+from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_run_plans, dry_runs, kept_blocks
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
 from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.pipeline_residency import DRY_RUN, PipelineResidency, replan_in_place
 from diffusers_residency.planner import PREFETCH_CHOICES
 from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.profile import CACHE_VARIABLE, shape_parts
@@ -303,9 +303,9 @@ def test_a_denoiser_computing_from_float8_storage_is_estimated_in_its_compute_dt
                     raise torch.OutOfMemoryError("short")
             return func(*args, **(kwargs or {}))
 
-    make_room = adaptive.make_room_to_retry
+    make_room = dry_run_plans.make_room_to_retry
     monkeypatch.setattr(
-        adaptive, "make_room_to_retry", lambda *a: left_cast_up.append(layer.weight.dtype) or make_room(*a)
+        dry_run_plans, "make_room_to_retry", lambda *a: left_cast_up.append(layer.weight.dtype) or make_room(*a)
     )
     with ShortInTheLayer():
         assert torch.equal(_run(flux), reference)
@@ -400,9 +400,9 @@ def test_a_component_short_of_memory_under_dry_run_estimates_runs_again_with_the
             raise torch.OutOfMemoryError("short")
 
     freed_first: list[bool] = []
-    make_room = adaptive.make_room_to_retry
+    make_room = dry_run_plans.make_room_to_retry
     monkeypatch.setattr(
-        adaptive, "make_room_to_retry", lambda *a: freed_first.append(failed_inputs[0]() is None) or make_room(*a)
+        dry_run_plans, "make_room_to_retry", lambda *a: freed_first.append(failed_inputs[0]() is None) or make_room(*a)
     )
     # And the allocator retrying at every switch under the estimate (as a cap it is short under
     # makes it): given up with the estimate, not told.

@@ -604,7 +604,7 @@ def test_a_smaller_shape_runs_its_first_call_under_the_larger_ones_plan_on_cuda_
 
 @pytest.mark.parametrize("component", ["transformer", "vae"])
 def test_a_step_or_decode_short_of_memory_under_dry_run_estimates_runs_again_on_cuda_and_is_exact(component) -> None:
-    from diffusers_residency.adaptive import DRY_RUN
+    from diffusers_residency.pipeline_residency import DRY_RUN
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     case.pipe.to("cpu")
@@ -634,8 +634,8 @@ def test_a_step_or_decode_short_of_memory_under_dry_run_estimates_runs_again_on_
 def test_a_first_call_planned_from_dry_runs_on_cuda_plans_its_other_steps_for_a_step_timed_with_events(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from diffusers_residency.adaptive import DRY_RUN
     from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+    from diffusers_residency.pipeline_residency import DRY_RUN
 
     case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     reference = pipeline_output(case.pipe, call_kwargs("flux", steps=6))

@@ -20,6 +20,7 @@ from diffusers_residency import (
     components,
     conversions,
     load_residency_profile,
+    pipeline_residency,
     residency_profile,
     save_residency_profile,
     sleep,
@@ -952,12 +953,14 @@ def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_a
     # later ones are (learn_overshoot), which finds no room either and leaves them alone.
     _, budget, retrying = _measured_at_48_retrying_on_demand(flux, monkeypatch)
     state = pipeline_state(flux.pipe)
-    margin = int(budget * adaptive.RESERVE_MARGIN)
+    margin = int(budget * pipeline_residency.RESERVE_MARGIN)
     names = [p.name for p in state.plan.components]
 
     def fits(need: int, extra: int) -> bool:
         try:
-            adaptive.replan_in_place(state, {**{n: need + margin for n in names}, "transformer": need + margin + extra})
+            pipeline_residency.replan_in_place(
+                state, {**{n: need + margin for n in names}, "transformer": need + margin + extra}
+            )
             return True
         except BudgetTooSmallError:
             return False

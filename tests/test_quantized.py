@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from diffusers_residency import Policy
-from diffusers_residency.adaptive import DRY_RUN
 from diffusers_residency.bench.builders import call_kwargs
 from diffusers_residency.components import component_sizes, module_components
 from diffusers_residency.dry_runs import ForwardDryRun
 from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.pipeline_residency import DRY_RUN
 from diffusers_residency.weights import module_tensors, storage_bytes, stored_tensors
 
 from .helpers import (

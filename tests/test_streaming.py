@@ -19,11 +19,11 @@ from diffusers_residency import (
     detach_staging_hook,
     residency,
 )
-from diffusers_residency.adaptive import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.budget_watch import BudgetWatch
 from diffusers_residency.components import component_sizes, module_components
 from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.pipeline_residency import RESERVE_MARGIN, apply_plan, replan_in_place
 from diffusers_residency.planner import MIN_RESERVE_BYTES, plan_residency
 from diffusers_residency.plans import PREFETCH_BLOCKS
 from diffusers_residency.policy import Policy

@@ -1,0 +1,142 @@
+"""What ``enable_pinned_offload`` set up on one pipeline (:class:`PipelineResidency`), and how a
+plan is put in place on it: the policies of its units, the room left for weights, a plan made again
+for new figures on the hooks that were attached. The modules that plan a pipeline's calls share
+these: ``adaptive`` (what calls teach), ``dry_run_plans`` (a first call planned from estimates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .dry_runs import CallDryRuns
+from .hooks import StagingHook
+from .plans import ComponentPlan, ResidencyPlan
+from .policy import Policy
+from .profile import ResidencyProfile
+from .residency import ResidencyGroup
+from .step_timing import StepTiming
+
+# Kept on top of what a component was measured to need above its weights, as a fraction of the
+# budget: the next call's activations may differ a little (another prompt length, say).
+RESERVE_MARGIN = 0.02
+# How a plan made from estimates says where they come from: a larger call shape's figures (see
+# adaptive.begin_call), or dry runs of the call under way (see dry_run_plans.estimate_at_start).
+ESTIMATED = "estimated"
+COVERING = f"{ESTIMATED} from calls of"
+DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
+
+
+# The attribute of a pipeline that holds its PipelineResidency.
+STATE_ATTR = "_pinned_residency"
+
+
+@dataclass
+class PipelineResidency:
+    """What ``enable_pinned_offload`` set up on one pipeline."""
+
+    group: ResidencyGroup
+    hooks: dict[str, StagingHook]
+    plan: ResidencyPlan
+    # The plan for given per-component activations, with everything else as enabled (and the
+    # policies given pinned besides).
+    replan: Callable[..., ResidencyPlan]
+    # Whether calls are measured: the first of each call shape measures each component's
+    # activations (no reserve given, and a plan that does not keep everything on the device).
+    measuring: bool = False
+    # The first and last components of model_cpu_offload_seq: the ones that begin and end a call.
+    call_start: str | None = None
+    call_end: str | None = None
+    # Per component, the calls it was planned more room in for allocator retries, and the
+    # components no plan could give more room to for them (see adaptive.learn_overshoot).
+    retry_replans: dict[str, int] = field(default_factory=dict)
+    retries_left_alone: set[str] = field(default_factory=set)
+    # What calls measured, per call shape, and the file it is kept in (None: not kept); None when
+    # nothing is measured (no budget, a reserve given, or a plan that keeps everything).
+    profile: ResidencyProfile | None = None
+    profile_file: Path | None = None
+    # Encoders hooked whole from a profile's figures (see pipeline._hooked_whole): enabled again,
+    # they stay so, whether or not the profile is found again.
+    hooked_whole: tuple[str, ...] = ()
+    # The shape of the call under way, or of the last one (see adaptive.begin_call), and the shapes whose
+    # figures this process measured (the others came from the profile).
+    shape: str | None = None
+    measured_shapes: set[str] = field(default_factory=set)
+    # Shapes an estimate failed (its call ran out of memory, or measured needs that fit no plan): the
+    # least on the device for them from then on.
+    estimates_failed: set[str] = field(default_factory=set)
+    # Set while a pipeline call is under way (see calls._wrap_call): calls within it are not
+    # planned for on their own. Pipelines are not thread-safe, and neither is this.
+    in_call: bool = False
+    # What estimates a measured call's needs before they are measured (None: the pipeline's calls
+    # are not denoiser then decoder).
+    dry_runs: CallDryRuns | None = None
+
+    @property
+    def active(self) -> bool:
+        """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
+        return bool(self.group.units)
+
+
+def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
+    """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
+    for component in plan.components:
+        if component.name not in state.hooks:
+            continue
+        units = state.group.units_of(component.name)
+        units[0].policy = component.policy
+        for index, block in enumerate(units[1:]):
+            policy = (
+                Policy.RESIDENT
+                if index in component.resident_blocks
+                else Policy.STAGED
+                if index in component.staged_blocks
+                else Policy.STREAMED
+            )
+            if block.policy is not Policy.STREAMED and policy is Policy.STREAMED and block.stager.loaded:
+                # Now streamed: its room goes to the blocks that now stay, before they load (and the
+                # stream drops only blocks it loaded itself).
+                block.stager.offload()
+            block.policy = policy
+        if units[0].policy is Policy.STREAMED:
+            units[1].stream.replan(component.prefetch_blocks)
+    state.plan = plan
+    group = state.group
+    group.weight_room = None if plan.budget is None else plan.weight_room
+    if plan.budget is None:
+        group.retention.reserved_limit = None  # under a budget, set at each switch (evict_others)
+        group.budget_watch = None  # a plan without a budget has none to watch
+
+
+def replan_in_place(
+    state: PipelineResidency,
+    activations: Mapping[str, int],
+    timings: Mapping[str, StepTiming] | None = None,
+    chosen: Sequence[ComponentPlan] | None = None,
+) -> ResidencyPlan:
+    """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
+    components that stream keep streaming (their blocks have hooks of their own; with every block
+    resident, one is as good as resident), the others may move between staged and resident, not to
+    streaming (they have no block hooks). ``chosen``: the plan made before for these figures (see
+    plan_residency).
+
+    Raises :class:`BudgetTooSmallError` when nothing fits."""
+    streaming, whole = hooked_policies(state)
+    timings = state.plan.timings if timings is None else timings
+    plan = state.replan(activations, streaming, whole, timings, chosen=chosen)
+    return replace(plan, source="measured", shape=state.shape)
+
+
+def hooked_policies(state: PipelineResidency) -> tuple[dict[str, Policy], list[str]]:
+    """What the hooks in place allow: the components that stream (their blocks have hooks of their
+    own), pinned so, and those that can only move whole."""
+    streaming = {p.name: Policy.STREAMED for p in state.plan.components if p.policy is Policy.STREAMED}
+    whole = [p.name for p in state.plan.components if p.policy is not Policy.STREAMED]
+    return streaming, whole
+
+
+def apply_least_plan(state: PipelineResidency) -> None:
+    """The measuring plan, with the least on the device, on the hooks in place."""
+    streaming, whole = hooked_policies(state)
+    apply_plan(state, state.replan({}, streaming, whole, least=True))
