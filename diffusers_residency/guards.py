@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS, call_then, offloaded_first
+from .hooks import IN_PLACE_WEIGHT_METHODS, VERSIONED_WRITE_METHODS, call_then, offloaded_first
 from .retry_with_room import RETRIED_METHODS
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
@@ -33,7 +33,8 @@ GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "_
 # What attaching a staging hook sets on a module's instance: accelerate's hook and wrapped forward,
 # and the hook's own guards (see hooks.StagingHook.init_hook).
 _HOOK_ATTRIBUTES = (
-    "_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS, *RETRIED_METHODS
+    "_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS,
+    *VERSIONED_WRITE_METHODS, *RETRIED_METHODS,
 )
 
 

@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 # writes would land in the device copy and be lost at its next offload, so they run offloaded: on
 # the masters, which are the weights then.
 IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
+# Methods whose writes in place an offload sees by the tensors' version counters, which inference
+# tensors (the weights of a pipeline loaded under ``torch.inference_mode()``) do not have: on a
+# component whose loaded tensors are such, they run offloaded first too, and the writes land in the
+# masters. Otherwise they run where the weights are, and the offload copies back what they wrote.
+VERSIONED_WRITE_METHODS = ("load_state_dict",)
 
 # Hook methods kept out of torch.compile, each with the function it wraps.
 _UNCOMPILED: list[tuple[Callable, Callable]] = []
@@ -115,6 +120,24 @@ def offloaded_first(
     return run_offloaded
 
 
+def offloaded_where(
+    unseen: Callable[[], bool],
+    method: Callable[..., Any],
+    lock: AbstractContextManager,
+    offload: Callable[[], None],
+    after_writing: Callable[[], None] | None = None,
+) -> Callable[..., Any]:
+    """``method``, run as :func:`offloaded_first` runs it where ``unseen()`` (its writes would go
+    unseen where the weights are), and as it is otherwise."""
+    offloaded = offloaded_first(method, lock, offload, after_writing)
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return offloaded(*args, **kwargs) if unseen() else method(*args, **kwargs)
+
+    return run
+
+
 def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: str) -> Any:
     """``call()`` (``what``, for the log), then ``after()`` whether it raised or not. When both
     raise, ``call``'s error is the one raised (it is what the caller asked about), and ``after``'s
@@ -170,18 +193,27 @@ class StagingHook(ModelHook):
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
         self._wrapped = {}
+        # Every unit of the component, its streamed blocks included: loaded again at its next forward.
+        offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
+        written = functools.partial(self.group.own_copies_of_written, self.unit.component)
+        lock = self.group.call_lock
         for name in IN_PLACE_WEIGHT_METHODS:
             if hasattr(module, name):
-                # Every unit of the component, its streamed blocks included: loaded again at its next forward.
-                offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
-                written = functools.partial(self.group.own_copies_of_written, self.unit.component)
-                self._wrap(module, name, offloaded_first(getattr(module, name), self.group.call_lock, offload, written))
+                self._wrap(module, name, offloaded_first(getattr(module, name), lock, offload, written))
+        for name in VERSIONED_WRITE_METHODS:
+            self._wrap(module, name, offloaded_where(self._writes_unseen, getattr(module, name), lock, offload, written))
         for name in RETRIED_METHODS:
             method = getattr(module, name, None)
             # A submodule of that name (a model's own ``decode`` layers) is no entry point.
             if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
                 self._wrap(module, name, retried_with_room(method, self.group, self.unit.component, module))
         return module
+
+    def _writes_unseen(self) -> bool:
+        """Whether a write in place into the component's loaded weights would go unseen at their
+        offload: some are inference tensors (see VERSIONED_WRITE_METHODS)."""
+        units = self.group.units_of(self.unit.component)
+        return any(unit.stager.loaded and unit.stager.loaded_versionless for unit in units)
 
     def _wrap(self, module: nn.Module, name: str, wrapper: Callable[..., Any]) -> None:
         self._wrapped[name] = (vars(module).get(name), wrapper)

@@ -225,6 +225,12 @@ class MasterBindings:
     def pinned(self) -> bool:
         return all(group.pinned for group in self._groups)
 
+    @property
+    def loaded_versionless(self) -> bool:
+        """Whether some tensor bound by the last load has no version counter (an inference tensor):
+        a write into it in place while loaded goes unseen at the offload (see _changed_while_loaded)."""
+        return any(version is None for _, _, version in self._loaded_state)
+
     def masters(self) -> Iterator[torch.Tensor]:
         """Every host master held, those kept from before the last conversion included."""
         for group in self._groups + self._kept_groups:
@@ -337,16 +343,15 @@ class MasterBindings:
             count += 1
         return count == len(bound)
 
-    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor], bool]:
+    def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor], list[torch.Tensor]]:
         """Tensors given a new dtype, shape or stride since the last load (by id), tensors
         written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
-        their version counters, or their wrapper's, moved), and whether any moved elsewhere.
-
-        A tensor elsewhere with its old layout is neither: diffusers' layerwise casting casts each
-        weight up and back down at every forward, leaving equal values in new storage, which the
-        masters still hold. Nor is a write through ``.data``, which no counter sees."""
+        their version counters, or their wrapper's, moved), and tensors moved elsewhere with their
+        old layout: diffusers' layerwise casting does that to each weight it casts, up and back
+        down at every forward, leaving equal values in new storage (see ModuleStager.offload).
+        A write through ``.data`` where the load put them is none of these: no counter sees it."""
         in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
-        replaced, written, moved = set(), [], False
+        replaced, written, moved = set(), [], []
         for binding, address, version in self._loaded_state:
             target = binding.target
             at_address = target.data_ptr() == address
@@ -361,7 +366,7 @@ class MasterBindings:
             elif at_address:
                 written.append(target)
             else:
-                moved = True
+                moved.append(target)
         return frozenset(replaced), written, moved
 
     def _keep_writes(self, written: list[torch.Tensor]) -> frozenset[int]:
@@ -376,7 +381,7 @@ class MasterBindings:
         mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
         ordinary, _ = self._master_views()
         views = {id(target): view for target, view in ordinary}
-        logger.info("%d tensors were written in place while loaded; copying them back to their masters", len(written))
+        logger.info("%d tensors were written while loaded; copying them back to their masters", len(written))
         with torch.no_grad():
             for target in written:
                 if id(target) not in mapped:

@@ -365,7 +365,12 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             self._settle_mapped_masters()
         replaced, written, moved = self._changed_while_loaded()
         if moved and not self._moves_weights:
-            self.note_moves_weights()
+            self.note_moves_weights()  # layerwise casting may have been enabled since
+            if not self._moves_weights:
+                # Not layerwise casting, whose moves leave the values the masters hold: given storage
+                # of their own some other way (``weight.data = w`` of the same layout, a submodule's
+                # ``.to(dtype)`` there and back), they hold the weights now, kept as writes are.
+                written = [*written, *moved]
         if written:
             replaced |= self._keep_writes(written)
         storages, self._device_storages = self._device_storages, []

@@ -380,6 +380,67 @@ def test_load_state_dict_into_a_loaded_component_is_kept(policy: str, subset: bo
     assert torch.equal(offloaded.run(), expected)
 
 
+def _given_storage_of_their_own(pipe, how: str) -> None:
+    """Give the VAE's decoder and the transformer's first block storage of their own with their
+    layout, while loaded: cast there and back through bfloat16 (which rounds), or assigned anew."""
+    for module in (pipe.vae.decoder, pipe.transformer.transformer_blocks[0]):
+        if how == "cast":
+            module.to(torch.bfloat16)
+            module.to(torch.float32)
+        else:
+            for weight in module.parameters():
+                weight.data = weight.detach() * 1.5
+
+
+@pytest.mark.parametrize("how", ["cast", "assigned"])
+@pytest.mark.parametrize("policy", ["resident", "staged", "streamed"])
+def test_weights_given_storage_of_their_own_while_loaded_are_kept(policy: str, how: str) -> None:
+    """A tensor moved to storage of its own with its dtype, shape and stride, on a component without
+    layerwise casting (whose moves leave the masters' values), holds the weights now: the offload
+    copies it back into its master rather than binding the master again."""
+    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+    _given_storage_of_their_own(resident.pipe, how)
+    expected = resident.run()
+    assert not torch.equal(expected, offloaded.reference), "the change must change the output"
+
+    enable_with_transformer(offloaded, policy)
+    offloaded.run()
+    group = pipeline_state(offloaded.pipe).group
+    assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"
+    _given_storage_of_their_own(offloaded.pipe, how)
+    assert torch.equal(offloaded.run(), expected)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert torch.equal(offloaded.run(), expected)
+
+
+@pytest.mark.parametrize("policy", ["resident", "staged"])
+def test_load_state_dict_into_loaded_inference_weights_is_kept(policy: str) -> None:
+    """Weights loaded under ``torch.inference_mode()`` are inference tensors, without the version
+    counters that show an offload what was written while loaded: ``load_state_dict`` runs with the
+    component offloaded, into its masters."""
+    with torch.inference_mode():
+        offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+    assert all(weight.is_inference() for weight in offloaded.pipe.vae.parameters())
+    new = _written_weights(resident, subset=False)
+    with torch.inference_mode():
+        for name, weights in new.items():
+            getattr(resident.pipe, name).load_state_dict(weights, strict=False)
+    expected = resident.run()
+
+    enable_with_transformer(offloaded, policy)
+    offloaded.run()
+    loaded = [u for u in pipeline_state(offloaded.pipe).group.units if u.stager.loaded]
+    assert {u.component for u in loaded} >= {"vae"} and all(u.stager.loaded_versionless for u in loaded)
+    with torch.inference_mode():
+        for name, weights in new.items():
+            getattr(offloaded.pipe, name).load_state_dict(weights, strict=False)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+
+
 def test_an_ordinary_offload_copies_nothing_back(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
     copied_back: list[int] = []
     keep_writes = ModuleStager._keep_writes
