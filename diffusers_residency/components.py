@@ -98,6 +98,8 @@ def resolve_budget(
 ) -> tuple[int, int | None] | None:
     """The budget and the activation reserve given, in bytes (None: the default, which depends on
     the plan), or None where there is nothing to plan for."""
+    # Checked whether or not there is a budget to plan for: a bad value is refused, never ignored.
+    reserve_bytes = None if reserve is None else parse_bytes(reserve, "activation_reserve")
     if vram_budget is None:
         return None
     if isinstance(vram_budget, str) and vram_budget.strip().lower() == "auto":
@@ -114,9 +116,8 @@ def resolve_budget(
         budget = memory.free + memory.cached + held
     else:
         budget = parse_bytes(vram_budget)
-    if reserve is None:
+    if reserve_bytes is None:
         return budget, None
-    reserve_bytes = parse_bytes(reserve, "activation_reserve")
     if reserve_bytes >= budget:
         raise ValueError(
             f"activation_reserve ({format_bytes(reserve_bytes)}) leaves nothing of vram_budget ({format_bytes(budget)}) "
@@ -133,7 +134,7 @@ def default_reserve_for(sizes: list[ComponentSizes], budget: int, fixed: Mapping
     try:
         least = plan_residency(sizes, budget, 0, fixed, least=True)
     except BudgetTooSmallError:
-        return default_reserve(budget)  # the weights alone do not fit: the plan's own error says so
+        return 0  # the weights alone do not fit: the plan's own error says how much they need
     return min(default_reserve(budget), budget - least.peak_weight_bytes)
 
 

@@ -172,12 +172,17 @@ def plan_residency(
     plans = {s.name: _as_given(s, fixed[s.name]) if s.name in fixed else _off_device_between_uses(s) for s in sizes}
     if not fits(plans):
         peak = room.peak(plans)
+        needs = (
+            f"{format_bytes(peak)} at its largest moment for its weights alone. Raise the budget above that by "
+            "what its calls need above the weights"
+            if reserve == 0 and not activations
+            else f"{format_bytes(peak)} at its largest moment, weights and activations "
+            f"({format_bytes(reserve)} reserved for a component not measured) together. Raise the budget to at "
+            f"least {format_bytes(peak)}"
+        )
         raise BudgetTooSmallError(
-            f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but "
-            f"those you fixed, a call needs {format_bytes(peak)} at its largest moment, weights and "
-            f"activations ({format_bytes(reserve)} reserved for a component not measured) together. Raise the "
-            f"budget to at least {format_bytes(peak)}, or lower activation_reserve, or fix fewer components as "
-            "resident."
+            f"vram_budget {format_bytes(budget)} is too small: with every component streamed or staged but those "
+            f"you fixed, a call needs {needs}, or lower activation_reserve, or fix fewer components as resident."
         )
     if least:
         # A per-step component whose activations a measuring call already measured (its first

@@ -18,10 +18,11 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import numbers
 import os
+import secrets
 import sys
-import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,9 @@ class CallFigures:
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
         timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
+        figures = [*activations.values(), *(f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte))]
+        if not all(0 <= figure < math.inf for figure in figures):
+            raise ValueError("a figure that is negative, infinite or not a number")
         plan = tuple(
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
             for name, policy, kept, staged, depth in data["plan"]
@@ -277,9 +281,21 @@ def _config(module: nn.Module) -> Any:
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     kept = {k: v for k, v in dict(config or {}).items() if not k.startswith("_") and k not in _NOT_ARCHITECTURE}
-    # Attention kernels differ in what they need above the weights.
-    kept["attention"] = str(getattr(getattr(module, "config", None), "_attn_implementation", None))
+    kept["attention"] = _attention(module)
     return json.loads(json.dumps(kept, default=str, sort_keys=True))
+
+
+def _attention(module: nn.Module) -> str:
+    """The attention a module's forward runs, which changes what it needs above the weights (an
+    unfused kernel holds the attention matrix): transformers' ``_attn_implementation``, or the
+    classes of a diffusers model's attention processors, each with the backend it dispatches to
+    (``set_attention_backend``; None for the one active where it runs)."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    processors = getattr(module, "attn_processors", None) if implementation is None else None
+    if not isinstance(processors, Mapping):
+        return str(implementation)
+    kinds = {f"{type(p).__name__}:{getattr(p, '_attention_backend', None)}" for p in processors.values()}
+    return ",".join(sorted(kinds))
 
 
 def profile_key(
@@ -347,14 +363,44 @@ def read_profile(path: Path, key: Mapping[str, str]) -> ResidencyProfile | None:
             raise ValueError(f"format {data.get('format')!r}, this version reads {FORMAT}")
         stored = {str(k): str(v) for k, v in data["key"].items()}
         shapes = {str(shape): CallFigures.from_json(figures) for shape, figures in data["shapes"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    # OverflowError: a figure too large for an int (1e400 reads as infinity); RecursionError: arrays
+    # nested deeper than the JSON decoder's stack.
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         logger.warning("Residency profile %s is not a valid profile (%s); ignoring it", path, exc)
         return None
-    differ = [f"{name} {stored.get(name)!r} here {value!r}" for name, value in key.items() if stored.get(name) != value]
+    differ = _differences(stored, key)
     if differ:
         logger.warning("Residency profile %s was measured for another setup (%s); not using it", path, "; ".join(differ))
         return None
     return ResidencyProfile(dict(key), shapes)
+
+
+def _differences(stored: Mapping[str, str], key: Mapping[str, str]) -> list[str]:
+    return [f"{name} {stored.get(name)!r} here {value!r}" for name, value in key.items() if stored.get(name) != value]
+
+
+# The most recent profiles of the same pipeline class read for what makes them another setup's: a
+# cache folder gathers one per budget, GPU and version, and enabling should not read them all.
+_OTHER_PROFILES_READ = 16
+
+
+def _closest_other(file: Path, key: Mapping[str, str]) -> tuple[Path, list[str]] | None:
+    """Where ``key`` has no profile of its own (``file``): the profile of the same pipeline class in
+    that folder that differs from it the least, and how, for the log to say why it is not used."""
+    try:
+        others = sorted(file.parent.glob(f"{key['pipeline']}-*.json"), key=lambda path: path.stat().st_mtime)
+    except OSError:
+        return None
+    closest = None
+    for path in others[-_OTHER_PROFILES_READ:]:
+        try:
+            stored = {str(k): str(v) for k, v in json.loads(path.read_bytes())["key"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue  # not told here: a file that is no profile is told where it is read as one
+        differ = _differences(stored, key)
+        if differ and (closest is None or len(differ) < len(closest[1])):
+            closest = (path, differ)
+    return closest
 
 
 def write_profile(path: Path, profile: ResidencyProfile) -> None:
@@ -364,17 +410,17 @@ def write_profile(path: Path, profile: ResidencyProfile) -> None:
     on_disk = read_profile(path, profile.key)
     merged = ResidencyProfile(profile.key, {**(on_disk.shapes if on_disk else {}), **profile.shapes})
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Readable by others as the umask allows, as any cache file (a profile is shipped with images
+    # and shared), where mkstemp would make it private; and made so by the kernel as it is created,
+    # not by setting the process's umask, which other threads share.
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(descriptor, "w") as file:
             json.dump(merged.as_json(), file, indent=1)
-        # mkstemp makes it private; a profile is shipped with images and shared, like any cache file.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o644 & ~umask)
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 
@@ -398,4 +444,7 @@ def starting_profile(
     saved = read_profile(file, key)
     if saved is not None:
         logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
+    elif not file.exists() and (other := _closest_other(file, key)) is not None:
+        logger.info("No residency profile for this setup in %s: %s was measured for another one (%s)",
+                    file.parent, other[0].name, "; ".join(other[1]))  # fmt: skip
     return saved or ResidencyProfile(key), file

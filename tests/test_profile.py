@@ -7,6 +7,8 @@ import inspect
 import json
 import logging
 import multiprocessing
+import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -515,8 +517,81 @@ def test_a_profile_measured_for_another_setup_is_refused_and_the_log_says_why(
     assert residency_profile(second.pipe).key["components"] != key["components"]
 
 
+def test_a_profile_of_another_setup_in_the_cache_folder_is_named_with_what_differs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The file of another setup has a name of its own (a digest of its key): never read as this
+    # one's, it is named in the log with how it differs.
+    first, budget = _measured_pipeline(monkeypatch)
+    own = pipeline_state(first.pipe).profile_file
+    data = json.loads(own.read_text())
+    data["key"]["torch"] = "2.0.0"
+    other = profile_path(own.parent.parent, data["key"])
+    other.write_text(json.dumps(data))
+    own.unlink()
+
+    second = PipelineCase("flux")
+    with caplog.at_level("INFO", logger="diffusers_residency.profile"):
+        second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    said = [r.getMessage() for r in caplog.records if "No residency profile for this setup" in r.getMessage()]
+    assert len(said) == 1 and other.name in said[0] and "torch '2.0.0' here" in said[0], said
+    assert not residency_profile(second.pipe).shapes, "nothing taken from it"
+    caplog.clear()
+    second.pipe.disable_pinned_offload()
+    with caplog.at_level("INFO", logger="diffusers_residency.profile"):
+        first.pipe.disable_pinned_offload()
+        # Another budget (one the default reserve leaves measured), whose file was never written.
+        first.pipe.enable_pinned_offload("cpu", vram_budget=budget - (512 << 20))
+    assert "budget" in caplog.text and "torch '2.0.0' here" in caplog.text, "the closest named: both differ"
+
+
+def test_the_attention_a_diffusers_model_runs_keys_its_profile() -> None:
+    from diffusers.models.attention_processor import AttnProcessor
+
+    case = sdxl_in_float16()
+    budget = _budget(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    fused = dict(residency_profile(case.pipe).key)
+    case.pipe.disable_pinned_offload()
+    case.pipe.unet.set_attn_processor(AttnProcessor())  # the attention matrix held, not fused
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert residency_profile(case.pipe).key["components"] != fused["components"]
+
+
+def test_a_profile_file_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        path = tmp_path / f"{umask:o}" / "P.json"
+        previous = os.umask(umask)
+        try:
+            write_profile(path, ResidencyProfile({"pipeline": "P"}, {"s": CallFigures({"vae": 1})}))
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE(path.stat().st_mode) == mode
+        assert [p.name for p in path.parent.iterdir()] == ["P.json"], "no temporary file left behind"
+
+
+def _with_figures(activation: str = "1000", timing: str = "[1.0, 1.0]") -> bytes:
+    """A profile of one shape whose figures are written as given, as JSON text."""
+    figures = {"activations": {"vae": 1000}, "timings": {"transformer": 1}, "release_before": [], "retimed": True}
+    text = json.dumps({"format": FORMAT, "key": {}, "shapes": {"s": {**figures, "plan": []}}})
+    text = text.replace('"vae": 1000', f'"vae": {activation}')
+    return text.replace('"transformer": 1', f'"transformer": {timing}').encode()
+
+
 @pytest.mark.parametrize(
-    "content", [b"{not json", f'{{"format": {FORMAT}, "key": {{}}}}'.encode(), b'{"format": 1, "key": {}, "shapes": {}}', b'{"format": 99, "key": {}, "shapes": {}}', b"\xff\xfe"]
+    "content",
+    [
+        b"{not json",
+        f'{{"format": {FORMAT}, "key": {{}}}}'.encode(),
+        b'{"format": 1, "key": {}, "shapes": {}}',
+        b'{"format": 99, "key": {}, "shapes": {}}',
+        b"\xff\xfe",
+        _with_figures(activation="1e400"),  # read as infinity: no int
+        _with_figures(activation="-1000"),
+        _with_figures(timing="[NaN, 1.0]"),
+        b"[" * 100_000,  # deeper than the JSON decoder's stack
+    ],
+    ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "deep"],
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes

@@ -30,6 +30,7 @@ from diffusers_residency.policy import Policy
 from diffusers_residency.residency import ResidencyUnit
 from diffusers_residency.step_timing import StepTiming
 from diffusers_residency.streaming import STEPS_TIMED, repeated_blocks
+from diffusers_residency.text import format_bytes
 
 from .helpers import (
     RESERVE,
@@ -115,7 +116,26 @@ def test_too_small_budget_is_refused_before_anything_changes(flux: PipelineCase)
         flux.pipe.enable_pinned_offload("cpu", components={"text_encoder": "sometimes"}, vram_budget="auto")
     with pytest.raises(ValueError, match="is not a size"):
         flux.pipe.enable_pinned_offload("cpu", vram_budget="plenty")
+    # A reserve is checked whether or not there is a budget to plan for (the CPU has no free memory
+    # to read for "auto"): never taken and ignored.
+    for budget in (None, "auto"):
+        with pytest.raises(ValueError, match="activation_reserve='some' is not a size"):
+            flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve="some")
+        with pytest.raises(ValueError, match="activation_reserve must be positive"):
+            flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=-1)
     assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_budget_the_weights_alone_do_not_fit_names_what_they_need(flux: PipelineCase) -> None:
+    """With the default reserve, a budget too small for the weights says what they need alone, the
+    smallest budget that is planned, not that and a reserve of gigabytes."""
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
+    weights = plan_residency(sizes, 10**12, 0, least=True).peak_weight_bytes
+    alone = f"needs {format_bytes(weights)} at its largest moment for its weights alone"
+    with pytest.raises(BudgetTooSmallError, match=alone):
+        flux.pipe.enable_pinned_offload("cpu", vram_budget=weights - 1)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=weights + 1000)
     assert torch.equal(flux.run(), flux.reference)
 
 
