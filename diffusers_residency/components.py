@@ -116,6 +116,13 @@ def resolve_budget(
         budget = memory.free + memory.cached + held
     else:
         budget = parse_bytes(vram_budget)
+        memory = _device.read_memory_telemetry(device)
+        if memory is not None and budget > memory.total:
+            # Planned for, room the device does not have would run out mid-call rather than here.
+            raise ValueError(
+                f"vram_budget {format_bytes(budget)} is more than {device} has ({format_bytes(memory.total)}); "
+                "give at most that, or 'auto' for what it has free"
+            )
     if reserve_bytes is None:
         return budget, None
     if reserve_bytes >= budget:

@@ -19,6 +19,7 @@ from diffusers_residency import (
     detach_staging_hook,
     residency,
 )
+from diffusers_residency._device import MemoryTelemetry
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.budget_watch import BudgetWatch
 from diffusers_residency.components import component_sizes, module_components
@@ -124,6 +125,19 @@ def test_too_small_budget_is_refused_before_anything_changes(flux: PipelineCase)
         with pytest.raises(ValueError, match="activation_reserve must be positive"):
             flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=-1)
     assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_budget_larger_than_the_device_is_refused_before_anything_changes(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CPU reports no memory: a device's figures stand in, as an accelerator's allocator gives them.
+    device = MemoryTelemetry(reserved=0, allocated=0, free=10**9, total=2 * 10**9)
+    monkeypatch.setattr(_device, "read_memory_telemetry", lambda device_: device)
+    with pytest.raises(ValueError, match=r"vram_budget 3.00 GB is more than cpu has \(2.00 GB\)"):
+        flux.pipe.enable_pinned_offload("cpu", vram_budget="3GB")
+    assert not any(hasattr(m, "_hf_hook") for m in flux.pipe.components.values())
+    flux.pipe.enable_pinned_offload("cpu", vram_budget="2GB")
     assert torch.equal(flux.run(), flux.reference)
 
 
