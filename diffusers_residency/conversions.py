@@ -190,6 +190,11 @@ class ConversionReuse:
         the comparison, and the fresh result is taken.
         """
         self.offload()
+        # The conversion reads masters mapped from checkpoint files where they are, as a load does
+        # only once their files are checked: a file rewritten since would give other weights, and
+        # one cut short a SIGBUS.
+        for file in self.mapped_files():
+            file.refuse_if_changed()
         before = self._groups
         # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
         # not storages of their own: bound to one, the weights would keep the file as their master.

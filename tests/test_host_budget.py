@@ -190,6 +190,11 @@ def test_a_file_changed_under_a_served_master_is_refused(flux: PipelineCase) -> 
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # as a save into the folder would
     with pytest.raises(RuntimeError, match="changed since the pipeline's weights were mapped from it"):
         flux.run()
+    # A cast reads the masters where they are, on the host: refused the same way, before it reads
+    # them (a file cut short would end the process there).
+    with pytest.raises(RuntimeError, match="changed since the pipeline's weights were mapped from it"):
+        flux.pipe.transformer.to(torch.float64)
+    assert {weight.dtype for weight in flux.pipe.transformer.parameters()} == {torch.float32}
     assert_no_meta_or_foreign_device(flux.pipe)
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     assert torch.equal(flux.run(), flux.reference)
