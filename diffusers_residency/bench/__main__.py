@@ -57,7 +57,6 @@ from .tables import (
     format_round_ratios,
     format_shape_calls,
     format_table,
-    gb,
     judged_by_compile_spread,
     run_label,
 )
@@ -166,6 +165,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--warmup takes 0 or more, --calls 1 or more: the steady figures are the latter's")
     if args.trace == "first" and args.warmup < 1:
         parser.error("--trace first traces a warm-up call, not a steady one: give --warmup 1 or more")
+    if any(value is not None and value < 1 for value in (args.steps, args.height, args.width)):
+        parser.error("--steps, --height and --width take 1 or more")
+    # Sizes and the device are checked here, once, rather than failing each mode that uses them.
+    at_budgets = [spec.partition("@")[2] for spec in args.modes.split(",") if "@" in spec]
+    try:
+        for budget in [*args.budgets.split(","), *at_budgets]:
+            _budget(budget)
+        for flag, value in (("--activation-reserve", args.activation_reserve), ("--host-budget", args.host_budget)):
+            if value is not None:
+                parse_bytes(value, flag)
+        if args.device is not None:
+            _device.resolve_device(args.device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        parser.error(str(exc))
     if args.shapes is not None:
         if args.height is not None or args.width is not None:
             parser.error("--shapes gives each call's height and width: leave --height and --width out")
@@ -415,11 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.shapes:
         print(f"\nevery call by shape:\n\n{format_shape_calls(results, args.shapes)}")
     print(f"\nhost memory (anonymous: RssAnon plus mlocked pages):\n\n{format_host_memory(results, weight_bytes)}")
-    ratios = format_round_ratios(results)
+    ratios = format_round_ratios(results) if speed else ""
     if ratios:
         print(f"\nx resident in each round (against the resident mode of the same round):\n\n{ratios}")
     # Only a process's first call carries its warm-up: in one process, later modes' first calls do not.
-    first_calls = format_first_calls(results) if args.fresh_process else ""
+    first_calls = format_first_calls(results) if args.fresh_process and speed else ""
     if first_calls:
         print(f"\nfirst calls ({FIRST_CALL_CRITERIA}):\n\n{first_calls}")
     if args.compile:
@@ -428,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_compile_table(results))
     latest = {(r.mode, r.budget_bytes): r for r in results}  # of each mode and budget, its last round
     for result in latest.values():
-        budget = "unlimited" if result.budget_bytes is None else f"{gb(result.budget_bytes)} GB"
+        budget = "unlimited" if result.budget_bytes is None else format_bytes(result.budget_bytes)
         if result.plan:
             print(f"\nresidency_plan() of the {result.mode} mode at {budget}:\n\n```\n{result.plan}\n```")
         if result.report:

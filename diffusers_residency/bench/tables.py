@@ -6,14 +6,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..text import size_unit
+from ..text import format_bytes, size_unit
 from .modes import ModeResult
 from .timing import STEADY_WITHIN
 
 
 def run_label(mode: str, budget: int | None, round_: int | None = None) -> str:
     """``pinned @ 16.00 GB``, with `` (round 2)`` when a round is given (there are several)."""
-    return f"{mode} @ {'unlimited' if budget is None else gb(budget) + ' GB'}" + (f" (round {round_})" if round_ else "")
+    return f"{mode} @ {'unlimited' if budget is None else format_bytes(budget)}" + (f" (round {round_})" if round_ else "")
 
 
 def gb(value: int | None) -> str:
@@ -106,14 +106,15 @@ def format_host_memory(results: list[ModeResult], weight_bytes: int | None) -> s
     how fast loads from masters in RAM and from files went. The peak's ratio is to the resident
     run's of the same round, as a user comparing the two would take it."""
     resident_peaks = _resident_by_round(results, lambda r: r.peak_host_rss_bytes)
+    several = any(r.round > 1 for r in results)
     header = (
-        "mode", "budget GB", "steady s/call", "host RSS GB", "peak RSS GB (VmHWM)", "peak RSS x resident",
+        "mode", "budget", "steady s/call", "host RSS GB", "peak RSS GB (VmHWM)", "peak RSS x resident",
         "anonymous GB after setup", "anonymous GB peak", "anonymous peak x weights", "load GB/s", "file GB/s",
     )  # fmt: skip
     rows = [
         (
-            run_label(r.mode, r.budget_bytes),
-            gb(r.budget_bytes),
+            run_label(r.mode, r.budget_bytes, r.round if several else None),
+            "-" if r.budget_bytes is None else format_bytes(r.budget_bytes),
             f"{r.seconds_per_call:.3f}",
             gb(r.host_rss_bytes),
             gb(r.peak_host_rss_bytes),
