@@ -23,10 +23,10 @@ from torch import nn
 
 from . import _device
 from .checkpoints import checkpoint_views, component_folder
+from .hooks import StagingHook
 from .pipeline import enable_pinned_offload, pipeline_state
-from .pipeline_residency import PipelineResidency
 from .policy import Policy
-from .residency import ResidencyUnit
+from .residency import ResidencyGroup, ResidencyUnit
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,29 @@ def _names(value: str | Iterable[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or ())
 
 
-def _units(state: PipelineResidency, names: Iterable[str]) -> dict[str, list[ResidencyUnit]]:
+def _units(group: ResidencyGroup, names: Iterable[str]) -> dict[str, list[ResidencyUnit]]:
     """The group's units of each named component: one, or a streamed component's trunk and blocks
     (a hook removed on its own is no longer one)."""
-    units = {name: state.group.units_of(name) for name in names}
+    units = {name: group.units_of(name) for name in names}
     return {name: found for name, found in units.items() if found}
+
+
+def _staging_group(pipe: DiffusionPipeline) -> ResidencyGroup | None:
+    """The group that stages the pipeline's components: its own, or, for a pipeline made with
+    ``from_pipe`` from one pinned offload was enabled on, the one whose hooks the components it
+    shares carry (asleep, they sleep for both)."""
+    state = pipeline_state(pipe)
+    if state is not None:
+        return state.group
+    hooks = (getattr(component, "_hf_hook", None) for component in pipe.components.values())
+    return next((hook.group for hook in hooks if isinstance(hook, StagingHook)), None)
+
+
+def _shared_components(group: ResidencyGroup, pipe: DiffusionPipeline) -> set[str]:
+    """The components of ``group`` that are components of ``pipe`` too (all of them for the pipeline
+    it was enabled on), by the names the group knows them by."""
+    modules = {id(component) for component in pipe.components.values()}
+    return {unit.component for unit in group.units if unit.name == unit.component and id(unit.module) in modules}
 
 
 def _sleep_plan(
@@ -108,7 +126,7 @@ def sleep(
         enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"), vram_budget=None)
         state = pipeline_state(pipe)
     group = state.group
-    for name, units in _units(state, plan).items():
+    for name, units in _units(group, plan).items():
         sources = checkpoint_views(folders[name], units[0].module) if name in folders else None
         for unit in units:
             group.sleep(unit, plan[name], sources)
@@ -125,17 +143,18 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     eviction once they are all read, and a level-1 sleep waits for them. Until then they are the files' pages,
     and the files must stay as they are (one that changes under a loaded component is noticed at
     its offload, and its masters are copied from the device)."""
-    state = pipeline_state(pipe)
-    if state is None:
+    group = _staging_group(pipe)
+    if group is None:
         return
-    staged = list(dict.fromkeys(unit.component for unit in state.group.units))
+    shared = _shared_components(group, pipe)
+    staged = list(dict.fromkeys(unit.component for unit in group.units if unit.component in shared))
     names = staged if components is None else _names(components)
     unknown = sorted(set(names) - set(staged))
     if unknown:
         raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
     # Resident components first, largest first. The others keep their order: waking one that was
     # on the device evicts the others' evictable units, so the last of them is the one left loaded.
-    woken = list(_units(state, names).values())
+    woken = list(_units(group, names).values())
     resident = [all(unit.policy is Policy.RESIDENT for unit in units) for units in woken]
     by_size = sorted(
         (units for units, kept in zip(woken, resident) if kept),
@@ -150,11 +169,11 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     kept = sum(len(units) for units in by_size)
     try:
         # The resident ones are kept on the device until the next sleep: see _device.segments_of_their_own.
-        with _device.segments_of_their_own(state.group.device):
+        with _device.segments_of_their_own(group.device):
             for unit in order[:kept]:
-                state.group.wake(unit)
+                group.wake(unit)
         for unit in order[kept:]:
-            state.group.wake(unit)
+            group.wake(unit)
     finally:
         for unit in order:
             unit.stager.reads_back_after_loading = True
@@ -171,8 +190,11 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
 
 def is_sleeping(pipe: DiffusionPipeline) -> bool:
     """Whether any component of the pipeline is asleep (``residency_report()`` says which)."""
-    state = pipeline_state(pipe)
-    return state is not None and any(unit.sleep_level for unit in state.group.units)
+    group = _staging_group(pipe)
+    if group is None:
+        return False
+    shared = _shared_components(group, pipe)
+    return any(unit.sleep_level for unit in group.units if unit.component in shared)
 
 
 class AwakeRotation:

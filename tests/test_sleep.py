@@ -13,7 +13,7 @@ import torch
 
 from diffusers_residency import AwakeRotation, sleep, sleep_mode, wake_up
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, enable_with_transformer
 
 
 def states(pipe) -> dict[str, str]:
@@ -37,6 +37,29 @@ def test_level_1_sleep_and_wake(flux: PipelineCase) -> None:
     loaded = {c.name for c in flux.pipe.residency_report().components if c.loaded}
     assert loaded == loaded_before, "what was on the device comes back"
     assert torch.equal(flux.run(), flux.reference)
+
+
+@pytest.mark.parametrize("policy", ["staged", "streamed"])
+def test_a_pipeline_sharing_the_components_sees_them_asleep_and_wakes_them(flux: PipelineCase, policy: str) -> None:
+    """A pipeline made with ``from_pipe`` holds the same components, whose hooks are the other
+    pipeline's: asleep, they are asleep for it too, and its wake_up wakes them."""
+    from diffusers import FluxImg2ImgPipeline
+
+    if policy == "streamed":
+        enable_with_transformer(flux, policy)
+    else:
+        flux.pipe.enable_pinned_offload(device="cpu")
+    sibling = FluxImg2ImgPipeline.from_pipe(flux.pipe)
+    flux.run()
+    flux.pipe.sleep()
+    assert flux.pipe.is_sleeping and sibling.is_sleeping
+    sibling.wake_up()
+    assert not flux.pipe.is_sleeping and not sibling.is_sleeping
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep(offload=["vae"])
+    assert sibling.is_sleeping
+    sibling.wake_up("vae")
+    assert not flux.pipe.is_sleeping
 
 
 def test_sleep_sets_up_masters_once_on_a_pipeline_without_offload(flux: PipelineCase) -> None:
