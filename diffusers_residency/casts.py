@@ -68,6 +68,15 @@ def guessed_casts(pipe: object) -> dict[str, tuple[torch.dtype, ...]]:
     return {"vae": (torch.float32, torch.float16)}  # warm_casts skips a VAE that is not float16
 
 
+def leaves_as_it_is(module: nn.Module, casts: tuple[torch.dtype, ...]) -> bool:
+    """Whether the round trip ``casts`` (see :func:`lossless_round_trip`) leaves ``module`` as it
+    is: every floating-point tensor of it in the dtype the trip begins and ends in (``module.to``
+    casts complex tensors too, to real: one of those is not left as it is), and each dtype on the
+    way holding every value of that one."""
+    own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point() or t.is_complex()}
+    return bool(casts) and own == {casts[-1]} and lossless_round_trip((casts[-1], *casts)) == tuple(casts)
+
+
 def warm_casts(
     group: ResidencyGroup, casts_by_component: Mapping[str, tuple[torch.dtype, ...]], *, guessed: bool = False
 ) -> None:
@@ -93,9 +102,7 @@ def warm_casts(
             if not casts or not units or any(unit.sleep_level or unit.stager.keeps_conversions for unit in units):
                 continue
             module = units[0].module  # the component (a streamed one's trunk unit holds it whole)
-            # ``module.to(dtype)`` casts complex tensors too (to real): one of those is not left as it is.
-            own = {t.dtype for t in module_tensors((module,)) if t.is_floating_point() or t.is_complex()}
-            if own != {casts[-1]} or lossless_round_trip((casts[-1], *casts)) != tuple(casts):
+            if not leaves_as_it_is(module, casts):
                 continue
             logger.info("Casting %r to %s and back before the first call, as calls do", name, ", ".join(map(str, casts[:-1])))
             with group.running_call():

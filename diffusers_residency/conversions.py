@@ -195,6 +195,11 @@ class ConversionReuse:
         # one cut short a SIGBUS.
         for file in self.mapped_files():
             file.refuse_if_changed()
+        if self.file_backing is not None and any(group.mapped for group in self._groups):
+            logger.warning(
+                "A cast of weights a host_budget serves from checkpoint files takes its results into RAM, "
+                "beyond what the budget planned for them: cast the component before enabling pinned offload"
+            )
         before = self._groups
         # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
         # not storages of their own: bound to one, the weights would keep the file as their master.

@@ -168,17 +168,31 @@ def _candidates(plan: ComponentPlan, sizes: ComponentSizes) -> list[_Candidate]:
     return [_Candidate(plan.name, None, sizes.nbytes, 1, sizes.nbytes)]
 
 
-def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
+def _cast_bytes(nbytes: int, round_trip: tuple[torch.dtype, ...]) -> int:
+    """The masters a component of ``nbytes`` keeps besides its own for a round trip its calls make
+    (see casts.lossless_round_trip: the dtypes it goes through, then the one it began in)."""
+    *through, own = round_trip
+    return sum(nbytes * dtype.itemsize // own.itemsize for dtype in dict.fromkeys(through) if dtype != own)
+
+
+def place_on_host(
+    plan: ResidencyPlan, budget: int | None, casts: Mapping[str, tuple[torch.dtype, ...]] | None = None
+) -> HostPlacement:
     """Serve from files the fewest, least often loaded masters that bring those in RAM, with the ring
     their loads need, within ``budget``; the least often loaded first, the largest first among
-    equals (fewer units to map), later blocks first among equal blocks. Raises
+    equals (fewer units to map), later blocks first among equal blocks. A component its calls cast
+    and undo (``casts``: SDXL's VAE, to float32 and back) stays in RAM, with the masters of the
+    dtype it is cast to: a cast converts masters on the host, and its results, kept for the next
+    call, are memory of their own whatever the first ones are. Raises
     :class:`HostBudgetTooSmallError` where what must stay in RAM does not fit."""
-    total = sum(s.nbytes for s in plan.sizes)
+    casts = {name: trip for name, trip in (casts or {}).items() if trip}
+    by_name = {s.name: s for s in plan.sizes}
+    cast_bytes = sum(_cast_bytes(by_name[name].nbytes, trip) for name, trip in casts.items() if name in by_name)
+    total = sum(s.nbytes for s in plan.sizes) + cast_bytes
     if budget is None or total <= budget:
         return HostPlacement(budget, ram_bytes=total)
-    by_name = {s.name: s for s in plan.sizes}
     candidates = sorted(
-        (c for p in plan.components for c in _candidates(p, by_name[p.name])),
+        (c for p in plan.components if p.name not in casts for c in _candidates(p, by_name[p.name])),
         key=lambda c: (c.loads, -c.nbytes, -(c.block or 0)),
     )
     chosen: list[_Candidate] = []
@@ -194,9 +208,9 @@ def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
     if total - file_bytes + ring > budget:
         raise HostBudgetTooSmallError(
             f"host_budget ({format_bytes(budget)}) is less than the masters that must stay in RAM: "
-            f"{format_bytes(total - file_bytes + ring)} (the denoiser's trunk and resident blocks, and a "
-            f"{format_bytes(ring)} ring for loads from files). Raise host_budget, or lower vram_budget so "
-            "that more of the denoiser streams."
+            f"{format_bytes(total - file_bytes + ring)} (the denoiser's trunk and resident blocks, components "
+            f"its calls cast with their cast masters, and a {format_bytes(ring)} ring for loads from files). "
+            "Raise host_budget, or lower vram_budget so that more of the denoiser streams."
         )
     blocks: dict[str, set[int]] = {}
     reasons: dict[str, str] = {}
@@ -212,7 +226,10 @@ def place_on_host(plan: ResidencyPlan, budget: int | None) -> HostPlacement:
             f"every step, read from their files at each step); its trunk and resident blocks stay in RAM"
         )
     for plan_of in plan.components:
-        if plan_of.name not in reasons:
+        if plan_of.name in casts:
+            dtypes = ", ".join(str(dtype).removeprefix("torch.") for dtype in casts[plan_of.name])
+            reasons[plan_of.name] = f"in RAM, with masters of each dtype its calls cast it to and back ({dtypes})"
+        elif plan_of.name not in reasons:
             kept = by_name[plan_of.name].per_step and plan_of.policy is Policy.RESIDENT
             reasons[plan_of.name] = (
                 "in RAM: a denoiser kept on the device is never served from files"

@@ -22,7 +22,7 @@ from torch import nn
 
 from .adaptive import plan_ahead, watch_budget
 from .calls import wrap_every_pipeline_call
-from .casts import guessed_casts, warm_casts
+from .casts import guessed_casts, leaves_as_it_is, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
 from .dry_runs import CallDryRuns
 from .guards import guard_pipeline, unguard_pipeline
@@ -233,8 +233,11 @@ def enable_pinned_offload(
             refuse_unsharable(modules, enabled=previous is not None, host_budget=host)
         replan = planner_for(pipe, modules, components, budget)
         plan = replan({}, {})
-        # Served from files at enable, for good: placed from the plan before any call is measured.
-        placement = place_on_host(plan, host)
+        # Served from files at enable, for good: placed from the plan before any call is measured,
+        # with the casts its calls are expected to make.
+        expected = guessed_casts(pipe).items()
+        casts = {name: trip for name, trip in expected if name in modules and leaves_as_it_is(modules[name], trip)}
+        placement = place_on_host(plan, host, casts)
         replan = placing_on_host(replan, placement)
         plan = replace(plan, host=placement)
         sequence = [name for name in offload_sequence(pipe) if name in modules]

@@ -15,7 +15,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from diffusers_residency.policy import Policy
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal
+from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, sdxl_in_float16
 
 GiB = 2**30
 
@@ -145,6 +145,37 @@ def test_placement_serves_the_least_loaded_first_and_never_the_denoisers_residen
     assert not placement.blocks["transformer"] & {0, 5}, "resident blocks stay in RAM"
     with pytest.raises(HostBudgetTooSmallError, match="lower vram_budget"):
         place_on_host(plan, 3 * GB)  # the trunk and two resident blocks are 2.5 GB, and the ring
+
+
+def test_a_component_its_calls_cast_stays_in_ram_with_its_cast_masters() -> None:
+    """SDXL's VAE is cast to float32 and back in every call: the cast converts its masters on the
+    host and keeps the results, memory of their own whether the first ones are a file's or not."""
+    GB = 10**9
+    vae = ComponentSizes("vae", GB, ())
+    encoder = ComponentSizes("text_encoder", 2 * GB, ())
+    plan = _plan((encoder, ComponentPlan("text_encoder", Policy.STAGED)), (vae, ComponentPlan("vae", Policy.STAGED)))
+    upcast = {"vae": (torch.float32, torch.float16)}
+    assert place_on_host(plan, 9 * GB // 2, {}).components == set(), "without the cast, it all fits"
+    placement = place_on_host(plan, 9 * GB // 2, upcast)  # with it, 5 GB: the VAE's float32 masters are 2
+    assert placement.components == {"text_encoder"} and placement.ram_bytes == 3 * GB + placement.ring_bytes
+    assert "float32, float16" in placement.reasons["vae"]
+    with pytest.raises(HostBudgetTooSmallError, match="components its calls cast"):
+        place_on_host(plan, 7 * GB // 2, upcast)
+
+
+def test_sdxl_under_a_host_budget_keeps_its_vae_and_its_float32_masters_within_it(tmp_path: Path) -> None:
+    sdxl = sdxl_in_float16()
+    sizes = {name: sum(t.nbytes for t in module.state_dict().values()) for name, module in sdxl.pipe.components.items()
+             if isinstance(module, torch.nn.Module)}  # fmt: skip
+    # Room for every float16 master and half the VAE's float32 ones: something else is served instead.
+    budget = sum(sizes.values()) + sizes["vae"]
+    sdxl.pipe.enable_pinned_offload("cpu", host_budget=budget, vram_budget=None, offload_folder=tmp_path)
+    placement = sdxl.pipe.residency_plan().host
+    assert placement.serves_files and "vae" not in placement.components and "float32" in placement.reasons["vae"]
+    for _ in range(2):
+        assert torch.equal(sdxl.run(), sdxl.reference)
+    report = sdxl.pipe.residency_report()
+    assert sum(c.pinned_bytes + c.pageable_bytes for c in report.components) <= placement.ram_bytes <= budget
 
 
 def _not_from_files(flux: PipelineCase, tmp_path: Path) -> None:
