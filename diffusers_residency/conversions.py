@@ -190,16 +190,6 @@ class ConversionReuse:
         the comparison, and the fresh result is taken.
         """
         self.offload()
-        # The conversion reads masters mapped from checkpoint files where they are, as a load does
-        # only once their files are checked: a file rewritten since would give other weights, and
-        # one cut short a SIGBUS.
-        for file in self.mapped_files():
-            file.refuse_if_changed()
-        if self.file_backing is not None and any(group.mapped for group in self._groups):
-            logger.warning(
-                "A cast of weights a host_budget serves from checkpoint files takes its results into RAM, "
-                "beyond what the budget planned for them: cast the component before enabling pinned offload"
-            )
         before = self._groups
         # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
         # not storages of their own: bound to one, the weights would keep the file as their master.

@@ -330,6 +330,14 @@ class StagingHook(ModelHook):
             # A block under its trunk's cast (nn.Module._apply recurses into it): timed there.
             result = convert()
         else:
+            units = group.units_of(unit.component)
+            # The conversion reads masters mapped from checkpoint files where they are, as a load
+            # does only once their files are checked: a file rewritten since would give other
+            # weights, one cut short a SIGBUS. Every unit's, before any converts: a component left
+            # half cast is in no dtype of its own.
+            for file in {id(f): f for u in units for f in u.stager.mapped_files()}.values():
+                file.refuse_if_changed()
+            served = _served_bytes(units)
             if group.cast_dtype is not None:
                 group.note_cast(unit.component, unit.module, group.cast_dtype)
             started = time.perf_counter()
@@ -339,11 +347,22 @@ class StagingHook(ModelHook):
             finally:
                 group.casting = False
                 unit.host_seconds += time.perf_counter() - started
+            if _served_bytes(units) < served:
+                logger.warning(
+                    "Casting %r, whose weights a host_budget serves from checkpoint files, took its results "
+                    "into RAM, beyond what the budget planned for: cast it before enabling pinned offload",
+                    unit.component,
+                )
         if unit.sleep_level == 2 and not unit.stager.host_bytes()["mapped"]:
             # Cast while asleep at level 2: its masters are the results, memory of their own, and
             # none maps a file any more. It sleeps on with its masters in memory: level 1.
             unit.sleep_level = 1
         return result
+
+
+def _served_bytes(units: list[ResidencyUnit]) -> int:
+    """Master bytes of ``units`` that a host budget serves from checkpoint files (see host_budget)."""
+    return sum(unit.stager.host_bytes()["mapped"] for unit in units if unit.stager.file_backing is not None)
 
 
 def replays_cuda_graphs(compile_kwargs: dict[str, Any]) -> bool:

@@ -169,10 +169,12 @@ def _candidates(plan: ComponentPlan, sizes: ComponentSizes) -> list[_Candidate]:
 
 
 def _cast_bytes(nbytes: int, round_trip: tuple[torch.dtype, ...]) -> int:
-    """The masters a component of ``nbytes`` keeps besides its own for a round trip its calls make
-    (see casts.lossless_round_trip: the dtypes it goes through, then the one it began in)."""
+    """What a component of ``nbytes`` keeps on the host besides its masters for a round trip its
+    calls make (see casts.lossless_round_trip: the dtypes it goes through, then the one it began
+    in): the masters of each dtype it goes through, and a copy of its own that a call's first cast
+    compares them with (see ConversionReuse)."""
     *through, own = round_trip
-    return sum(nbytes * dtype.itemsize // own.itemsize for dtype in dict.fromkeys(through) if dtype != own)
+    return nbytes + sum(nbytes * dtype.itemsize // own.itemsize for dtype in dict.fromkeys(through) if dtype != own)
 
 
 def place_on_host(
@@ -208,8 +210,9 @@ def place_on_host(
     if total - file_bytes + ring > budget:
         raise HostBudgetTooSmallError(
             f"host_budget ({format_bytes(budget)}) is less than the masters that must stay in RAM: "
-            f"{format_bytes(total - file_bytes + ring)} (the denoiser's trunk and resident blocks, components "
-            f"its calls cast with their cast masters, and a {format_bytes(ring)} ring for loads from files). "
+            f"{format_bytes(total - file_bytes + ring)} (the denoiser's trunk and resident blocks, "
+            + ("components its calls cast with their cast masters, " if casts else "")
+            + f"and a {format_bytes(ring)} ring for loads from files). "
             "Raise host_budget, or lower vram_budget so that more of the denoiser streams."
         )
     blocks: dict[str, set[int]] = {}

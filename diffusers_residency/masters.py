@@ -379,13 +379,16 @@ class MasterBindings:
         if groups is not None:
             self._groups = groups
         mapped = {id(b.target) for group in self._groups if group.mapped for b in group.bindings}
-        ordinary, _ = self._master_views()
-        views = {id(target): view for target, view in ordinary}
+        ordinary, inference = self._master_views()
         logger.info("%d tensors were written while loaded; copying them back to their masters", len(written))
-        with torch.no_grad():
-            for target in written:
-                if id(target) not in mapped:
-                    views[id(target)].copy_(target)
+        # Inference tensors (moved to storage of their own while loaded: their writes in place are
+        # not seen) are written through their inference views, in inference mode.
+        for views, mode in ((ordinary, torch.no_grad), (inference, torch.inference_mode)):
+            by_target = {id(target): view for target, view in views}
+            with mode():
+                for target in written:
+                    if id(target) in by_target and id(target) not in mapped:
+                        by_target[id(target)].copy_(target)
         return frozenset(id(target) for target in written if id(target) in mapped)
 
     def _swap_masters(self, groups: tuple[StorageGroup, ...]) -> None:

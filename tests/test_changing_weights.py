@@ -392,14 +392,17 @@ def _given_storage_of_their_own(pipe, how: str) -> None:
                 weight.data = weight.detach() * 1.5
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["ordinary", "inference"])
 @pytest.mark.parametrize("how", ["cast", "assigned"])
 @pytest.mark.parametrize("policy", ["resident", "staged", "streamed"])
-def test_weights_given_storage_of_their_own_while_loaded_are_kept(policy: str, how: str) -> None:
+def test_weights_given_storage_of_their_own_while_loaded_are_kept(policy: str, how: str, inference: bool) -> None:
     """A tensor moved to storage of its own with its dtype, shape and stride, on a component without
     layerwise casting (whose moves leave the masters' values), holds the weights now: the offload
-    copies it back into its master rather than binding the master again."""
-    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
-    _given_storage_of_their_own(resident.pipe, how)
+    copies it back into its master rather than binding the master again; an inference tensor
+    (weights loaded and changed under ``torch.inference_mode()``) through an inference view."""
+    with torch.inference_mode(inference):
+        offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+        _given_storage_of_their_own(resident.pipe, how)
     expected = resident.run()
     assert not torch.equal(expected, offloaded.reference), "the change must change the output"
 
@@ -407,7 +410,8 @@ def test_weights_given_storage_of_their_own_while_loaded_are_kept(policy: str, h
     offloaded.run()
     group = pipeline_state(offloaded.pipe).group
     assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"
-    _given_storage_of_their_own(offloaded.pipe, how)
+    with torch.inference_mode(inference):
+        _given_storage_of_their_own(offloaded.pipe, how)
     assert torch.equal(offloaded.run(), expected)
     assert torch.equal(offloaded.run(), expected)
     offloaded.pipe.disable_pinned_offload()

@@ -155,12 +155,13 @@ def test_a_component_its_calls_cast_stays_in_ram_with_its_cast_masters() -> None
     encoder = ComponentSizes("text_encoder", 2 * GB, ())
     plan = _plan((encoder, ComponentPlan("text_encoder", Policy.STAGED)), (vae, ComponentPlan("vae", Policy.STAGED)))
     upcast = {"vae": (torch.float32, torch.float16)}
-    assert place_on_host(plan, 9 * GB // 2, {}).components == set(), "without the cast, it all fits"
-    placement = place_on_host(plan, 9 * GB // 2, upcast)  # with it, 5 GB: the VAE's float32 masters are 2
-    assert placement.components == {"text_encoder"} and placement.ram_bytes == 3 * GB + placement.ring_bytes
+    assert place_on_host(plan, 11 * GB // 2, {}).components == set(), "without the cast, it all fits"
+    # With it, 6 GB: the VAE's float32 masters are 2, and the copy of its own its casts compare with 1.
+    placement = place_on_host(plan, 11 * GB // 2, upcast)
+    assert placement.components == {"text_encoder"} and placement.ram_bytes == 4 * GB + placement.ring_bytes
     assert "float32, float16" in placement.reasons["vae"]
     with pytest.raises(HostBudgetTooSmallError, match="components its calls cast"):
-        place_on_host(plan, 7 * GB // 2, upcast)
+        place_on_host(plan, 9 * GB // 2, upcast)
 
 
 def test_sdxl_under_a_host_budget_keeps_its_vae_and_its_float32_masters_within_it(tmp_path: Path) -> None:
@@ -174,8 +175,11 @@ def test_sdxl_under_a_host_budget_keeps_its_vae_and_its_float32_masters_within_i
     assert placement.serves_files and "vae" not in placement.components and "float32" in placement.reasons["vae"]
     for _ in range(2):
         assert torch.equal(sdxl.run(), sdxl.reference)
-    report = sdxl.pipe.residency_report()
-    assert sum(c.pinned_bytes + c.pageable_bytes for c in report.components) <= placement.ram_bytes <= budget
+    report = {c.name: c for c in sdxl.pipe.residency_report().components}
+    # Its float16 masters, its float32 ones, and the copy of the float16 ones its casts compare with.
+    assert report["vae"].pinned_bytes + report["vae"].pageable_bytes == 4 * sizes["vae"]
+    in_ram = sum(c.pinned_bytes + c.pageable_bytes for c in report.values())
+    assert in_ram + placement.ring_bytes <= budget
 
 
 def _not_from_files(flux: PipelineCase, tmp_path: Path) -> None:
@@ -228,6 +232,42 @@ def test_a_file_changed_under_a_served_master_is_refused(flux: PipelineCase) -> 
     assert {weight.dtype for weight in flux.pipe.transformer.parameters()} == {torch.float32}
     assert_no_meta_or_foreign_device(flux.pipe)
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_cast_of_a_streamed_component_with_a_block_file_changed_converts_nothing(
+    flux: PipelineCase, tmp_path: Path
+) -> None:
+    # Its trunk's masters are in RAM, blocks of it served from a file: every unit's file is checked
+    # before any converts, or the component would be left half cast.
+    _not_from_files(flux, tmp_path)
+    flux.pipe.enable_pinned_offload(
+        device="cpu", host_budget="0.75MB", vram_budget="2GB", components={"transformer": "streamed"},
+        offload_folder=tmp_path,
+    )  # fmt: skip
+    assert flux.pipe.residency_plan().host.blocks.get("transformer"), "blocks served from files"
+    assert torch.equal(flux.run(), flux.reference)
+    (written,) = (tmp_path / "transformer").glob("*.safetensors")
+    stamp = os.stat(written)
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match="changed since the pipeline's weights were mapped from it"):
+        flux.pipe.transformer.to(torch.float64)
+    assert {weight.dtype for weight in flux.pipe.transformer.parameters()} == {torch.float32}
+    os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_cast_by_hand_of_a_served_component_warns_once_that_it_takes_ram(
+    flux: PipelineCase, caplog: pytest.LogCaptureFixture
+) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None)
+    assert "transformer" in flux.pipe.residency_plan().host.components
+    flux.pipe.to(torch.float32)  # every weight float32 already: nothing converts
+    assert "host_budget serves" not in caplog.text
+    flux.pipe.transformer.to(torch.float64)
+    flux.pipe.transformer.to(torch.float32)
+    said = [r.getMessage() for r in caplog.records if "host_budget serves" in r.getMessage()]
+    assert len(said) == 1 and "'transformer'" in said[0], said
     assert torch.equal(flux.run(), flux.reference)
 
 
