@@ -4,6 +4,8 @@ parameters. Each change is made on the host masters and staged like the weights 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -343,15 +345,50 @@ def test_a_cast_while_loaded_under_inference_mode_leaves_ordinary_parameters(flu
     flux.pipe.wake_up()
 
 
-def _written_weights(case: PipelineCase, subset: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _written_weights(pipe, subset: bool) -> dict[str, dict[str, torch.Tensor]]:
     """New values for the transformer's and the VAE's weights (``subset``: a few layers only)."""
     torch.manual_seed(2)
     chosen = {}
     for name in ("transformer", "vae"):
-        state = getattr(case.pipe, name).state_dict()
+        state = getattr(pipe, name).state_dict()
         keys = [k for k in state if ("to_q" in k or "conv_out" in k)] if subset else list(state)
         chosen[name] = {k: state[k] * 1.01 + 0.01 * torch.randn_like(state[k]) for k in keys if state[k].is_floating_point()}
     return chosen
+
+
+def _loading_new_weights(subset: bool) -> Callable[[Any], None]:
+    """``load_state_dict`` of new values for the transformer's and the VAE's weights (see
+    :func:`_written_weights`), the same for any pipeline with the same weights."""
+
+    def load(pipe) -> None:
+        for name, weights in _written_weights(pipe, subset).items():
+            getattr(pipe, name).load_state_dict(weights, strict=False)
+
+    return load
+
+
+def _assert_kept_as_resident(policy: str, change: Callable[[Any], None], inference: bool = False) -> None:
+    """``change`` made to a pipeline's weights after a call, with units of the transformer or the VAE
+    still loaded, leaves the next calls and the weights after disable as the same change leaves a
+    resident pipeline; ``inference``: both loaded and changed under ``torch.inference_mode()``."""
+    with torch.inference_mode(inference):
+        offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+        change(resident.pipe)
+    expected = resident.run()
+    assert not torch.equal(expected, offloaded.reference), "the change must change the output"
+
+    enable_with_transformer(offloaded, policy)
+    offloaded.run()
+    loaded = [u for u in pipeline_state(offloaded.pipe).group.units if u.stager.loaded]
+    assert {u.component for u in loaded} & {"transformer", "vae"}, "a unit must be loaded"
+    assert any(u.stager.loaded_versionless for u in loaded) == inference, "inference tensors loaded where made so"
+    with torch.inference_mode(inference):
+        change(offloaded.pipe)
+    assert torch.equal(offloaded.run(), expected)
+    assert torch.equal(offloaded.run(), expected)
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert torch.equal(offloaded.run(), expected)
 
 
 @pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
@@ -360,36 +397,31 @@ def test_load_state_dict_into_a_loaded_component_is_kept(policy: str, subset: bo
     """``load_state_dict`` writes into whatever the weights are bound to, a device copy for a loaded
     unit (the VAE after a call, a resident transformer or its resident blocks): the offload copies
     what was written back into the masters, so the next call and the state after disable carry it."""
-    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
-    new = _written_weights(resident, subset)
-    for name, weights in new.items():
-        getattr(resident.pipe, name).load_state_dict(weights, strict=False)
-    expected = resident.run()
-    assert not torch.equal(expected, offloaded.reference), "the new weights must change the output"
-
-    enable_with_transformer(offloaded, policy)
-    offloaded.run()
-    group = pipeline_state(offloaded.pipe).group
-    assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"
-    for name, weights in new.items():
-        getattr(offloaded.pipe, name).load_state_dict(weights, strict=False)
-    assert torch.equal(offloaded.run(), expected)
-    assert torch.equal(offloaded.run(), expected)
-    offloaded.pipe.disable_pinned_offload()
-    assert_weights_equal(resident.state(), offloaded.state())
-    assert torch.equal(offloaded.run(), expected)
+    _assert_kept_as_resident(policy, _loading_new_weights(subset))
 
 
-def _given_storage_of_their_own(pipe, how: str) -> None:
+@pytest.mark.parametrize("policy", ["resident", "staged"])
+def test_load_state_dict_into_loaded_inference_weights_is_kept(policy: str) -> None:
+    """Weights loaded under ``torch.inference_mode()`` are inference tensors, without the version
+    counters that show an offload what was written while loaded: ``load_state_dict`` runs with the
+    component offloaded, into its masters."""
+    _assert_kept_as_resident(policy, _loading_new_weights(subset=False), inference=True)
+
+
+def _given_storage_of_their_own(how: str) -> Callable[[Any], None]:
     """Give the VAE's decoder and the transformer's first block storage of their own with their
-    layout, while loaded: cast there and back through bfloat16 (which rounds), or assigned anew."""
-    for module in (pipe.vae.decoder, pipe.transformer.transformer_blocks[0]):
-        if how == "cast":
-            module.to(torch.bfloat16)
-            module.to(torch.float32)
-        else:
-            for weight in module.parameters():
-                weight.data = weight.detach() * 1.5
+    layout: cast there and back through bfloat16 (which rounds), or assigned anew."""
+
+    def give(pipe) -> None:
+        for module in (pipe.vae.decoder, pipe.transformer.transformer_blocks[0]):
+            if how == "cast":
+                module.to(torch.bfloat16)
+                module.to(torch.float32)
+            else:
+                for weight in module.parameters():
+                    weight.data = weight.detach() * 1.5
+
+    return give
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["ordinary", "inference"])
@@ -399,50 +431,8 @@ def test_weights_given_storage_of_their_own_while_loaded_are_kept(policy: str, h
     """A tensor moved to storage of its own with its dtype, shape and stride, on a component without
     layerwise casting (whose moves leave the masters' values), holds the weights now: the offload
     copies it back into its master rather than binding the master again; an inference tensor
-    (weights loaded and changed under ``torch.inference_mode()``) through an inference view."""
-    with torch.inference_mode(inference):
-        offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
-        _given_storage_of_their_own(resident.pipe, how)
-    expected = resident.run()
-    assert not torch.equal(expected, offloaded.reference), "the change must change the output"
-
-    enable_with_transformer(offloaded, policy)
-    offloaded.run()
-    group = pipeline_state(offloaded.pipe).group
-    assert any(u.stager.loaded for u in group.units if u.component in ("transformer", "vae")), "a unit must be loaded"
-    with torch.inference_mode(inference):
-        _given_storage_of_their_own(offloaded.pipe, how)
-    assert torch.equal(offloaded.run(), expected)
-    assert torch.equal(offloaded.run(), expected)
-    offloaded.pipe.disable_pinned_offload()
-    assert_weights_equal(resident.state(), offloaded.state())
-    assert torch.equal(offloaded.run(), expected)
-
-
-@pytest.mark.parametrize("policy", ["resident", "staged"])
-def test_load_state_dict_into_loaded_inference_weights_is_kept(policy: str) -> None:
-    """Weights loaded under ``torch.inference_mode()`` are inference tensors, without the version
-    counters that show an offload what was written while loaded: ``load_state_dict`` runs with the
-    component offloaded, into its masters."""
-    with torch.inference_mode():
-        offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
-    assert all(weight.is_inference() for weight in offloaded.pipe.vae.parameters())
-    new = _written_weights(resident, subset=False)
-    with torch.inference_mode():
-        for name, weights in new.items():
-            getattr(resident.pipe, name).load_state_dict(weights, strict=False)
-    expected = resident.run()
-
-    enable_with_transformer(offloaded, policy)
-    offloaded.run()
-    loaded = [u for u in pipeline_state(offloaded.pipe).group.units if u.stager.loaded]
-    assert {u.component for u in loaded} >= {"vae"} and all(u.stager.loaded_versionless for u in loaded)
-    with torch.inference_mode():
-        for name, weights in new.items():
-            getattr(offloaded.pipe, name).load_state_dict(weights, strict=False)
-    assert torch.equal(offloaded.run(), expected)
-    offloaded.pipe.disable_pinned_offload()
-    assert_weights_equal(resident.state(), offloaded.state())
+    through an inference view."""
+    _assert_kept_as_resident(policy, _given_storage_of_their_own(how), inference)
 
 
 def test_an_ordinary_offload_copies_nothing_back(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
