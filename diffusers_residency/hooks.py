@@ -398,6 +398,7 @@ def attach_staging_hook(
     """
     name = name or type(module).__name__
     check_attachable(module, name, group)
+    _refuse_a_taken_name(group, name, module)
     if isinstance(getattr(module, "_hf_hook", None), StagingHook):
         remove_hook_from_module(module)
     unit = group.add(name, module, policy)
@@ -433,6 +434,7 @@ def attach_block_streaming(
             f"give indices from 0 to {len(blocks) - 1}"
         )
     check_attachable(module, name, group)
+    _refuse_a_taken_name(group, name, module)
     if isinstance(getattr(module, "_hf_hook", None), StagingHook):
         remove_hook_from_module(module)
     block_modules = tuple(block for _, block in blocks)
@@ -472,7 +474,25 @@ def _hook_component(module: nn.Module, hook: StagingHook) -> StagingHook:
 
 
 def detach_staging_hook(module: nn.Module) -> None:
-    """Remove the staging hook; the module keeps bit-identical weights, back on the device it had."""
-    if not isinstance(getattr(module, "_hf_hook", None), StagingHook):
+    """Remove the staging hook; the module keeps bit-identical weights, back on the device it had.
+    A streamed module's blocks go with it: one block alone is refused, as its stream would go on
+    loading it."""
+    hook = getattr(module, "_hf_hook", None)
+    if not isinstance(hook, StagingHook):
         raise ValueError(f"{type(module).__name__} has no staging hook to detach")
+    unit = hook.unit
+    if unit.stream is not None and unit.name != unit.component:
+        raise ValueError(
+            f"{unit.name!r} is a block of the streamed {unit.component!r}: detach {unit.component!r} itself, "
+            "which takes every block's hook with it"
+        )
     remove_hook_from_module(module)
+
+
+def _refuse_a_taken_name(group: ResidencyGroup, name: str, module: nn.Module) -> None:
+    """Two modules under one name would be one component to the group: staged, neither would evict
+    the other, and detaching one would take the other's hook (see StagingHook.detach_hook)."""
+    if any(unit.name == name and unit.module is not module for unit in group.units):
+        raise ValueError(
+            f"{name!r} already names another module in this group; give each module a name of its own (name=...)"
+        )

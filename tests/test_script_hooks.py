@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_residency import ResidencyGroup, attach_staging_hook, detach_staging_hook
+from diffusers_residency import (
+    ResidencyGroup,
+    StagingHook,
+    attach_block_streaming,
+    attach_staging_hook,
+    detach_staging_hook,
+)
 from diffusers_residency.bench.builders import call_kwargs
 
 from .helpers import PipelineCase, assert_weights_equal
@@ -103,3 +109,33 @@ def test_an_fx_graph_staged_then_detached_runs_as_before() -> None:
     assert torch.equal(graph(x), expected)
     detach_staging_hook(graph)
     assert "forward" not in vars(graph) and torch.equal(graph(x), expected)
+
+
+def test_a_name_another_module_of_the_group_has_is_refused_before_anything_changes() -> None:
+    # Named by their class by default: two staged under one name would be one component, neither
+    # evicting the other, and detaching one would take the other's hook.
+    group = ResidencyGroup("cpu")
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    attach_staging_hook(first, group)
+    with pytest.raises(ValueError, match="'Linear' already names another module in this group"):
+        attach_staging_hook(second, group)
+    assert not hasattr(second, "_hf_hook") and [unit.name for unit in group.units] == ["Linear"]
+    attach_staging_hook(first, group, policy="resident")  # the same module again: its hook is replaced
+    attach_staging_hook(second, group, name="second")
+    detach_staging_hook(first)
+    detach_staging_hook(second)
+    assert not group.units
+
+
+def test_one_block_of_a_streamed_module_is_not_detached_alone(flux: PipelineCase) -> None:
+    group = ResidencyGroup("cpu")
+    transformer = flux.pipe.transformer
+    attach_block_streaming(transformer, group, name="transformer")
+    block = transformer.single_transformer_blocks[0]
+    with pytest.raises(ValueError, match="is a block of the streamed 'transformer': detach 'transformer' itself"):
+        detach_staging_hook(block)
+    assert isinstance(block._hf_hook, StagingHook), "left as it was"
+    assert torch.equal(flux.run(), flux.reference)
+    detach_staging_hook(transformer)
+    assert not group.units and not hasattr(block, "_hf_hook")
+    assert torch.equal(flux.run(), flux.reference)
