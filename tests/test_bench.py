@@ -97,7 +97,7 @@ def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_ca
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     out = capsys.readouterr().out
     header, _, *rows = out[out.index("| mode |") :].split("\n\n")[0].splitlines()
-    assert header.startswith("| mode | budget MB | call 1 s | call 2 s | steady s/call | steady from call | x resident |")
+    assert header.startswith("| mode | budget | call 1 s | call 2 s | steady s/call | steady from call | x resident |")
     assert "| host RSS MB |" in header and "| loaded MB/call |" in header, "the tiny pipeline's sizes, in MB on the CPU"
     assert header.count("s/call |") == 2, "one steady s/call column, and the hooks' host s/call"
     for r, row in zip(results, rows, strict=True):
@@ -156,20 +156,20 @@ def test_the_table_shows_a_dash_for_a_call_that_did_not_run_and_lists_every_call
             "pinned", 2.0, 1, 1.0, True, budget_bytes=8 * 10**9, call_seconds=(5.0, 2.1, 2.0), calls_to_steady=2,
             host_steal_fraction=0.125,
         ),
-        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=4 * 10**9, call_seconds=(2.0, 2.0, 3.0)),
+        ModeResult("pinned", 2.0, 1, 1.0, True, budget_bytes=2 * 10**6, call_seconds=(2.0, 2.0, 3.0)),
         ModeResult("group_offload_leaf", float("nan"), None, float("nan"), None, error="out of memory"),
     ]
-    rows = [row.split(" | ")[2:7] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
-    assert rows == [
-        ["1.000", "-", "1.000", "-", "1.00"],
-        ["5.000", "2.100", "2.000", "2", "2.00"],
-        ["2.000", "2.000", "2.000", "-", "2.00"],
-        ["out of memory", "-", "-", "-", "-"],
+    rows = [row.split(" | ")[1:7] for row in format_table(results, weight_bytes=1).splitlines()[2:]]
+    assert rows == [  # a budget in its own unit: a tiny pipeline's 2 MB is not "0.00" GB
+        ["-", "1.000", "-", "1.000", "-", "1.00"],
+        ["8.00 GB", "5.000", "2.100", "2.000", "2", "2.00"],
+        ["2.00 MB", "2.000", "2.000", "2.000", "-", "2.00"],
+        ["-", "out of memory", "-", "-", "-", "-"],
     ]
     assert format_calls(results).splitlines() == [
         "- resident @ unlimited: 1.000 s",
         "- pinned @ 8.00 GB: 5.000, 2.100, 2.000 s (steady from call 2; host CPU stolen 12.5%)",
-        "- pinned @ 4.00 GB: 2.000, 2.000, 3.000 s (never within 1.05x of steady)",
+        "- pinned @ 2.00 MB: 2.000, 2.000, 3.000 s (never within 1.05x of steady)",
         "- group_offload_leaf @ unlimited: out of memory",
     ]
 
@@ -756,6 +756,7 @@ def test_the_compile_table_counts_cuda_graphs_only_where_a_mode_recorded_them() 
     header, _, *rows = format_compile_table(graphs).splitlines()
     assert header.endswith("| CUDA graphs recorded while timed |")
     assert [row.split(" | ")[-1] for row in rows] == ["0 |", "3 |"]
+    assert format_compile_table([replace(plain[1], budget_bytes=512 * 10**6)]).splitlines()[2].split(" | ")[1] == "512.00 MB"
 
 
 @pytest.mark.parametrize(

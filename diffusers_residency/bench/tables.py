@@ -58,14 +58,14 @@ def format_table(results: list[ModeResult], weight_bytes: int | None, *, ratios:
         return "-" if value is None else f"{value / size:.2f}"
 
     header = (
-        "mode", f"budget {unit}", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident",
+        "mode", "budget", "call 1 s", "call 2 s", "steady s/call", "steady from call", "x resident",
         f"peak alloc {unit}", f"peak reserved {unit}", "within budget", "alloc retries", "setup s", f"host RSS {unit}",
         "RSS x weights", f"loaded {unit}/call", "load GB/s", "hooks' host s/call", "equal to resident",
     )  # fmt: skip
     rows = []
     for r in results:
         mode = f"{r.mode} (round {r.round})" if several else r.mode
-        budget = "-" if r.budget_bytes is None else sized(r.budget_bytes)
+        budget = "-" if r.budget_bytes is None else format_bytes(r.budget_bytes)
         within = {None: "-", True: "yes", False: "NO"}[r.within_budget]
         if r.error:
             reserved = sized(r.peak_reserved_bytes)
@@ -214,11 +214,11 @@ def judged_by_compile_spread(results: list[ModeResult]) -> tuple[list[ModeResult
 def format_compile_table(results: list[ModeResult]) -> str:
     shown = [r for r in results if not r.error and r.first_call_seconds is not None]
     cuda_graphs = any(r.cuda_graphs_recorded_while_timed is not None for r in shown)
-    header = ["mode", "budget GB", "first call s (compiling)", "warm s/call", "graphs compiled while timed"]
+    header = ["mode", "budget", "first call s (compiling)", "warm s/call", "graphs compiled while timed"]
     header += ["CUDA graphs recorded while timed"] if cuda_graphs else []
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in shown:
-        budget = "-" if r.budget_bytes is None else gb(r.budget_bytes)
+        budget = "-" if r.budget_bytes is None else format_bytes(r.budget_bytes)
         cells = [r.mode, budget, f"{r.first_call_seconds:.2f}", f"{r.seconds_per_call:.3f}"]
         cells += [str(r.graphs_compiled_while_timed)] + ([str(r.cuda_graphs_recorded_while_timed)] if cuda_graphs else [])
         lines.append("| " + " | ".join(cells) + " |")
