@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .diffusers_hooks import compute_dtypes
-from .profile import IMAGE_ARGUMENTS
+from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
 from .streaming import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -347,6 +347,8 @@ class DecoderDryRun:
         # a ControlNet), or decodes latents of another size.
         if "num_frames" in parts or any(parts.get(name) is not None for name in IMAGE_ARGUMENTS):
             return None
+        if any(parts.get(name) is not None for name in OUTPUT_SIZE_ARGUMENTS):
+            return None  # the output's size is not height x width (FLUX Kontext's max_area)
         height, width = (parts.get(name) for name in ("height", "width"))
         if not height or not width:
             # Pipelines fill in a side not given differently: SD 1.5's takes its default for both,

@@ -18,7 +18,6 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import numbers
 import os
 import secrets
@@ -47,7 +46,15 @@ FORMAT = 3
 
 # Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
-_SHAPE_ARGUMENTS = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
+# ``max_area`` (FLUX Kontext) and ``resolution`` (Qwen-Image Layered, VisualCloze) set the output's
+# size where ``height`` and ``width`` give only its aspect, or nothing; ``layers`` how many images a
+# Qwen-Image Layered call makes; ``decode_chunk_size`` and ``vae_batch_size`` (video pipelines) how
+# many frames the VAE decodes at once.
+OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution")
+_SHAPE_ARGUMENTS = (
+    "height", "width", *OUTPUT_SIZE_ARGUMENTS, "num_frames", "layers", "num_images_per_prompt",
+    "num_videos_per_prompt", "max_sequence_length", "decode_chunk_size", "vae_batch_size",
+)  # fmt: skip
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
 # Images, videos and latents given to a call, by their size (a call given one encodes or conditions
 # on it); and the tensors counted in a call's shape: those, and prompt embeddings (whose sequence
@@ -58,7 +65,8 @@ _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
 # The arguments of a shape signature that measure a call's size: a call smaller in these (and the
 # same in the others) needs no more room than the larger one (see covering_shape).
 SIZE_ARGUMENTS = (
-    "height", "width", "num_frames", "max_sequence_length", "num_images_per_prompt", "num_videos_per_prompt", "batch"
+    "height", "width", "max_area", "resolution", "num_frames", "layers", "max_sequence_length",
+    "num_images_per_prompt", "num_videos_per_prompt", "decode_chunk_size", "vae_batch_size", "batch",
 )  # fmt: skip
 
 
@@ -213,9 +221,11 @@ class CallFigures:
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
         timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
-        figures = [*activations.values(), *(f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte))]
-        if not all(0 <= figure < math.inf for figure in figures):
-            raise ValueError("a figure that is negative, infinite or not a number")
+        if not all(0 <= nbytes <= _MOST_BYTES for nbytes in activations.values()):
+            raise ValueError(f"an activation figure that is negative or over {_MOST_BYTES} bytes")
+        per_byte = [f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte)]
+        if not all(0 <= figure <= _MOST_SECONDS_PER_BYTE for figure in per_byte):
+            raise ValueError(f"a timing that is negative, over {_MOST_SECONDS_PER_BYTE} s a byte or not a number")
         plan = tuple(
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
             for name, policy, kept, staged, depth in data["plan"]
@@ -233,6 +243,13 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{name!r} is no floating-point torch dtype")
     return dtype
+
+
+# The largest figures a profile may hold. Far past any device (an exabyte; a second a byte), they
+# only keep a figure written by hand finite through the planner's sums: a step simulated from a
+# timing of 1e308 s a byte overflows to infinity, then to NaN, and no choice is the shortest.
+_MOST_BYTES = 1 << 60
+_MOST_SECONDS_PER_BYTE = 1.0
 
 
 @dataclass

@@ -119,6 +119,7 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     assert meta_twin(torch.nn.Linear(4, 4)) is None, "no config to build it from"
     for given in ({"num_frames": 5}, {"image": [32, 32]}, {"latents": [1, 16, 16, 64]}):
         assert decoder.need({**_parts(32), **given}) is None, "a call that encodes or conditions is not followed"
+    assert decoder.need({**_parts(32), "max_area": 64 * 64}) is None, "sized by its area (FLUX Kontext), not 32x32"
     sdxl = sdxl_in_float16()
     decoding = CallDryRuns.of(sdxl.pipe, module_components(sdxl.pipe), offload_sequence(sdxl.pipe), guessed_casts(sdxl.pipe))
     assert decoding.decoder.dtype == torch.float32, "SDXL casts its float16 VAE to float32 to decode"

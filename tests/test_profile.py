@@ -36,7 +36,15 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
 from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes
 from diffusers_residency.policy import Policy
-from diffusers_residency.profile import FORMAT, CallFigures, ResidencyProfile, profile_path, read_profile, write_profile
+from diffusers_residency.profile import (
+    FORMAT,
+    CallFigures,
+    ResidencyProfile,
+    covering_shape,
+    profile_path,
+    read_profile,
+    write_profile,
+)
 from diffusers_residency.step_timing import StepTiming
 
 from .helpers import PipelineCase, dtypes_compared, sdxl_in_float16, vae_through_bfloat16
@@ -589,9 +597,12 @@ def _with_figures(activation: str = "1000", timing: str = "[1.0, 1.0]") -> bytes
         _with_figures(activation="1e400"),  # read as infinity: no int
         _with_figures(activation="-1000"),
         _with_figures(timing="[NaN, 1.0]"),
+        _with_figures(timing="[0.0, 1.7e308]"),  # finite, but a step simulated from it is not
+        _with_figures(activation=str(10**400)),  # an int, too large to plan with
         b"[" * 100_000,  # deeper than the JSON decoder's stack
     ],
-    ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "deep"],
+    ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "huge timing",
+         "huge activation", "deep"],  # fmt: skip
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
@@ -866,6 +877,26 @@ def test_a_new_shape_smaller_than_one_measured_is_planned_from_its_figures_then_
     assert torch.equal(_run(flux, 64), references[64])
     assert sources[-1] == ""
     assert set(flux.pipe.residency_plan().activations.values()) == {20_000 + margin}
+
+
+def test_a_call_sized_by_its_max_area_is_a_shape_of_its_own(flux: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    # FLUX Kontext sizes its output from max_area; height and width give only the aspect ratio.
+    from diffusers import FluxKontextPipeline
+
+    kontext = FluxKontextPipeline(**flux.pipe.components)
+    areas = (32 * 32, 64 * 64)
+    call = lambda area: {**call_kwargs("flux", height=32, width=32), "max_area": area}  # noqa: E731 (a fresh generator)
+    references = {area: pipeline_output(kontext, call(area)) for area in areas}
+    assert references[32 * 32].shape != references[64 * 64].shape
+    kontext.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    flux.pipe = kontext
+    _measure_on_the_cpu(flux, monkeypatch)
+    sources = _plans_at_call_start(flux)
+    for area in areas:
+        assert torch.equal(pipeline_output(kontext, call(area)), references[area])
+    assert list(sources) == ["", ""], "the larger area measured as a shape of its own, not planned from the smaller's"
+    assert len(residency_profile(kontext).shapes) == 2
+    assert covering_shape([kontext.residency_plan().shape], sources.plans[0].shape or "") is None
 
 
 def _measured_at_48(case: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, list[str]]:
