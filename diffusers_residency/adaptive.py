@@ -312,16 +312,27 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
 def abort_call(state: PipelineResidency, error: BaseException) -> None:
     """The pipeline call raised ``error``: nothing it measured is kept, and the next call plans for
     its shape again (measuring it afresh if it is still new, with the least on the device if this
-    call ran out of memory under an estimate)."""
+    call ran out of memory under an estimate).
+
+    Out of memory under figures measured for its shape (in this process or an earlier one), the
+    call says those figures no longer hold: another process took device memory since, say. Planned
+    from them again, every call of the shape would run out the same way; the figures are dropped
+    instead, and the next call of the shape measures afresh with the least on the device."""
     state.group.forget_estimates()
     if state.group.budget_watch is not None:
         state.group.budget_watch.abort_call()
-    if (
-        isinstance(error, torch.OutOfMemoryError)
-        and state.shape is not None
-        and state.plan.source.startswith(ESTIMATED)
-    ):
-        state.estimates_failed.add(state.shape)
+    shape = state.shape
+    if isinstance(error, torch.OutOfMemoryError) and shape is not None:
+        if state.plan.source.startswith(ESTIMATED):
+            state.estimates_failed.add(shape)
+        elif state.plan.source and state.profile is not None and state.profile.shapes.pop(shape, None) is not None:
+            state.measured_shapes.discard(shape)
+            logger.warning(
+                "A call of %s ran out of device memory under the plan from its figures (%s); the next call "
+                "of it measures again",
+                shape,
+                state.plan.source,
+            )
     state.shape = None
 
 

@@ -993,6 +993,33 @@ def test_a_call_under_an_estimate_that_runs_out_of_memory_leaves_its_shape_to_a_
     assert not pipeline_state(flux.pipe).estimates_failed, "what fell short under another plan is tried again"
 
 
+@pytest.mark.parametrize("from_profile", [False, True])
+def test_a_call_out_of_memory_under_its_shapes_own_figures_leaves_the_next_to_measure_again(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, from_profile: bool
+) -> None:
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(flux, monkeypatch)
+    assert torch.equal(flux.run(), flux.reference)
+    if from_profile:  # the figures of an earlier process
+        flux.pipe.disable_pinned_offload()
+        flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    sources = _plans_at_call_start(flux)
+    for error in (KeyboardInterrupt, torch.OutOfMemoryError):
+        hook = flux.pipe.transformer.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(error("short")))
+        with pytest.raises(error):
+            flux.run()
+        hook.remove()
+        assert sources[-1] == ("from the residency profile" if from_profile else "measured")
+        # Interrupted, the call says nothing of the room; out of memory, that its figures no longer hold.
+        assert bool(residency_profile(flux.pipe).shapes) is (error is KeyboardInterrupt)
+    assert "ran out of device memory under the plan from its figures" in caplog.text
+    assert torch.equal(flux.run(), flux.reference)
+    assert sources[-1] == "", "measured again, with the least on the device"
+    assert torch.equal(flux.run(), flux.reference)
+    assert sources[-1] == "measured"
+
+
 def test_retries_under_an_estimate_that_never_runs_whole_go_to_no_other_shape(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
