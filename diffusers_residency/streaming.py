@@ -54,8 +54,10 @@ class StreamOwner(Protocol):
     # calls began: a stream that sees either move knows its next pass begins a new activation.
     switches: int
     calls: int
-    # Whether a pass timed now would be used (see ResidencyGroup.times_steps).
+    # Whether a pass timed now would be used (see ResidencyGroup.times_steps), and whether the call
+    # under way or the next is measured (see ResidencyGroup.measures_next_call).
     times_steps: bool
+    measures_next_call: bool
 
     def first_pass_ran(self, component: str) -> None:
         """Told once a component's blocks have run through once in a call."""
@@ -129,6 +131,11 @@ class BlockStream:
         self._running: tuple[Block, torch.Event | float] | None = None
         self._activation: tuple[int, int] | None = None
         self._passes = 0
+        # Whether the windows wrap around, loading the top blocks behind the last ones for a next
+        # pass; whether the component's activations run one pass alone (None: none ran whole yet).
+        # See _learn_wrapping.
+        self._wraps = True
+        self._one_pass_alone: bool | None = None
         # The first pass ever timed, and those of the latest activation that timed one: their
         # stamps until read, then their sums.
         self._first_step: dict[Block, tuple] | float | None = None
@@ -144,7 +151,8 @@ class BlockStream:
 
     def _compute_windows(self) -> None:
         """For each block, the streamed blocks that follow it in order, wrapping around: the next
-        pass (the next denoising step) starts again at the top. A resident block holds no slot of
+        pass (the next denoising step) starts again at the top (not for a component whose
+        activations run one pass alone, see :meth:`_learn_wrapping`). A resident block holds no slot of
         the window while it runs, so the slot a streamed block would take loads one more ahead.
 
         Also the kept blocks that follow it, as many of each policy: staged ones, loaded once per
@@ -164,11 +172,12 @@ class BlockStream:
         self._windows, self._kept_windows = windows, kept
 
     def _following(self, position: int, policy: Policy, depth: int) -> tuple[Block, ...]:
-        """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around."""
+        """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around where
+        the windows do (see :meth:`_learn_wrapping`)."""
         order = self._order
         count = len(order)
         ahead = []
-        for step in range(1, count):
+        for step in range(1, count if self._wraps else count - position):
             if len(ahead) >= depth:
                 break
             candidate = order[(position + step) % count]
@@ -210,6 +219,7 @@ class BlockStream:
     def _pass_begins(self, unit: Block) -> None:
         activation = (self.group.switches, self.group.calls)
         if activation != self._activation:
+            self._learn_wrapping(self._passes if self._activation is not None else None)
             # Another component ran since this one last did, or another call began: a pass they
             # cut short is not a step.
             self._activation, self._passes, self._timed_in_activation = activation, 0, 0
@@ -232,6 +242,25 @@ class BlockStream:
             self.group.first_pass_ran(self.component)
         if self._timed_in_activation:
             self.group.timed_step_ran(self.component)
+
+    def _learn_wrapping(self, passes: int | None) -> None:
+        """An activation of the component begins, the one before having run ``passes`` passes (None:
+        not known, cut short). Where each ran one alone (a text encoder's, a decode's), the top
+        blocks that the last ones' windows loaded for a next pass were evicted unused as the next
+        component started, a text encoder's among the largest (two of T5-XXL's blocks are 0.8 GB),
+        and their copies went before the next component's: the windows stop wrapping around. One
+        activation of several passes (a denoiser's steps, a tiled decode's tiles) makes them wrap
+        for good.
+
+        They wrap in a measuring call all the same: its component's need is its peak less the
+        weights loaded as the next one starts (see ``BudgetWatch``), which a window wrapping around
+        holds as it held them at the peak, and the last blocks alone do not."""
+        if passes is not None and self._one_pass_alone is not False:
+            self._one_pass_alone = passes == 1
+        wraps = not self._one_pass_alone or self.group.measures_next_call
+        if wraps != self._wraps:
+            self._wraps = wraps
+            self._compute_windows()
 
     def _stamp_end(self, unit: Block) -> None:
         ran, started = self._running

@@ -241,6 +241,56 @@ def test_a_resident_block_loads_one_streamed_block_more_ahead(flux: PipelineCase
     detach_staging_hook(flux.pipe.transformer)
 
 
+def test_a_component_that_runs_one_pass_at_a_time_stops_loading_its_top_blocks_for_a_next_pass(flux: PipelineCase) -> None:
+    group = ResidencyGroup("cpu")
+    for name in ("text_encoder_2", "transformer"):
+        attach_block_streaming(getattr(flux.pipe, name), group, name=name, prefetch_blocks=2)
+    encoder, transformer = (group.units_of(name)[1:] for name in ("text_encoder_2", "transformer"))
+
+    def loads_of_a_call(run: Callable[[], torch.Tensor] = flux.run) -> tuple[int, int]:
+        before = [sum(b.stager.loads for b in blocks) for blocks in (encoder, transformer)]
+        assert torch.equal(run(), flux.reference)
+        return tuple(sum(b.stager.loads for b in blocks) - n for blocks, n in zip((encoder, transformer), before))
+
+    first, second, third = loads_of_a_call(), loads_of_a_call(), loads_of_a_call()
+    # The encoder's first call wraps its window around, loading its top two blocks again behind
+    # its last ones; one pass seen, it loads each block once a call. The transformer's steps go on
+    # taking its top blocks from the end of the step before.
+    assert first[0] == len(encoder) + 2 and second[0] == third[0] == len(encoder), (first, second, third)
+    assert first[1] == second[1] == third[1], "the denoiser's windows still wrap around"
+    ids = flux.pipe.tokenizer_2("a prompt", return_tensors="pt").input_ids
+    with torch.no_grad():  # two passes in one activation (the call after it runs in it too)
+        flux.pipe.text_encoder_2(ids)
+        flux.pipe.text_encoder_2(ids)
+    loads_of_a_call()
+    assert loads_of_a_call()[0] == len(encoder) + 2, "learned as its next activation starts: it wraps around again"
+    for name in ("text_encoder_2", "transformer"):
+        detach_staging_hook(getattr(flux.pipe, name))
+
+
+def test_a_measuring_call_wraps_the_windows_of_a_component_that_runs_one_pass_at_a_time(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its need is its peak less what is loaded as the next component starts: the window wrapped
+    # around holds then what it held at the peak.
+    references = {size: pipeline_output(flux.pipe, call_kwargs("flux", height=size, width=size)) for size in (32, 48)}
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
+    budget = plan_residency(sizes, 10**12, 3 << 30, least=True).peak_weight_bytes + (3 << 30)  # calls measured
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    # What the components need leaves the text encoder no block to keep once measured (the plan's
+    # margin is 2 % of the budget).
+    need = (3 << 30) - budget // 50 - (16 << 10)
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: pipeline_state(flux.pipe).group.loaded_bytes() + need)
+    encoder = pipeline_state(flux.pipe).group.units_of("text_encoder_2")[1:]
+    loads = []
+    for size in (32, 32, 48):
+        before = sum(b.stager.loads for b in encoder)
+        assert torch.equal(pipeline_output(flux.pipe, call_kwargs("flux", height=size, width=size)), references[size])
+        loads.append(sum(b.stager.loads for b in encoder) - before)
+    assert flux.pipe.residency_plan()["text_encoder_2"].resident_blocks == frozenset()
+    assert loads == [len(encoder) + 2, len(encoder), len(encoder) + 2], "measured, planned, a new shape measured"
+
+
 def test_no_prefetch_loads_each_streamed_block_alone(flux: PipelineCase) -> None:
     group = ResidencyGroup("cpu")
     attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=0)
