@@ -144,7 +144,11 @@ class ReadBack:
                 filled += source.view.numel()
         self.piece_of = [piece for piece in self.pieces for _ in piece.members]
         self._mapping, self._block, self._start = new_block(max(span, PAGE))
-        self.slots = [slot(self._block, offset, source.view.numel()) for offset, source in zip(self._offsets, sources)]
+        # Filled by reader threads, outside inference mode: made inside it (a call under
+        # torch.inference_mode() waking a pipeline), a slot would be an inference tensor, which only
+        # inference mode may write.
+        with torch.inference_mode(False):
+            self.slots = [slot(self._block, offset, s.view.numel()) for offset, s in zip(self._offsets, sources)]
         # Each piece's registration, set by the thread that locks it: not the result of its future,
         # which the pool's thread may still hold for a moment after the future is done, keeping the
         # piece locked after abandon() has returned.

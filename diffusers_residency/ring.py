@@ -94,7 +94,8 @@ class Ring:
         self.slot_bytes = _slot_size(slot_bytes)
         self.device = device
         self._mapping, block, start = new_block(slot_count * self.slot_bytes)
-        self._slots = [slot(block, k * self.slot_bytes, self.slot_bytes) for k in range(slot_count)]
+        with torch.inference_mode(False):  # filled by reader threads, outside inference mode (see ReadBack)
+            self._slots = [slot(block, k * self.slot_bytes, self.slot_bytes) for k in range(slot_count)]
         self._spans = [(start + k * self.slot_bytes, start + (k + 1) * self.slot_bytes) for k in range(slot_count)]
         # Claimed here in order, registered by the thread that fills the slot first (see ReadBack).
         self._claimed = [pin and claim_range(*span, budget) for span in self._spans]

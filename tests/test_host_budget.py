@@ -68,6 +68,27 @@ def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) 
     assert torch.equal(flux.run(), flux.reference)
 
 
+def _nudge_transformer(pipe) -> None:
+    with torch.no_grad():
+        for parameter in pipe.transformer.parameters():
+            parameter.view(-1)[0].add_(1.0)
+
+
+def test_a_pipeline_enabled_under_inference_mode_loads_a_served_weight_written_in_place(flux: PipelineCase) -> None:
+    # Its written pages are the process's own now: a reader thread copies them into a slot of the
+    # ring, outside the inference mode the ring was made in.
+    kwargs, budget, expected = SETUPS["staged"]
+    with torch.inference_mode():
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
+    assert "transformer" in served(flux.pipe)
+    assert torch.equal(flux.run(), flux.reference)
+    changed = PipelineCase("flux")
+    _nudge_transformer(changed.pipe)
+    _nudge_transformer(flux.pipe)
+    for _ in range(2):
+        assert torch.equal(flux.run(), changed.run())
+
+
 def test_auto_with_room_changes_nothing(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu", host_budget="auto")
     plan = flux.pipe.residency_plan()
