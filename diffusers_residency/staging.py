@@ -373,6 +373,9 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
                 written = [*written, *moved]
         if written:
             replaced |= self._keep_writes(written)
+            # Written where no version counter shows it (a moved tensor's copy), and maybe after
+            # this call's comparison of the masters with their copy ran (see check_sources_ahead).
+            self.note_masters_written()
         storages, self._device_storages = self._device_storages, []
         if not replaced:
             self.rebind_masters()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from types import SimpleNamespace
 
 import accelerate
 import pytest
 import torch
 
 import diffusers_residency
-from diffusers_residency import ModuleStager
+from diffusers_residency import ModuleStager, conversions
 from diffusers_residency.bench.builders import PIPELINE_KINDS, call_kwargs, pipeline_output
 
 from .helpers import (
@@ -333,6 +334,33 @@ def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast(
         assert torch.equal(case.run(), case.reference)
     for pipe in (case.pipe, resident.pipe):
         pipe.vae.decoder.conv_out.weight.data.mul_(2)
+    expected = resident.run()
+    assert not torch.equal(expected, case.reference)
+    for _ in range(2):
+        assert torch.equal(case.run(), expected)
+
+
+class _RunsAtStart(threading.Thread):
+    def start(self) -> None:
+        self.run()
+
+
+def test_a_weight_given_storage_of_its_own_while_loaded_is_seen_by_the_next_calls_upcast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Copied into its master as the VAE is evicted, in the next call: after the comparison with the
+    copy of the float16 masters that started as that call began (here run to its end at once)."""
+    case, resident = sdxl_in_float16(), sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    monkeypatch.setattr(conversions, "threading", SimpleNamespace(Thread=_RunsAtStart))
+    latents = torch.zeros(1, case.pipe.vae.config.latent_channels, 8, 8, dtype=torch.float16)
+    for pipe in (case.pipe, resident.pipe):
+        with torch.no_grad():
+            pipe.vae.decode(latents)  # loaded now
+        for parameter in pipe.vae.decoder.parameters():
+            parameter.data = parameter.detach() * 1.5
     expected = resident.run()
     assert not torch.equal(expected, case.reference)
     for _ in range(2):
