@@ -190,6 +190,10 @@ class ConversionReuse:
         the comparison, and the fresh result is taken.
         """
         self.offload()
+        # Tensors added since the masters were taken (a fused projection's) get masters first, as
+        # they are: converted first under inference mode (a call made in it casting SDXL's VAE),
+        # they would be taken as the inference tensors it gives, whose writes no counter shows.
+        self.retake_masters()
         before = self._groups
         # Masters that view a checkpoint file (asleep at level 2) are slices of the file's mapping,
         # not storages of their own: bound to one, the weights would keep the file as their master.

@@ -367,6 +367,29 @@ def test_a_weight_given_storage_of_its_own_while_loaded_is_seen_by_the_next_call
         assert torch.equal(case.run(), expected)
 
 
+def test_a_weight_added_after_enable_and_first_cast_in_an_inference_mode_call_keeps_its_writes() -> None:
+    """SDXL's fused attention projections, made after enable: the call's upcast is the first to
+    stage them. A write into them while the VAE is loaded is copied into their masters at offload."""
+    case, resident = sdxl_in_float16(), sdxl_in_float16()
+    case.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(case.run(), case.reference)
+    latents = torch.zeros(1, case.pipe.vae.config.latent_channels, 8, 8, dtype=torch.float16)
+    for pipe in (case.pipe, resident.pipe):
+        pipe.fuse_qkv_projections()
+        pipeline_output(pipe, call_kwargs("sdxl"))  # under inference mode
+        with torch.no_grad():
+            pipe.vae.decode(latents)  # loaded now
+            for module in pipe.vae.modules():
+                if getattr(module, "to_qkv", None) is not None:
+                    module.to_qkv.weight.mul_(1.5)
+    expected = resident.run()
+    assert not torch.equal(expected, case.reference)
+    for _ in range(2):
+        assert torch.equal(case.run(), expected)
+    case.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), case.state())
+
+
 def test_a_weight_written_in_place_between_a_cast_and_the_cast_back_is_kept() -> None:
     """Inside a call, the cast back trusts its sources only while their version counters stand: a
     write while decoding (a hook, here) is copied into the float32 master at offload, and cast back."""
