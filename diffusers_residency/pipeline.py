@@ -89,9 +89,11 @@ def _same_setup(
 
 
 def _load_excluded(pipe: DiffusionPipeline, state: PipelineResidency) -> None:
-    # diffusers keeps these on the device because pipelines may use them without calling them.
+    # diffusers keeps these on the device because pipelines may use them without calling them. One
+    # asleep stays so: reloaded after a deepcopy or a LoRA method, it would hold device memory
+    # while the pipeline sleeps (its wake or next call loads it).
     for name in pipe._exclude_from_cpu_offload:
-        if name in state.hooks:
+        if name in state.hooks and not state.hooks[name].unit.sleep_level:
             state.group.activate(state.hooks[name].unit)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from types import SimpleNamespace
@@ -104,6 +105,15 @@ def test_exclude_from_cpu_offload_is_resident(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     assert staging_hooks(flux.pipe)["text_encoder"].unit.policy.value == "resident"
     assert flux.pipe.residency_report()["text_encoder"].loaded, "loaded at enable, as diffusers keeps it on the device"
+    assert torch.equal(flux.run(), flux.reference)
+    # Asleep, it stays asleep through what reloads it otherwise (a deepcopy, a LoRA method).
+    flux.pipe.sleep()
+    copy.deepcopy(flux.pipe)
+    flux.pipe.unfuse_lora()
+    report = flux.pipe.residency_report()["text_encoder"]
+    assert report.state != "awake" and not report.loaded, str(flux.pipe.residency_report())
+    flux.pipe.wake_up()
+    assert flux.pipe.residency_report()["text_encoder"].loaded
     assert torch.equal(flux.run(), flux.reference)
 
 
