@@ -9,8 +9,9 @@ or a submodule) through a :class:`ResidencyGroup`.
 
 from diffusers import DiffusionPipeline
 
+from .attaching import attach_block_streaming, attach_staging_hook, detach_staging_hook
 from .calls import wrap_calls_sharing_components
-from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, detach_staging_hook
+from .hooks import StagingHook
 from .host_budget import HostBudgetTooSmallError, HostPlacement
 from .pipeline import (
     disable_pinned_offload,

@@ -14,25 +14,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import numbers
 import time
 import warnings
-from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
-from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from accelerate.hooks import ModelHook, remove_hook_from_module
 from accelerate.utils import send_to_device
 from torch import nn
 
 from . import _device
-from .diffusers_hooks import GROUP_OFFLOADING_HOOK, registered_hook
-from .plans import PREFETCH_BLOCKS
-from .policy import Policy
 from .residency import ResidencyGroup, ResidencyUnit
 from .retry_with_room import RETRIED_METHODS, retried_with_room
-from .streaming import BlockStream, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -73,32 +67,6 @@ def _disable_compile_in_hooks() -> None:
         if wrapper.disabled is None:
             wrapper.disabled = torch.compiler.disable(method)
 
-
-def check_attachable(module: nn.Module, name: str, group: ResidencyGroup | None = None) -> None:
-    """Raise, before anything changes, if ``module`` is already under another offloading scheme.
-
-    Two schemes that both replace ``forward`` and both move weights fight over the same tensors, and
-    removing them out of order leaves dead hooks. A hook of ``group`` itself is fine: it is replaced.
-    """
-    for path, sub in module.named_modules():
-        where = f"{name}.{path}" if path else name
-        hook = getattr(sub, "_hf_hook", None)
-        if hook is not None and not (isinstance(hook, StagingHook) and hook.group is group):
-            if isinstance(hook, StagingHook):
-                raise ValueError(
-                    f"{where!r} is already staged by another pipeline or group. Disable that one first "
-                    "(disable_pinned_offload() or detach_staging_hook())."
-                )
-            raise ValueError(
-                f"{where!r} already has an accelerate hook ({type(hook).__name__}). Remove it first, "
-                "e.g. pipe.remove_all_hooks() after enable_model_cpu_offload()/enable_sequential_cpu_offload(), "
-                "or accelerate.hooks.remove_hook_from_module(module, recurse=True)."
-            )
-        if registered_hook(sub, GROUP_OFFLOADING_HOOK) is not None:
-            raise ValueError(
-                f"{where!r} has diffusers group offloading enabled. Pinned offload replaces it; "
-                "reload the component (or remove its group offloading) before enabling pinned offload."
-            )
 
 
 def offloaded_first(
@@ -381,118 +349,3 @@ def replays_cuda_graphs(compile_kwargs: dict[str, Any]) -> bool:
         settings = dict(torch._inductor.list_mode_options(mode))
     settings.update(compile_kwargs.get("options") or {})
     return bool(settings.get("triton.cudagraphs"))
-
-
-def attach_staging_hook(
-    module: nn.Module,
-    group: ResidencyGroup,
-    *,
-    name: str | None = None,
-    policy: str | Policy = Policy.STAGED,
-) -> StagingHook:
-    """Stage ``module`` (a component, or a submodule such as one transformer block) through ``group``.
-
-    Hooks attached to one group share its device, copy stream and retention budget; a *staged*
-    module evicts the group's other staged modules when it loads, a *resident* one stays once loaded.
-    Undo with :func:`detach_staging_hook`.
-    """
-    name = name or type(module).__name__
-    check_attachable(module, name, group)
-    _refuse_a_taken_name(group, name, module)
-    if isinstance(getattr(module, "_hf_hook", None), StagingHook):
-        remove_hook_from_module(module)
-    unit = group.add(name, module, policy)
-    return _hook_component(module, StagingHook(group, unit))
-
-
-def attach_block_streaming(
-    module: nn.Module,
-    group: ResidencyGroup,
-    *,
-    name: str | None = None,
-    resident_blocks: Collection[int] = (),
-    prefetch_blocks: int = PREFETCH_BLOCKS,
-) -> StagingHook:
-    """Stream ``module``'s repeated blocks (see :func:`~diffusers_residency.streaming.repeated_blocks`)
-    through ``group``: its trunk and the blocks at positions ``resident_blocks`` (in definition
-    order, from 0) stay on the device once loaded; each other block loads just before it runs, with
-    the next ``prefetch_blocks`` streamed ones loading behind it.
-    Every block gets a staging hook of its own; :func:`detach_staging_hook` on ``module`` removes them all.
-    """
-    name = name or type(module).__name__
-    blocks = repeated_blocks(module)
-    if len(blocks) <= prefetch_blocks:
-        raise ValueError(
-            f"{name!r} ({type(module).__name__}) has {len(blocks)} repeated blocks, too few to stream with "
-            f"{prefetch_blocks} loading ahead; stage it whole instead"
-        )
-    resident_blocks = frozenset(resident_blocks)
-    outside = [i for i in resident_blocks if not (isinstance(i, numbers.Integral) and 0 <= i < len(blocks))]
-    if outside:
-        raise ValueError(
-            f"resident_blocks {sorted(outside, key=repr)} are not positions of {name!r}'s {len(blocks)} blocks; "
-            f"give indices from 0 to {len(blocks) - 1}"
-        )
-    check_attachable(module, name, group)
-    _refuse_a_taken_name(group, name, module)
-    if isinstance(getattr(module, "_hf_hook", None), StagingHook):
-        remove_hook_from_module(module)
-    block_modules = tuple(block for _, block in blocks)
-    trunk = group.add(name, module, Policy.STREAMED, exclude=block_modules)
-    units: list[ResidencyUnit] = [trunk]
-    try:
-        for index, (path, block) in enumerate(blocks):
-            policy = Policy.RESIDENT if index in resident_blocks else Policy.STREAMED
-            units.append(group.add(f"{name}.{path}", block, policy, component=name))
-        stream = BlockStream(name, units[1:], prefetch_blocks, group)
-        for unit in units[1:]:
-            unit.stream = stream
-            add_hook_to_module(unit.module, StagingHook(group, unit))
-        hook = _hook_component(module, StagingHook(group, trunk))
-    except BaseException:
-        for unit in reversed(units):
-            if getattr(unit.module, "_hf_hook", None) is not None:
-                remove_hook_from_module(unit.module)
-            elif unit in group.units:
-                group.remove(unit)
-        raise
-    return hook
-
-
-def _hook_component(module: nn.Module, hook: StagingHook) -> StagingHook:
-    """Attach ``hook`` to a component's ``module`` and retry its forward with room (see
-    retried_with_room): a denoiser's step writes nothing but its output, and what it consumes of its
-    inputs (the UNet pops T2I-Adapter residuals off a list) it consumes of the copies that
-    ``pre_forward`` passes on (``send_to_device`` rebuilds lists and dicts), so that a second
-    attempt finds the caller's whole. The forward that runs the hook is accelerate's, set after
-    ``init_hook``: wrapped here, and dropped when the hook is detached (accelerate itself restores
-    only the class's forward of an fx graph; for others it sets the module's own over the one
-    detaching puts back)."""
-    add_hook_to_module(module, hook)
-    hook._wrap(module, "forward", retried_with_room(module.forward, hook.group, hook.unit.component, module))
-    return hook
-
-
-def detach_staging_hook(module: nn.Module) -> None:
-    """Remove the staging hook; the module keeps bit-identical weights, back on the device it had.
-    A streamed module's blocks go with it: one block alone is refused, as its stream would go on
-    loading it."""
-    hook = getattr(module, "_hf_hook", None)
-    if not isinstance(hook, StagingHook):
-        raise ValueError(f"{type(module).__name__} has no staging hook to detach")
-    unit = hook.unit
-    if unit.stream is not None and unit.name != unit.component:
-        raise ValueError(
-            f"{unit.name!r} is a block of the streamed {unit.component!r}: detach {unit.component!r} itself, "
-            "which takes every block's hook with it"
-        )
-    remove_hook_from_module(module)
-
-
-def _refuse_a_taken_name(group: ResidencyGroup, name: str, module: nn.Module) -> None:
-    """Two modules under one name would be one component to the group: staged, neither would evict
-    the other, and detaching one would take the other's hook (see StagingHook.detach_hook)."""
-    if any(unit.name == name and unit.module is not module for unit in group.units):
-        raise ValueError(
-            f"{name!r} already names another module in this group; give each module a name of its own (name=...)"
-        )

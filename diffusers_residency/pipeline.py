@@ -21,12 +21,13 @@ from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
 from .adaptive import plan_ahead, watch_budget
+from .attaching import attach_block_streaming, attach_staging_hook, check_attachable
 from .calls import wrap_every_pipeline_call
 from .casts import guessed_casts, leaves_as_it_is, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
 from .dry_runs import CallDryRuns
 from .guards import guard_pipeline, unguard_pipeline
-from .hooks import StagingHook, attach_block_streaming, attach_staging_hook, check_attachable
+from .hooks import StagingHook
 from .host_budget import file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
 from .pipeline_residency import STATE_ATTR, PipelineResidency, apply_plan
@@ -366,7 +367,9 @@ def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
     failures = []
     for name, hook in state.hooks.items():
         module = hook.unit.module
-        if getattr(module, "_hf_hook", None) is hook:
+        current = getattr(module, "_hf_hook", None)
+        # A hook attached again in the group by a script (attach_staging_hook) goes too.
+        if isinstance(current, StagingHook) and current.group is state.group:
             try:
                 remove_hook_from_module(module)
             except Exception as exc:  # the others are still detached; this one keeps its hook

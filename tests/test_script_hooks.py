@@ -7,12 +7,12 @@ import torch
 
 from diffusers_residency import (
     ResidencyGroup,
-    StagingHook,
     attach_block_streaming,
     attach_staging_hook,
     detach_staging_hook,
 )
 from diffusers_residency.bench.builders import call_kwargs
+from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import PipelineCase, assert_weights_equal
 
@@ -132,10 +132,40 @@ def test_one_block_of_a_streamed_module_is_not_detached_alone(flux: PipelineCase
     transformer = flux.pipe.transformer
     attach_block_streaming(transformer, group, name="transformer")
     block = transformer.single_transformer_blocks[0]
+    hook = block._hf_hook
     with pytest.raises(ValueError, match="is a block of the streamed 'transformer': detach 'transformer' itself"):
         detach_staging_hook(block)
-    assert isinstance(block._hf_hook, StagingHook), "left as it was"
+    with pytest.raises(ValueError, match="is a block of the streamed 'transformer': detach 'transformer' itself"):
+        attach_staging_hook(block, group, name="my_block")  # in its stream's group: it would replace the hook
+    assert block._hf_hook is hook and hook.unit in group.units, "left as it was"
     assert torch.equal(flux.run(), flux.reference)
     detach_staging_hook(transformer)
     assert not group.units and not hasattr(block, "_hf_hook")
     assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_hook_attached_again_in_a_pipelines_group_goes_with_disable(flux: PipelineCase) -> None:
+    before = flux.state()
+    flux.pipe.enable_pinned_offload("cpu")
+    attach_staging_hook(flux.pipe.vae, pipeline_state(flux.pipe).group, name="vae", policy="resident")
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert not any(hasattr(module, "_hf_hook") for module in flux.pipe.components.values())
+    assert_weights_equal(before, flux.state())
+    flux.pipe.enable_pinned_offload("cpu")
+    assert torch.equal(flux.run(), flux.reference)
+
+
+
+@pytest.mark.parametrize("prefetch_blocks", [-1, 1.5, True])
+def test_a_prefetch_depth_that_is_no_count_of_blocks_is_refused(flux: PipelineCase, prefetch_blocks) -> None:
+    with pytest.raises(ValueError, match="a whole number from 0"):
+        attach_block_streaming(flux.pipe.transformer, ResidencyGroup("cpu"), prefetch_blocks=prefetch_blocks)
+    assert not any(hasattr(module, "_hf_hook") for module in flux.pipe.transformer.modules())
+
+
+def test_a_module_is_not_streamed_through_attach_staging_hook(flux: PipelineCase) -> None:
+    group = ResidencyGroup("cpu")
+    with pytest.raises(ValueError, match="streams through attach_block_streaming"):
+        attach_staging_hook(flux.pipe.transformer, group, policy="streamed")
+    assert not group.units and not hasattr(flux.pipe.transformer, "_hf_hook")
