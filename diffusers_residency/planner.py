@@ -94,8 +94,8 @@ def _checked(sizes: Sequence[ComponentSizes], fixed: Mapping[str, Policy]) -> di
     for s in sizes:
         if fixed.get(s.name) is Policy.STREAMED and not s.streamable:
             raise ValueError(
-                f"{s.name!r} cannot stream: it has no repeated blocks (more than {PREFETCH_BLOCKS}) to stream; "
-                "make it 'staged' or 'resident'"
+                f"{s.name!r} cannot stream: it has no repeated blocks (more than {PREFETCH_BLOCKS}, sharing no "
+                "weight with each other or the rest of it) to stream; make it 'staged' or 'resident'"
             )
     return dict(fixed)
 

@@ -28,6 +28,7 @@ from . import _device
 from .placement import DeviceSlots
 from .policy import Policy
 from .staging import ModuleStager
+from .weights import shared_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ class StreamOwner(Protocol):
 
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost submodules of a repeated-block class, in definition order.
+    """The outermost submodules of a repeated-block class, in definition order; none where they
+    share a tensor with each other or with the rest of ``module``.
 
     The classes come from the model itself: diffusers' ``_repeated_blocks`` (what regional
     compilation compiles), else the ``_no_split_modules`` that diffusers and transformers keep for
     device maps, which name the same units: blocks that hold together and never share weights
-    with the rest."""
+    with the rest. A model tied otherwise (a weight tied across blocks by hand) is not streamed: a
+    tensor staged with one block would be on the host when the other holder runs."""
     names = set(getattr(module, "_repeated_blocks", None) or getattr(module, "_no_split_modules", None) or ())
     if not names:
         return []
@@ -84,6 +87,10 @@ def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
         if type(sub).__name__ in names:
             blocks.append((path, sub))
             inside.append(path)
+    shared = shared_tensor(module, blocks)
+    if shared is not None:
+        logger.debug("%s's %r and %r share a tensor: no block of it streams", type(module).__name__, *shared)
+        return []
     return blocks
 
 

@@ -11,7 +11,7 @@ and then makes each wrapper's own metadata (its device) follow its inner tensors
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -47,6 +47,22 @@ def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = 
                         if key not in seen:
                             seen.add(key)
                             yield tensor
+
+
+def shared_tensor(module: nn.Module, parts: Sequence[tuple[str, nn.Module]]) -> tuple[str, str] | None:
+    """Two holders of one tensor among ``parts`` (named submodules, such as a module's repeated
+    blocks) and the rest of ``module`` (named ``""``), or None where each part's tensors are its
+    own: a tied weight, or a submodule two parts share."""
+    holder: dict[int, str] = {}
+    for name, part in parts:
+        for tensor in module_tensors((part,)):
+            if holder.setdefault(id(tensor), name) != name:
+                return holder[id(tensor)], name
+    for rest in _modules_outside(module, {id(part) for _, part in parts}):
+        for tensor in chain(rest._parameters.values(), rest._buffers.values()):
+            if tensor is not None and id(tensor) in holder:
+                return holder[id(tensor)], ""
+    return None
 
 
 def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:

@@ -291,6 +291,30 @@ def test_a_measuring_call_wraps_the_windows_of_a_component_that_runs_one_pass_at
     assert loads == [len(encoder) + 2, len(encoder), len(encoder) + 2], "measured, planned, a new shape measured"
 
 
+@pytest.mark.parametrize("tie", ["trunk and block", "two blocks"])
+def test_a_transformer_whose_blocks_share_weights_is_staged_whole_never_streamed(flux: PipelineCase, tie: str) -> None:
+    # A tensor staged with one holder would be on the host when the other runs.
+    budget = streaming_budget(flux)  # one under which the transformer, untied, streams
+    transformer = flux.pipe.transformer
+    blocks = transformer.single_transformer_blocks
+    if tie == "trunk and block":
+        transformer.time_text_embed.timestep_embedder.linear_2.weight = blocks[2].attn.to_q.weight
+    else:
+        blocks[1].norm = blocks[0].norm
+    reference = flux.run()
+    before = flux.state()
+    with pytest.raises(ValueError, match="sharing no weight with each other or the rest of it"):
+        flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"})
+    with pytest.raises(ValueError, match="sharing no weight with each other or the rest of it"):
+        attach_block_streaming(transformer, ResidencyGroup("cpu"), name="transformer")
+    assert not any(hasattr(module, "_hf_hook") for module in transformer.modules()), "refused before any hook"
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
+    assert flux.pipe.residency_plan()["transformer"].policy is not Policy.STREAMED
+    assert torch.equal(flux.run(), reference)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(before, flux.state())
+
+
 def test_no_prefetch_loads_each_streamed_block_alone(flux: PipelineCase) -> None:
     group = ResidencyGroup("cpu")
     attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=0)
