@@ -321,7 +321,10 @@ class BlockStream:
                 if other in keep:
                     held.append(other)
                 elif other.policy is Policy.STREAMED:
-                    other.stager.offload(slots=self.slots)
+                    # Under autograd the dropped block's storage may be saved for the backward pass
+                    # (a linear layer saves its weight): handed on, the backward would read the next
+                    # block's weights. Freed instead, it lives as long as what saved it.
+                    other.stager.offload(slots=None if torch.is_grad_enabled() else self.slots)
                 # else planned to stay since it loaded (a measuring call's first step): it stays.
             if unit.stager.loaded:
                 unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here

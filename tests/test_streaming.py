@@ -315,6 +315,35 @@ def test_a_transformer_whose_blocks_share_weights_is_staged_whole_never_streamed
     assert_weights_equal(before, flux.state())
 
 
+def _transformer_gradient(case: PipelineCase, inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's output for ``inputs`` (those of a step) and the gradient of its squares'
+    sum with respect to its latents, as guidance that steers by gradients takes it."""
+    args, kwargs = (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in inputs[0]),
+                    {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[1].items()})  # fmt: skip
+    latents = kwargs["hidden_states"].requires_grad_(True)
+    with torch.enable_grad():
+        out = case.pipe.transformer(*args, **{**kwargs, "return_dict": False})[0]
+        out.pow(2).sum().backward()
+    return out.detach(), latents.grad
+
+
+@pytest.mark.parametrize("prefetch_blocks", [0, 2])
+def test_gradients_through_a_streamed_transformer_are_the_resident_ones(flux: PipelineCase, prefetch_blocks: int) -> None:
+    # A dropped block's storage is not handed to the next block while autograd may hold it for
+    # the backward pass.
+    seen: list[tuple[tuple, dict]] = []
+    hook = flux.pipe.transformer.register_forward_pre_hook(lambda _, a, k: seen.append((a, k)), with_kwargs=True)
+    flux.run()
+    hook.remove()
+    reference = _transformer_gradient(flux, seen[0])
+    attach_block_streaming(flux.pipe.transformer, ResidencyGroup("cpu"), name="transformer", prefetch_blocks=prefetch_blocks)
+    for _ in range(2):
+        output, gradient = _transformer_gradient(flux, seen[0])
+        assert torch.equal(output, reference[0]) and torch.equal(gradient, reference[1])
+    assert torch.equal(flux.run(), flux.reference)
+    detach_staging_hook(flux.pipe.transformer)
+
+
 def test_no_prefetch_loads_each_streamed_block_alone(flux: PipelineCase) -> None:
     group = ResidencyGroup("cpu")
     attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=0)
