@@ -69,9 +69,17 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
     views: dict[int, MappedBytes] = {}
     for path in sorted(directory.glob("*.safetensors")):
         file = OpenFile(path)
-        (header_size,) = struct.unpack("<Q", os.pread(file.fd, 8, 0))
-        header = json.loads(os.pread(file.fd, header_size, 8))
         size = os.fstat(file.fd).st_size
+        try:
+            (header_size,) = struct.unpack("<Q", os.pread(file.fd, 8, 0))
+            header = json.loads(os.pread(file.fd, min(header_size, size), 8))
+            if not isinstance(header, dict) or 8 + header_size > size:
+                raise ValueError("its header is cut short or is no table of tensors")
+        except (struct.error, ValueError, OverflowError) as exc:
+            raise ValueError(
+                f"{path} is no safetensors file that can be read ({exc}): move it out of {directory}, "
+                "or sleep at level 1"
+            ) from None
         # A private mapping: pages are read from the page cache when touched, never written back.
         mapped = flat_bytes(torch.UntypedStorage.from_file(file.mapping_path, shared=False, nbytes=size))
         for name, entry in header.items():

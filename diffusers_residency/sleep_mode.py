@@ -120,6 +120,8 @@ def sleep(
     """
     plan = _sleep_plan(pipe, level, offload, discard)
     folders = _checkpoint_folders(pipe, [name for name, lvl in plan.items() if lvl == 2])
+    # Every file read before anything sleeps: one that cannot be read refuses the whole sleep.
+    views = {name: checkpoint_views(folder, pipe.components[name]) for name, folder in folders.items()}
     state = pipeline_state(pipe)
     if state is None:
         modules = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
@@ -127,9 +129,8 @@ def sleep(
         state = pipeline_state(pipe)
     group = state.group
     for name, units in _units(group, plan).items():
-        sources = checkpoint_views(folders[name], units[0].module) if name in folders else None
         for unit in units:
-            group.sleep(unit, plan[name], sources)
+            group.sleep(unit, plan[name], views.get(name))
     if release_cache:
         group.retention.release(reason="sleep")
 

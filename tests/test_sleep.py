@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,20 @@ def test_level_2_without_checkpoint_files_is_refused_before_anything_sleeps(flux
     with pytest.raises(ValueError, match="transformer"):
         flux.pipe.sleep(discard=["transformer"])
     assert not flux.pipe.is_sleeping
+
+
+def test_level_2_with_an_unreadable_checkpoint_file_is_refused_before_anything_sleeps(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    assert torch.equal(flux.run(), flux.reference)
+    stray = Path(flux.pipe.name_or_path, "transformer", "zz-partial.safetensors")  # a download cut short
+    stray.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ValueError, match="zz-partial.safetensors is no safetensors file that can be read"):
+        flux.pipe.sleep(level=2)
+    assert set(states(flux.pipe).values()) == {"awake"}
+    stray.unlink()
+    flux.pipe.sleep(level=2)
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_per_component_levels(flux: PipelineCase) -> None:
