@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .hooks import IN_PLACE_WEIGHT_METHODS, VERSIONED_WRITE_METHODS, call_then, offloaded_first
+from .hooks import GROUP_OFFLOAD_METHOD, IN_PLACE_WEIGHT_METHODS, VERSIONED_WRITE_METHODS, call_then, offloaded_first
 from .retry_with_room import RETRIED_METHODS
 
 # Pipeline methods that may write into weights in place, text encoders' included (their LoRA is
@@ -34,7 +34,7 @@ GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "_
 # and the hook's own guards (see hooks.StagingHook.init_hook).
 _HOOK_ATTRIBUTES = (
     "_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS,
-    *VERSIONED_WRITE_METHODS, *RETRIED_METHODS,
+    *VERSIONED_WRITE_METHODS, GROUP_OFFLOAD_METHOD, *RETRIED_METHODS,
 )
 
 
@@ -61,9 +61,7 @@ def guard_pipeline(
         if hasattr(pipe, name):
             # Each component loads again at its next forward.
             pipe.__dict__[name] = offloaded_first(getattr(pipe, name), lock, offload_all, after_writing)
-    for name in OTHER_OFFLOADS:
-        if hasattr(pipe, name):
-            pipe.__dict__[name] = _checked_other_offload(getattr(pipe, name), enabled)
+    guard_other_offloads(pipe, enabled)
 
     def copy_without_offload(memo: dict[int, Any]) -> DiffusionPipeline:
         with lock:
@@ -83,6 +81,16 @@ def guard_pipeline(
 def unguard_pipeline(pipe: DiffusionPipeline) -> None:
     for name in GUARDED:
         pipe.__dict__.pop(name, None)
+
+
+def guard_other_offloads(pipe: DiffusionPipeline, enabled: Callable[[], bool]) -> None:
+    """Put on ``pipe`` the guards of diffusers' own offloading methods (see
+    :func:`_checked_other_offload`): on an enabled pipeline, and on one built from its staged
+    components (``from_pipe``), whose offloading would take the same components' hooks off, or
+    stack on them."""
+    for name in OTHER_OFFLOADS:
+        if hasattr(pipe, name):
+            pipe.__dict__[name] = _checked_other_offload(getattr(type(pipe), name).__get__(pipe), enabled)
 
 
 def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], bool]) -> Callable[..., Any]:

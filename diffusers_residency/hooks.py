@@ -40,6 +40,9 @@ IN_PLACE_WEIGHT_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
 # component whose loaded tensors are such, they run offloaded first too, and the writes land in the
 # masters. Otherwise they run where the weights are, and the offload copies back what they wrote.
 VERSIONED_WRITE_METHODS = ("load_state_dict",)
+# A staged component's own way into diffusers' group offloading, which would stack its hooks on
+# the staging hook (the pipeline's is guarded apart, see guards.OTHER_OFFLOADS).
+GROUP_OFFLOAD_METHOD = "enable_group_offload"
 
 # Hook methods kept out of torch.compile, each with the function it wraps.
 _UNCOMPILED: list[tuple[Callable, Callable]] = []
@@ -170,12 +173,20 @@ class StagingHook(ModelHook):
                 self._wrap(module, name, offloaded_first(getattr(module, name), lock, offload, written))
         for name in VERSIONED_WRITE_METHODS:
             self._wrap(module, name, offloaded_where(self._writes_unseen, getattr(module, name), lock, offload, written))
+        if self.unit.name == self.unit.component and callable(getattr(module, GROUP_OFFLOAD_METHOD, None)):
+            self._wrap(module, GROUP_OFFLOAD_METHOD, self._refuse_group_offload)
         for name in RETRIED_METHODS:
             method = getattr(module, name, None)
             # A submodule of that name (a model's own ``decode`` layers) is no entry point.
             if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
                 self._wrap(module, name, retried_with_room(method, self.group, self.unit.component, module))
         return module
+
+    def _refuse_group_offload(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{self.unit.component!r} is staged by pinned offload; group offloading would stack its hooks on it. "
+            "Disable pinned offload first (pipe.disable_pinned_offload(), or detach_staging_hook() on it)."
+        )
 
     def _writes_unseen(self) -> bool:
         """Whether a write in place into the component's loaded weights would go unseen at their

@@ -8,10 +8,12 @@ import pickle
 
 import pytest
 import torch
+from diffusers import FluxImg2ImgPipeline
 
+from diffusers_residency.diffusers_hooks import GROUP_OFFLOADING_HOOK, registered_hook
 from diffusers_residency.pipeline import pipeline_state
 
-from .helpers import PipelineCase, assert_weights_equal
+from .helpers import PipelineCase, assert_weights_equal, staging_hooks
 
 
 def test_components_given_as_a_list_are_refused_with_the_form_expected(flux: PipelineCase) -> None:
@@ -34,10 +36,17 @@ def test_a_device_this_process_cannot_compute_on_is_refused_before_anything_chan
 
 def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload("cpu")
-    with pytest.raises(RuntimeError, match=r"disable_pinned_offload\(\) before pipe.enable_group_offload"):
-        flux.pipe.enable_group_offload(onload_device="cpu", offload_type="leaf_level")
+    sibling = FluxImg2ImgPipeline.from_pipe(flux.pipe)
+    for pipe in (flux.pipe, sibling):
+        with pytest.raises(RuntimeError, match=r"disable_pinned_offload\(\) before pipe.enable_group_offload"):
+            pipe.enable_group_offload(onload_device="cpu", offload_type="leaf_level")
+    with pytest.raises(RuntimeError, match="'transformer' is staged by pinned offload; group offloading would stack"):
+        flux.pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
+    assert not any(registered_hook(m, GROUP_OFFLOADING_HOOK) for m in flux.pipe.transformer.modules())
     assert pipeline_state(flux.pipe) is not None
     assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    flux.pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
 
 
 @pytest.mark.skipif(torch.accelerator.current_accelerator() is not None, reason="diffusers refuses only without an accelerator")
@@ -47,9 +56,12 @@ def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_plac
     flux: PipelineCase, method: str, device: str | None
 ) -> None:
     flux.pipe.enable_pinned_offload("cpu")
-    with pytest.raises(RuntimeError, match="and this process has none; pinned offload stays enabled"):
-        getattr(flux.pipe, method)(device=device)
-    assert pipeline_state(flux.pipe) is not None
+    hooks = staging_hooks(flux.pipe)
+    sibling = FluxImg2ImgPipeline.from_pipe(flux.pipe)  # its offloading would take the shared hooks off
+    for pipe in (flux.pipe, sibling):
+        with pytest.raises(RuntimeError, match="and this process has none; pinned offload stays enabled"):
+            getattr(pipe, method)(device=device)
+    assert pipeline_state(flux.pipe) is not None and staging_hooks(flux.pipe) == hooks
     assert torch.equal(flux.run(), flux.reference)
 
 
