@@ -49,7 +49,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(STATE_ATTR)
-        groups = [state.group] if state is not None else _staging_groups(self)
+        groups = [state.group] if state is not None else groups_staging(self)
         if not groups:
             return original(self, *args, **kwargs)
         with contextlib.ExitStack() as locks:
@@ -90,7 +90,7 @@ def wrap_every_pipeline_call() -> None:
             _wrap_call(cls)
 
 
-def _staging_groups(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
+def groups_staging(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
     """The groups staging ``pipe``'s components (it shares them with enabled pipelines), in one
     order for every caller, so that two calls taking several locks never wait on each other. Read
     from the instance's attributes: ``pipe.components`` raises for pipelines that register modules
@@ -115,6 +115,6 @@ def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Call
         register_modules(self, **modules)
         if any(isinstance(getattr(module, "_hf_hook", None), StagingHook) for module in modules.values()):
             _wrap_call(type(self))
-            guard_other_offloads(self, lambda: bool(_staging_groups(self)))
+            guard_other_offloads(self, lambda: bool(groups_staging(self)))
 
     return registering

@@ -380,7 +380,13 @@ class ResidencyGroup:
         if unit.stream is not None:
             unit.stream.enter(unit)
         elif not unit.stager.loaded:
+            waking = unit.sleep_level and unit.name == unit.component
             unit.load()
+            if waking:
+                # With its trunk, every block wakes, those the call never runs too (a VAE's encoder):
+                # asleep, they would keep the component asleep, at the level they slept at.
+                for block in self.units_of(unit.component):
+                    self.wake(block)
         else:
             unit.stager.ready()  # loaded ahead: the compute stream waits for the copy from here
         if switched:

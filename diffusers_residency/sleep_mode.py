@@ -22,8 +22,8 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device
+from .calls import groups_staging
 from .checkpoints import checkpoint_views, component_folder
-from .hooks import StagingHook
 from .pipeline import enable_pinned_offload, pipeline_state
 from .policy import Policy
 from .residency import ResidencyGroup, ResidencyUnit
@@ -41,22 +41,19 @@ def _units(group: ResidencyGroup, names: Iterable[str]) -> dict[str, list[Reside
     return {name: found for name, found in units.items() if found}
 
 
-def _staging_group(pipe: DiffusionPipeline) -> ResidencyGroup | None:
-    """The group that stages the pipeline's components: its own, or, for a pipeline made with
-    ``from_pipe`` from one pinned offload was enabled on, the one whose hooks the components it
+def _staging_groups(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
+    """The groups that stage the pipeline's components: its own, or, for a pipeline made with
+    ``from_pipe`` from pipelines pinned offload was enabled on, those whose hooks the components it
     shares carry (asleep, they sleep for both)."""
     state = pipeline_state(pipe)
-    if state is not None:
-        return state.group
-    hooks = (getattr(component, "_hf_hook", None) for component in pipe.components.values())
-    return next((hook.group for hook in hooks if isinstance(hook, StagingHook)), None)
+    return [state.group] if state is not None else groups_staging(pipe)
 
 
-def _shared_components(group: ResidencyGroup, pipe: DiffusionPipeline) -> set[str]:
+def _staged_components(group: ResidencyGroup, pipe: DiffusionPipeline) -> list[str]:
     """The components of ``group`` that are components of ``pipe`` too (all of them for the pipeline
-    it was enabled on), by the names the group knows them by."""
+    it was enabled on), by the names the group knows them by, in the group's order."""
     modules = {id(component) for component in pipe.components.values()}
-    return {unit.component for unit in group.units if unit.name == unit.component and id(unit.module) in modules}
+    return [unit.component for unit in group.units if unit.name == unit.component and id(unit.module) in modules]
 
 
 def _sleep_plan(
@@ -144,15 +141,19 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
     eviction once they are all read, and a level-1 sleep waits for them. Until then they are the files' pages,
     and the files must stay as they are (one that changes under a loaded component is noticed at
     its offload, and its masters are copied from the device)."""
-    group = _staging_group(pipe)
-    if group is None:
-        return
-    shared = _shared_components(group, pipe)
-    staged = list(dict.fromkeys(unit.component for unit in group.units if unit.component in shared))
-    names = staged if components is None else _names(components)
-    unknown = sorted(set(names) - set(staged))
+    groups = _staging_groups(pipe)
+    staged = [_staged_components(group, pipe) for group in groups]
+    every = [name for names in staged for name in names]
+    names = every if components is None else _names(components)
+    unknown = sorted(set(names) - set(every))
     if unknown:
-        raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(staged)}")
+        raise ValueError(f"{unknown} are not staged components of this pipeline; choose from {sorted(every)}")
+    for group, names_there in zip(groups, staged):
+        _wake(group, [name for name in names if name in names_there])
+
+
+def _wake(group: ResidencyGroup, names: list[str]) -> None:
+    """Wake ``group``'s components ``names`` (see :func:`wake_up`)."""
     # Resident components first, largest first. The others keep their order: waking one that was
     # on the device evicts the others' evictable units, so the last of them is the one left loaded.
     woken = list(_units(group, names).values())
@@ -191,11 +192,11 @@ def wake_up(pipe: DiffusionPipeline, components: str | Iterable[str] | None = No
 
 def is_sleeping(pipe: DiffusionPipeline) -> bool:
     """Whether any component of the pipeline is asleep (``residency_report()`` says which)."""
-    group = _staging_group(pipe)
-    if group is None:
-        return False
-    shared = _shared_components(group, pipe)
-    return any(unit.sleep_level for unit in group.units if unit.component in shared)
+    for group in _staging_groups(pipe):
+        shared = set(_staged_components(group, pipe))
+        if any(unit.sleep_level for unit in group.units if unit.component in shared):
+            return True
+    return False
 
 
 class AwakeRotation:

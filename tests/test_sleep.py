@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from diffusers_residency import AwakeRotation, sleep, sleep_mode, wake_up
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.policy import Policy
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, enable_with_transformer
 
@@ -82,6 +84,44 @@ def test_a_call_wakes_what_it_needs(flux: PipelineCase) -> None:
     flux.pipe.sleep()
     assert torch.equal(flux.run(), flux.reference)
     assert not flux.pipe.is_sleeping
+
+
+def test_a_call_wakes_the_blocks_it_does_not_run_with_their_component(flux: PipelineCase) -> None:
+    # A text-to-image call never runs the streamed VAE's encoder blocks.
+    enable_with_transformer(flux, "streamed")
+    assert flux.pipe.residency_plan()["vae"].policy is Policy.STREAMED
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.sleep(level=2)
+    assert torch.equal(flux.run(), flux.reference)
+    assert not flux.pipe.is_sleeping and set(states(flux.pipe).values()) == {"awake"}
+    flux.pipe.sleep(level=1)  # masters in memory: the files are not needed any more
+    assert all(c.mapped_bytes == 0 for c in flux.pipe.residency_report().components)
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
+def test_a_pipeline_sharing_components_of_two_pipelines_sees_both_asleep_and_wakes_both() -> None:
+    from diffusers import FluxPipeline
+
+    first, second = PipelineCase("flux"), PipelineCase("flux")
+    for case in (first, second):
+        case.pipe.enable_pinned_offload(device="cpu")
+    both = FluxPipeline.from_pipe(first.pipe, transformer=second.pipe.transformer)
+    reference = pipeline_output(both, call_kwargs("flux"))
+    first.pipe.sleep()
+    assert both.is_sleeping and not second.pipe.is_sleeping
+    first.pipe.wake_up()
+    second.pipe.sleep()
+    assert both.is_sleeping, "its transformer, the second pipeline's, sleeps"
+    both.wake_up("transformer")
+    assert not both.is_sleeping and second.pipe.is_sleeping, "its other components sleep on"
+    first.pipe.sleep()
+    second.pipe.sleep()
+    both.wake_up()
+    assert not both.is_sleeping, "each of its components woken, in the group that stages it"
+    assert states(first.pipe)["transformer"] != "awake" and states(first.pipe)["vae"] == "awake"
+    assert states(second.pipe)["transformer"] == "awake" and states(second.pipe)["vae"] != "awake"
+    assert torch.equal(pipeline_output(both, call_kwargs("flux")), reference)
 
 
 def test_level_2_maps_masters_to_the_checkpoint_and_reloads_exactly(flux: PipelineCase) -> None:
