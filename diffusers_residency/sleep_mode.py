@@ -125,6 +125,9 @@ def sleep(
         enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"), vram_budget=None)
         state = pipeline_state(pipe)
     group = state.group
+    unstaged = sorted(name for name in plan if not group.units_of(name))
+    if unstaged and (offload is not None or discard is not None):  # its hook taken off on its own since
+        raise ValueError(f"{unstaged} are not staged by pinned offload now; name staged components only")
     for name, units in _units(group, plan).items():
         for unit in units:
             group.sleep(unit, plan[name], views.get(name))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusers_residency import AwakeRotation, sleep, sleep_mode, wake_up
+from diffusers_residency import AwakeRotation, detach_staging_hook, sleep, sleep_mode, wake_up
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.policy import Policy
 
@@ -314,6 +314,16 @@ def test_bad_sleep_arguments(flux: PipelineCase, kwargs: dict, error: str) -> No
     with pytest.raises(ValueError, match=error):
         flux.pipe.sleep(**kwargs)
     assert not flux.pipe.is_sleeping
+
+
+def test_a_component_no_longer_staged_is_refused_by_name(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu")
+    detach_staging_hook(flux.pipe.vae)
+    with pytest.raises(ValueError, match=r"\['vae'\] are not staged by pinned offload now"):
+        flux.pipe.sleep(offload=["text_encoder", "vae"])
+    assert not flux.pipe.is_sleeping
+    with pytest.raises(ValueError, match="not staged components"):
+        wake_up(PipelineCase("flux").pipe, "no_such_component")  # nothing staged at all
 
 
 def test_sleeping_what_sleeps_keeps_its_level(flux: PipelineCase, caplog: pytest.LogCaptureFixture) -> None:
