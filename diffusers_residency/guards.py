@@ -34,7 +34,7 @@ GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "_
 # and the hook's own guards (see hooks.StagingHook.init_hook).
 _HOOK_ATTRIBUTES = (
     "_hf_hook", "_old_forward", "forward", "to", "_apply", "compile", *IN_PLACE_WEIGHT_METHODS,
-    *VERSIONED_WRITE_METHODS, GROUP_OFFLOAD_METHOD, *RETRIED_METHODS,
+    *VERSIONED_WRITE_METHODS, GROUP_OFFLOAD_METHOD, "__reduce_ex__", *RETRIED_METHODS,
 )
 
 

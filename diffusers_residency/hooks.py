@@ -17,7 +17,7 @@ import logging
 import time
 import warnings
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 from accelerate.hooks import ModelHook, remove_hook_from_module
@@ -127,6 +127,17 @@ def call_then(call: Callable[[], Any], after: Callable[[], None] | None, what: s
     return result
 
 
+def refuse_copying(*args: Any) -> NoReturn:
+    """What copying or pickling a module staged by pinned offload, or a pipeline that shares one
+    with the pipeline it was enabled on, meets: a second group over the same masters would stage
+    them behind the first one's back, and streams and page-locked memory do not pickle."""
+    raise TypeError(
+        "A module staged by pinned offload cannot be copied or pickled on its own, nor a pipeline that shares "
+        "its components: copy.deepcopy() the pipeline pinned offload was enabled on (the copy has no "
+        "offloading), or call disable_pinned_offload() first."
+    )
+
+
 class StagingHook(ModelHook):
     """Loads its unit through the group before every forward and moves tensor inputs to the device.
 
@@ -173,6 +184,8 @@ class StagingHook(ModelHook):
                 self._wrap(module, name, offloaded_first(getattr(module, name), lock, offload, written))
         for name in VERSIONED_WRITE_METHODS:
             self._wrap(module, name, offloaded_where(self._writes_unseen, getattr(module, name), lock, offload, written))
+        # Its hook holds streams and page-locked memory: a pickle would fail on them, unclearly.
+        self._wrap(module, "__reduce_ex__", refuse_copying)
         if self.unit.name == self.unit.component and callable(getattr(module, GROUP_OFFLOAD_METHOD, None)):
             self._wrap(module, GROUP_OFFLOAD_METHOD, self._refuse_group_offload)
         for name in RETRIED_METHODS:

@@ -186,16 +186,6 @@ class ResidencyGroup:
         # set before the units are added, which read their masters from it.
         self.host_copy: HostCopy | None = None
 
-    def __deepcopy__(self, memo: dict[int, object]) -> ResidencyGroup:
-        # Reached by copying a module this group stages from anywhere but the pipeline that enabled
-        # it (whose copy leaves the hooks out): a second group over the same masters would stage
-        # them behind this one's back.
-        raise TypeError(
-            "A module staged by pinned offload cannot be copied on its own, nor a pipeline that shares its "
-            "components: copy.deepcopy() the pipeline pinned offload was enabled on (the copy has no "
-            "offloading), or call disable_pinned_offload() first."
-        )
-
     @contextlib.contextmanager
     def running_call(self) -> Iterator[None]:
         """A pipeline call runs these units (or work that stands for one: see casts.warm_casts):
@@ -419,14 +409,10 @@ class ResidencyGroup:
     def _load_ahead(self, start: Start) -> None:
         """Start loading the component expected after ``start`` (see :class:`~.start_order.StartOrder`),
         whole, if the room for weights while ``start``'s component runs holds it beside what is
-        loaded: its copy then runs behind this component's compute. A streamed one loads only what is whole
-        (its trunk): its staged blocks load in its own first pass, each as the window ahead of the
-        running block reaches it (see BlockStream). Queued here, their copies would go before every copy the pipeline makes
-        to the device until that pass (its latents and timesteps, a text encoder's token ids), and
-        torch holds the host until such a blocking copy is done: SDXL's UNet at 8 GB started only
-        once its 52 staged blocks (3.6 GB) had crossed the bus (docs/vram-budget.md). Loaded ahead
-        for a component that does not come next, weights would be evicted unused, the next
-        component's compute waiting for their copies first."""
+        loaded: its copy then runs behind this component's compute. Of a streamed one only its trunk:
+        its staged blocks load in its first pass (see BlockStream), as queued here their copies would
+        go before every blocking copy the pipeline makes until then, holding the host
+        (docs/vram-budget.md#loading-ahead)."""
         component = start[0]
         following = self.start_order.following(start, self.call_order, self.calls_running > 0)
         if self.weight_room is None or following is None:
