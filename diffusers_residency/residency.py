@@ -376,7 +376,8 @@ class ResidencyGroup:
                 # With its trunk, every block wakes, those the call never runs too (a VAE's encoder):
                 # asleep, they would keep the component asleep, at the level they slept at.
                 for block in self.units_of(unit.component):
-                    self.wake(block)
+                    if block.sleep_level:
+                        self.wake(block)
         else:
             unit.stager.ready()  # loaded ahead: the compute stream waits for the copy from here
         if switched:
