@@ -127,8 +127,10 @@ class BlockStream:
         self._recorded_in_call = -1
         self._windows: dict[int, tuple[Block, ...]] = {}
         self._kept_windows: dict[int, tuple[Block, ...]] = {}
-        # Streamed blocks this stream loaded and has not dropped yet.
+        # Streamed blocks this stream loaded and has not dropped yet, and those of them that ran
+        # under autograd (see enter).
         self._held: list[Block] = []
+        self._ran_under_grad: set[Block] = set()
         # Storage of the blocks dropped at one entry, for the blocks loaded at the same entry.
         self.slots = DeviceSlots()
         # The pass being timed: (start, end) compute timestamps per block, and the block running
@@ -321,10 +323,13 @@ class BlockStream:
                 if other in keep:
                     held.append(other)
                 elif other.policy is Policy.STREAMED:
-                    # Under autograd the dropped block's storage may be saved for the backward pass
-                    # (a linear layer saves its weight): handed on, the backward would read the next
-                    # block's weights. Freed instead, it lives as long as what saved it.
-                    other.stager.offload(slots=None if torch.is_grad_enabled() else self.slots)
+                    # Run under autograd, the dropped block's storage may be saved for a backward
+                    # pass (a linear layer saves its weight): handed on, that backward would read
+                    # the next block's weights. Freed instead, it lives as long as what saved it.
+                    under_grad = other in self._ran_under_grad
+                    other.stager.offload(slots=None if under_grad else self.slots)
+                    if under_grad:
+                        self._ran_under_grad.discard(other)
                 # else planned to stay since it loaded (a measuring call's first step): it stays.
             if unit.stager.loaded:
                 unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
@@ -340,6 +345,8 @@ class BlockStream:
                     ahead.load(ahead=True)  # kept while the component runs: never held, never dropped here
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
                 held.append(unit)
+            if torch.is_grad_enabled():
+                self._ran_under_grad.add(unit)
             self._held = held
             if self._stamps is not None:
                 self._running = (unit, _device.compute_timestamp(unit.stager.device))

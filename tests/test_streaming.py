@@ -344,6 +344,36 @@ def test_gradients_through_a_streamed_transformer_are_the_resident_ones(flux: Pi
     detach_staging_hook(flux.pipe.transformer)
 
 
+def test_a_pass_without_autograd_between_a_pass_under_it_and_its_backward_leaves_the_gradient_exact(
+    flux: PipelineCase,
+) -> None:
+    # Guidance may run a pass with gradients, one without, then the backward of the first. The CLIP
+    # encoder's blocks are alike, so a dropped block's storage fits the next one's.
+    encoder = flux.pipe.text_encoder
+    ids = [flux.pipe.tokenizer([text], padding="max_length", max_length=16, return_tensors="pt").input_ids
+           for text in ("a prompt", "another one entirely")]  # fmt: skip
+    embedded: list[torch.Tensor] = []
+    encoder.embeddings.register_forward_hook(
+        lambda module, args, out: embedded.append(out.detach().requires_grad_()) or embedded[-1]
+    )
+
+    def gradient() -> tuple[torch.Tensor, torch.Tensor]:
+        embedded.clear()
+        with torch.enable_grad():
+            out = encoder(ids[0]).last_hidden_state
+        with torch.no_grad():
+            encoder(ids[1])
+        out.pow(2).sum().backward()
+        return out.detach(), embedded[0].grad
+
+    reference = gradient()
+    attach_block_streaming(encoder, ResidencyGroup("cpu"), name="text_encoder", prefetch_blocks=1)
+    for _ in range(2):
+        output, grad = gradient()
+        assert torch.equal(output, reference[0]) and torch.equal(grad, reference[1])
+    detach_staging_hook(encoder)
+
+
 def test_no_prefetch_loads_each_streamed_block_alone(flux: PipelineCase) -> None:
     group = ResidencyGroup("cpu")
     attach_block_streaming(flux.pipe.transformer, group, name="transformer", prefetch_blocks=0)
