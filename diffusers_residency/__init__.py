@@ -10,7 +10,8 @@ or a submodule) through a :class:`ResidencyGroup`.
 from diffusers import DiffusionPipeline
 
 from .attaching import attach_block_streaming, attach_staging_hook, detach_staging_hook
-from .calls import wrap_calls_sharing_components
+from .calls import groups_staging, wrap_calls_sharing_components
+from .guards import guard_other_offloads
 from .hooks import StagingHook
 from .host_budget import HostBudgetTooSmallError, HostPlacement
 from .pipeline import (
@@ -45,6 +46,7 @@ DiffusionPipeline.sleep = sleep
 DiffusionPipeline.wake_up = wake_up
 DiffusionPipeline.is_sleeping = property(is_sleeping)
 DiffusionPipeline.register_modules = wrap_calls_sharing_components(DiffusionPipeline.register_modules)
+guard_other_offloads(DiffusionPipeline, lambda pipe: bool(groups_staging(pipe)))
 
 __all__ = [
     "AwakeRotation",

@@ -17,7 +17,6 @@ from typing import Any
 from diffusers import DiffusionPipeline
 
 from .adaptive import abort_call, begin_call, end_call
-from .guards import guard_other_offloads
 from .hooks import StagingHook
 from .pipeline_residency import STATE_ATTR
 from .profile import call_shape
@@ -115,6 +114,5 @@ def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Call
         register_modules(self, **modules)
         if any(isinstance(getattr(module, "_hf_hook", None), StagingHook) for module in modules.values()):
             _wrap_call(type(self))
-            guard_other_offloads(self, lambda: bool(groups_staging(self)))
 
     return registering

@@ -3,8 +3,10 @@
 The guards stand in for those methods in the pipeline instance's ``__dict__``, so that disabling
 drops them all at once and a pipeline without pinned offload never meets them: ``to(device)``
 would move every weight, masters included; the LoRA methods that write into weights must write
-into the masters; diffusers' other offloaders would stack on ours or remove it and then refuse;
-a copy must not share hooks with the original, and a pickle cannot hold them.
+into the masters; a copy must not share hooks with the original, and a pickle cannot hold them.
+diffusers' other offloaders, which would stack on ours or remove it and then refuse, are guarded
+on the class instead (see :func:`guard_other_offloads`): a pipeline built from staged components
+meets them too, whenever it was built.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 # diffusers' own offloading, enabled over ours: group offloading would stack its hooks on ours, and
 # model or sequential offloading removes every hook before it finds out it has no accelerator.
 OTHER_OFFLOADS = ("enable_group_offload", "enable_model_cpu_offload", "enable_sequential_cpu_offload")
-GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, *OTHER_OFFLOADS, "__deepcopy__", "__reduce_ex__")
+GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, "__deepcopy__", "__reduce_ex__")
 # What attaching a staging hook sets on a module's instance: accelerate's hook and wrapped forward,
 # and the hook's own guards (see hooks.StagingHook.init_hook).
 _HOOK_ATTRIBUTES = (
@@ -61,7 +63,6 @@ def guard_pipeline(
         if hasattr(pipe, name):
             # Each component loads again at its next forward.
             pipe.__dict__[name] = offloaded_first(getattr(pipe, name), lock, offload_all, after_writing)
-    guard_other_offloads(pipe, enabled)
 
     def copy_without_offload(memo: dict[int, Any]) -> DiffusionPipeline:
         with lock:
@@ -83,26 +84,24 @@ def unguard_pipeline(pipe: DiffusionPipeline) -> None:
         pipe.__dict__.pop(name, None)
 
 
-def guard_other_offloads(pipe: DiffusionPipeline, enabled: Callable[[], bool]) -> None:
-    """Put on ``pipe`` the guards of diffusers' own offloading methods (see
-    :func:`_checked_other_offload`): on an enabled pipeline, and on one built from its staged
-    components (``from_pipe``), whose offloading would take the same components' hooks off, or
-    stack on them."""
+def guard_other_offloads(cls: type[DiffusionPipeline], staged: Callable[[DiffusionPipeline], bool]) -> None:
+    """Put on ``cls`` (``DiffusionPipeline``) guards for diffusers' own offloading methods, for every
+    pipeline ``staged`` says pinned offload stages components of: the one it was enabled on, and
+    one built from its components (``from_pipe``, before or after enabling), whose offloading would
+    take the same hooks off or stack on them. Group offloading stacks its hooks on ours (disable
+    ours first); model and sequential offloading remove our hooks first and refuse after, where
+    there is no accelerator, so that case is refused here, before anything changes. Otherwise they
+    replace pinned offload (through ``remove_all_hooks()``, which disables it)."""
     for name in OTHER_OFFLOADS:
-        if hasattr(pipe, name):
-            pipe.__dict__[name] = _checked_other_offload(getattr(type(pipe), name).__get__(pipe), enabled)
+        setattr(cls, name, _checked_other_offload(getattr(cls, name), staged))
 
 
-def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], bool]) -> Callable[..., Any]:
-    """diffusers' offloading method ``method``, refused where it would leave the pipeline with both
-    offloaders or with neither: group offloading stacks its hooks on ours (disable ours first); model
-    and sequential offloading remove our hooks first and refuse after, where there is no
-    accelerator, so that case is refused here, before anything changes. Otherwise they replace
-    pinned offload (through ``remove_all_hooks()``, which disables it)."""
-
+def _checked_other_offload(
+    method: Callable[..., Any], staged: Callable[[DiffusionPipeline], bool]
+) -> Callable[..., Any]:
     @functools.wraps(method)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        if enabled():
+    def checked(pipe: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
+        if staged(pipe):
             if method.__name__ == "enable_group_offload":
                 raise RuntimeError(
                     "This pipeline has pinned offload enabled; group offloading would stack its hooks on it. "
@@ -117,7 +116,7 @@ def _checked_other_offload(method: Callable[..., Any], enabled: Callable[[], boo
                     f"{accelerator.type if accelerator else 'none'}; pinned offload stays enabled (it also runs "
                     "on device='cpu')."
                 )
-        return method(*args, **kwargs)
+        return method(pipe, *args, **kwargs)
 
     return checked
 

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from diffusers import FluxImg2ImgPipeline
+from diffusers import FluxImg2ImgPipeline, FluxPipeline
 
 from diffusers_residency.diffusers_hooks import GROUP_OFFLOADING_HOOK, registered_hook
 from diffusers_residency.pipeline import pipeline_state
@@ -35,9 +35,10 @@ def test_a_device_this_process_cannot_compute_on_is_refused_before_anything_chan
 
 
 def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> None:
+    before = FluxPipeline.from_pipe(flux.pipe)
     flux.pipe.enable_pinned_offload("cpu")
-    sibling = FluxImg2ImgPipeline.from_pipe(flux.pipe)
-    for pipe in (flux.pipe, sibling):
+    after = FluxPipeline.from_pipe(flux.pipe)
+    for pipe in (flux.pipe, before, after):
         with pytest.raises(RuntimeError, match=r"disable_pinned_offload\(\) before pipe.enable_group_offload"):
             pipe.enable_group_offload(onload_device="cpu", offload_type="leaf_level")
     with pytest.raises(RuntimeError, match="'transformer' is staged by pinned offload; group offloading would stack"):
@@ -46,6 +47,8 @@ def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> 
     assert pipeline_state(flux.pipe) is not None
     assert torch.equal(flux.run(), flux.reference)
     flux.pipe.disable_pinned_offload()
+    twin = pickle.loads(pickle.dumps(after))  # nothing of the guards left on the sibling
+    assert torch.equal(pipeline_output_of(twin, flux), flux.reference)
     flux.pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
 
 
@@ -55,10 +58,11 @@ def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> 
 def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_place(
     flux: PipelineCase, method: str, device: str | None
 ) -> None:
+    before = FluxImg2ImgPipeline.from_pipe(flux.pipe)
     flux.pipe.enable_pinned_offload("cpu")
     hooks = staging_hooks(flux.pipe)
-    sibling = FluxImg2ImgPipeline.from_pipe(flux.pipe)  # its offloading would take the shared hooks off
-    for pipe in (flux.pipe, sibling):
+    after = FluxImg2ImgPipeline.from_pipe(flux.pipe)  # their offloading would take the shared hooks off
+    for pipe in (flux.pipe, before, after):
         with pytest.raises(RuntimeError, match="and this process has none; pinned offload stays enabled"):
             getattr(pipe, method)(device=device)
     assert pipeline_state(flux.pipe) is not None and staging_hooks(flux.pipe) == hooks
