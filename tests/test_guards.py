@@ -114,8 +114,6 @@ def test_pickling_an_enabled_pipeline_says_what_to_do_and_works_after_disabling(
 
 
 def test_copying_a_staged_module_or_a_pipeline_sharing_it_says_what_to_copy(flux: PipelineCase) -> None:
-    from diffusers import FluxPipeline
-
     flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"})
     sibling = FluxPipeline.from_pipe(flux.pipe)
     for staged in (flux.pipe.vae, flux.pipe.transformer.transformer_blocks[0], sibling):
