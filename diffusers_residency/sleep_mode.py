@@ -125,11 +125,14 @@ def sleep(
         enable_pinned_offload(pipe, pipe.device, components=dict.fromkeys(modules, "resident"), vram_budget=None)
         state = pipeline_state(pipe)
     group = state.group
-    unstaged = sorted(name for name in plan if not group.units_of(name))
+    # By module: one registered under two names is staged once, under the first.
+    component_of = {id(unit.module): unit.component for unit in group.units if unit.name == unit.component}
+    staged_as = {name: component_of.get(id(pipe.components[name])) for name in plan}
+    unstaged = sorted(name for name, component in staged_as.items() if component is None)
     if unstaged and (offload is not None or discard is not None):  # its hook taken off on its own since
         raise ValueError(f"{unstaged} are not staged by pinned offload now; name staged components only")
-    for name, units in _units(group, plan).items():
-        for unit in units:
+    for name, component in staged_as.items():
+        for unit in group.units_of(component) if component is not None else ():
             group.sleep(unit, plan[name], views.get(name))
     if release_cache:
         group.retention.release(reason="sleep")

@@ -316,6 +316,16 @@ def test_bad_sleep_arguments(flux: PipelineCase, kwargs: dict, error: str) -> No
     assert not flux.pipe.is_sleeping
 
 
+def test_a_module_registered_under_two_names_sleeps_by_either(flux: PipelineCase) -> None:
+    flux.pipe.register_modules(image_encoder=flux.pipe.text_encoder)  # staged once, as text_encoder
+    flux.pipe.enable_pinned_offload(device="cpu")
+    for name in ("image_encoder", "text_encoder"):
+        flux.pipe.sleep(offload=[name])
+        assert states(flux.pipe)["text_encoder"] == "asleep (1)"
+        flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_a_component_no_longer_staged_is_refused_by_name(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     detach_staging_hook(flux.pipe.vae)
