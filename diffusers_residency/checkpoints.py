@@ -33,6 +33,9 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
@@ -67,7 +70,7 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
     dtype cannot be viewed at, are left out (they keep their own masters)."""
     by_name = _plain_tensors_by_name(module)
     views: dict[int, MappedBytes] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in _checkpoint_files(directory):
         file = OpenFile(path)
         size = os.fstat(file.fd).st_size
         try:
@@ -94,6 +97,20 @@ def checkpoint_views(directory: Path, module: nn.Module) -> dict[int, MappedByte
             ):
                 views[id(tensor)] = MappedBytes(_storage_of_its_own(mapped, start, end), file, start)
     return views
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """The ``*.safetensors`` files of a component folder that hold its weights: those a sharded
+    checkpoint's index names, where it has one (as ``from_pretrained`` loads them; an older single
+    file saved there before stays beside the shards), else every one."""
+    files = sorted(directory.glob("*.safetensors"))
+    indexed: set[str] = set()
+    for index in directory.glob("*.safetensors.index.json"):
+        try:
+            indexed.update(map(str, json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return files  # no index to go by: every file, as before it was written
+    return [path for path in files if path.name in indexed] if indexed else files
 
 
 def _storage_of_its_own(mapped: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -133,7 +150,7 @@ def servable(tensor: torch.Tensor) -> bool:
     """Whether a file can serve the tensor's master: one tensor that fills its storage. (Weights that
     are views into one shared storage, as some loaders leave them after a dtype change, have one
     master for the storage, which no file holds.)"""
-    return _fills_its_storage(tensor)
+    return _fills_its_storage(tensor) and tensor.dtype in _DTYPE_NAMES  # complex ones: no file format has them
 
 
 def equal_views(tensors: list[torch.Tensor], views: Mapping[int, MappedBytes]) -> dict[int, MappedBytes]:
@@ -154,6 +171,9 @@ def write_checkpoint(folder: Path, module: nn.Module) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     saved = [(name, tensor) for name, tensor in _saved_by_name(module).items() if servable(tensor)]
     named = {id(tensor): (name, tensor) for name, tensor in reversed(saved)}
+    # Widest items first, as safetensors orders them: each tensor then starts at an offset its
+    # dtype can be viewed at (a 6-byte float16 buffer before float32 weights would misplace them).
+    named = dict(sorted(named.items(), key=lambda item: -item[1][1].element_size()))
     tensors = [tensor for _, tensor in named.values()]
     header: dict[str, dict] = {}
     offset = 0

@@ -303,8 +303,9 @@ def file_sources(
         raise ValueError(
             f"host_budget would serve {sorted(shared)} from checkpoint files, but {format_bytes(sum(shared.values()))} "
             "of their weights are views into storages they share (as some loaders leave a checkpoint loaded with a "
-            "dtype change), which no file holds. Load the checkpoint in the dtype it was saved in, or save the "
-            "pipeline in the dtype you use and load it from there."
+            "dtype change), or of a dtype no safetensors file holds (complex, float8_e4m3fnuz), which no file can "
+            "serve. Load the checkpoint in the dtype it was saved in, or save the pipeline in the dtype you use and "
+            "load it from there, or give a host_budget that keeps these components in RAM."
         )
     sources: dict[str, dict[int, MappedBytes]] = {}
     unserved: dict[str, int] = {}

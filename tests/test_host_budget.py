@@ -9,13 +9,20 @@ import pytest
 import torch
 
 from diffusers_residency import host_budget, ring
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.checkpoints import checkpoint_views
 from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from diffusers_residency.policy import Policy
 
-from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, sdxl_in_float16
+from .helpers import (
+    PipelineCase,
+    assert_no_meta_or_foreign_device,
+    assert_weights_equal,
+    sdxl_in_float16,
+    staging_hooks,
+)
 
 GiB = 2**30
 
@@ -87,6 +94,49 @@ def test_a_pipeline_enabled_under_inference_mode_loads_a_served_weight_written_i
     _nudge_transformer(flux.pipe)
     for _ in range(2):
         assert torch.equal(flux.run(), changed.run())
+
+
+def test_a_sharded_checkpoint_is_served_from_its_shards_beside_an_older_single_file(
+    flux: PipelineCase, tmp_path: Path
+) -> None:
+    from diffusers import FluxPipeline
+
+    flux.pipe.save_pretrained(tmp_path)
+    with torch.no_grad():
+        for parameter in flux.pipe.transformer.parameters():
+            parameter.mul_(0.5)
+    flux.pipe.save_pretrained(tmp_path, max_shard_size="150KB")  # the single file of before stays
+    assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors").exists()
+    pipe = FluxPipeline.from_pretrained(tmp_path)
+    reference = pipeline_output(pipe, call_kwargs("flux"))
+    kwargs, budget, _ = SETUPS["staged"]
+    pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
+    assert "transformer" in served(pipe)
+    assert torch.equal(pipeline_output(pipe, call_kwargs("flux")), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.uint32])
+def test_weights_of_odd_sizes_or_dtypes_are_served_from_an_offload_folder(
+    flux: PipelineCase, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # Three float16 values before float32 weights would leave those at offsets no float32 view
+    # starts at, had the file not put the widest first.
+    flux.pipe.transformer.proj_out.register_buffer("odd", torch.arange(3).to(dtype))
+    reference = flux.run()
+    kwargs, budget, _ = SETUPS["staged"]
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, offload_folder=tmp_path, **kwargs)
+    assert served(flux.pipe)["transformer"] == flux.pipe.residency_report()["transformer"].weight_bytes
+    assert torch.equal(flux.run(), reference)
+
+
+def test_a_weight_of_a_dtype_no_file_holds_is_refused_a_budget_that_would_serve_it(
+    flux: PipelineCase, tmp_path: Path
+) -> None:
+    flux.pipe.transformer.proj_out.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+    kwargs, budget, _ = SETUPS["staged"]
+    with pytest.raises(ValueError, match="or of a dtype no safetensors file holds"):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, offload_folder=tmp_path, **kwargs)
+    assert not staging_hooks(flux.pipe)
 
 
 def test_auto_with_room_changes_nothing(flux: PipelineCase) -> None:
