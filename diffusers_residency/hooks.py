@@ -27,6 +27,7 @@ from torch import nn
 from . import _device
 from .residency import ResidencyGroup, ResidencyUnit
 from .retry_with_room import RETRIED_METHODS, retried_with_room
+from .text import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ def offloaded_where(
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return offloaded(*args, **kwargs) if unseen() else method(*args, **kwargs)
+        if unseen():
+            return offloaded(*args, **kwargs)
+        return call_then(lambda: method(*args, **kwargs), after_writing, method.__name__)
 
     return run
 
@@ -175,9 +178,10 @@ class StagingHook(ModelHook):
         module._apply = lambda fn, recurse=True: self._apply_through_masters(original_apply, fn, recurse)
         module.compile = lambda *args, **kwargs: self._compile_wrapped_forward(module, *args, **kwargs)
         self._wrapped = {}
+        self._served_written_told = 0  # bytes (see _after_writing)
         # Every unit of the component, its streamed blocks included: loaded again at its next forward.
         offload = functools.partial(self.group.offload_component, self.unit.component, for_writing=True)
-        written = functools.partial(self.group.own_copies_of_written, self.unit.component)
+        written = self._after_writing
         lock = self.group.call_lock
         for name in IN_PLACE_WEIGHT_METHODS:
             if hasattr(module, name):
@@ -194,6 +198,23 @@ class StagingHook(ModelHook):
             if self.unit.name == self.unit.component and callable(method) and not isinstance(method, nn.Module):
                 self._wrap(module, name, retried_with_room(method, self.group, self.unit.component, module))
         return module
+
+    def _after_writing(self) -> None:
+        """After a method wrote into the component's offloaded weights: copies of what it wrote into
+        a host copy that ranks share (see ResidencyGroup.own_copies_of_written), and, where masters
+        are served from checkpoint files, word of the pages it wrote there, which are the process's
+        own now, in RAM beyond what a host budget planned for."""
+        self.group.own_copies_of_written(self.unit.component)
+        units = [unit for unit in self.group.units_of(self.unit.component) if unit.stager.file_backing is not None]
+        written = sum(unit.stager.written_mapped_bytes() for unit in units)
+        if written > self._served_written_told:
+            logger.warning(
+                "Writing into %r, whose weights a host_budget serves from checkpoint files, put %s of them in "
+                "RAM beyond what the budget planned for: make such changes before enabling pinned offload",
+                self.unit.component,
+                format_bytes(written),
+            )
+            self._served_written_told = written
 
     def _refuse_group_offload(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(

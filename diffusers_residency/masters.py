@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import files, pinning
+from .pages import written_spans
 from .weights import Wrappers, module_stored_tensors
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,16 @@ class MasterBindings:
         if self._sources_copy is not None:
             held["pageable"] += sum(copy.numel() for copy in self._sources_copy[1])
         return held
+
+    def written_mapped_bytes(self) -> int:
+        """Bytes of the masters mapped from checkpoint files that this process wrote since (a weight
+        written in place while offloaded): its private copies of those pages, held in RAM."""
+        total = 0
+        for group in self._groups:
+            if group.mapped:
+                start = group.master.data_ptr()
+                total += sum(end - begin for begin, end in written_spans(start, start + group.nbytes) or ())
+        return total
 
     def _views_over(self, backings: Iterable[Backing]) -> Views:
         """Every bound tensor with its view over its group's backing, ordinary tensors and inference

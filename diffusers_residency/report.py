@@ -140,6 +140,10 @@ def _component_report(name: str, units: list[ResidencyUnit]) -> ComponentReport:
     for unit in units:
         for kind, nbytes in unit.stager.host_bytes().items():
             held[kind] += nbytes
+        if held["mapped"]:  # pages of a file that the process wrote are its own: in RAM
+            written = unit.stager.written_mapped_bytes()
+            held["mapped"] -= written
+            held["pageable"] += written
     main = units[0]  # the component itself, or a streamed component's trunk
     return ComponentReport(
         name=name,

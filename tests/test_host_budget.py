@@ -139,6 +139,24 @@ def test_a_weight_of_a_dtype_no_file_holds_is_refused_a_budget_that_would_serve_
     assert not staging_hooks(flux.pipe)
 
 
+def test_a_served_weight_written_after_enable_is_counted_in_ram_and_told(
+    flux: PipelineCase, caplog: pytest.LogCaptureFixture
+) -> None:
+    kwargs, budget, _ = SETUPS["staged"]
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget=budget, **kwargs)
+    assert torch.equal(flux.run(), flux.reference)
+    before = flux.pipe.residency_report()["transformer"]
+    assert before.mapped_bytes == before.weight_bytes and before.pageable_bytes == 0
+    changed = PipelineCase("flux")
+    for pipe in (changed.pipe, flux.pipe):  # into the offloaded masters, files' pages for the transformer
+        state = pipe.transformer.state_dict()
+        pipe.transformer.load_state_dict({k: v * 1.5 if v.is_floating_point() else v for k, v in state.items()})
+    assert "put 671.23 kB of them in RAM beyond what the budget planned for" in caplog.text
+    after = flux.pipe.residency_report()["transformer"]
+    assert after.mapped_bytes == 0 and after.pageable_bytes == before.weight_bytes, str(flux.pipe.residency_report())
+    assert torch.equal(flux.run(), changed.run())
+
+
 def test_auto_with_room_changes_nothing(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu", host_budget="auto")
     plan = flux.pipe.residency_plan()
