@@ -10,8 +10,7 @@ or a submodule) through a :class:`ResidencyGroup`.
 from diffusers import DiffusionPipeline
 
 from .attaching import attach_block_streaming, attach_staging_hook, detach_staging_hook
-from .calls import groups_staging, wrap_calls_sharing_components
-from .guards import guard_other_offloads
+from .calls import guard_offloads_of, wrap_calls_sharing_components
 from .hooks import StagingHook
 from .host_budget import HostBudgetTooSmallError, HostPlacement
 from .pipeline import (
@@ -46,7 +45,7 @@ DiffusionPipeline.sleep = sleep
 DiffusionPipeline.wake_up = wake_up
 DiffusionPipeline.is_sleeping = property(is_sleeping)
 DiffusionPipeline.register_modules = wrap_calls_sharing_components(DiffusionPipeline.register_modules)
-guard_other_offloads(DiffusionPipeline, lambda pipe: bool(groups_staging(pipe)))
+guard_offloads_of(DiffusionPipeline)
 
 __all__ = [
     "AwakeRotation",

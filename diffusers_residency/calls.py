@@ -17,6 +17,7 @@ from typing import Any
 from diffusers import DiffusionPipeline
 
 from .adaptive import abort_call, begin_call, end_call
+from .guards import guard_other_offloads
 from .hooks import StagingHook
 from .pipeline_residency import STATE_ATTR
 from .profile import call_shape
@@ -76,7 +77,8 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
 
 
 def wrap_every_pipeline_call() -> None:
-    """Wrap the calls of every pipeline class defined so far: a pipeline built earlier from the
+    """Wrap the calls of every pipeline class defined so far, and guard the offloading methods they
+    define of their own (see :func:`guard_offloads_of`): a pipeline built earlier from the
     components being enabled now (``FluxImg2ImgPipeline.from_pipe(pipe)`` before
     ``pipe.enable_pinned_offload()``) is of any class, and its calls must take the lock too. Classes
     defined later are wrapped when a pipeline of theirs is built from staged components through
@@ -87,6 +89,7 @@ def wrap_every_pipeline_call() -> None:
         classes.extend(cls.__subclasses__())
         if "__call__" in cls.__dict__:
             _wrap_call(cls)
+        guard_offloads_of(cls)
 
 
 def groups_staging(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
@@ -102,6 +105,12 @@ def groups_staging(pipe: DiffusionPipeline) -> list[ResidencyGroup]:
     return [groups[key] for key in sorted(groups)]
 
 
+def guard_offloads_of(cls: type[DiffusionPipeline]) -> None:
+    """Guard diffusers' offloading methods that ``cls`` defines (see guards.guard_other_offloads),
+    for its pipelines whose components pinned offload stages."""
+    guard_other_offloads(cls, lambda pipe: bool(groups_staging(pipe)))
+
+
 def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Callable[..., None]:
     """``DiffusionPipeline.register_modules``, which diffusers' pipelines' ``__init__`` call with
     their components, made to wrap the calls of a pipeline built from components pinned offload
@@ -114,5 +123,6 @@ def wrap_calls_sharing_components(register_modules: Callable[..., None]) -> Call
         register_modules(self, **modules)
         if any(isinstance(getattr(module, "_hf_hook", None), StagingHook) for module in modules.values()):
             _wrap_call(type(self))
+            guard_offloads_of(type(self))
 
     return registering

@@ -93,7 +93,9 @@ def guard_other_offloads(cls: type[DiffusionPipeline], staged: Callable[[Diffusi
     there is no accelerator, so that case is refused here, before anything changes. Otherwise they
     replace pinned offload (through ``remove_all_hooks()``, which disables it)."""
     for name in OTHER_OFFLOADS:
-        setattr(cls, name, _checked_other_offload(getattr(cls, name), staged))
+        own = cls.__dict__.get(name)  # a pipeline's own (AudioLDM2's model offload), not inherited
+        if own is not None and not getattr(own, "_checks_pinned_offload", False):
+            setattr(cls, name, _checked_other_offload(own, staged))
 
 
 def _checked_other_offload(
@@ -118,6 +120,7 @@ def _checked_other_offload(
                 )
         return method(pipe, *args, **kwargs)
 
+    checked._checks_pinned_offload = True
     return checked
 
 

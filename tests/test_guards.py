@@ -52,6 +52,14 @@ def test_group_offloading_over_pinned_offload_is_refused(flux: PipelineCase) -> 
     flux.pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
 
 
+class _OffloadingOfItsOwn(FluxPipeline):
+    def enable_model_cpu_offload(self, gpu_id: int | None = None, device: str | None = None) -> None:
+        self.remove_all_hooks()
+        raise RuntimeError("found no accelerator")
+
+    enable_sequential_cpu_offload = enable_model_cpu_offload
+
+
 @pytest.mark.skipif(torch.accelerator.current_accelerator() is not None, reason="diffusers refuses only without an accelerator")
 @pytest.mark.parametrize("device", [None, "cuda"])
 @pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
@@ -62,7 +70,8 @@ def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_plac
     flux.pipe.enable_pinned_offload("cpu")
     hooks = staging_hooks(flux.pipe)
     after = FluxImg2ImgPipeline.from_pipe(flux.pipe)  # their offloading would take the shared hooks off
-    for pipe in (flux.pipe, before, after):
+    own = _OffloadingOfItsOwn.from_pipe(flux.pipe)  # as AudioLDM2 has: no super() call to meet the guard
+    for pipe in (flux.pipe, before, after, own):
         with pytest.raises(RuntimeError, match="and this process has none; pinned offload stays enabled"):
             getattr(pipe, method)(device=device)
     assert pipeline_state(flux.pipe) is not None and staging_hooks(flux.pipe) == hooks
