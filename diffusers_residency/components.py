@@ -13,6 +13,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from . import _device, kept_blocks
+from .checkpoints import saved_weights
 from .host_budget import HostPlacement
 from .planner import PREFETCH_CHOICES, default_reserve, plan_as_given, plan_residency
 from .plans import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
@@ -20,7 +21,7 @@ from .policy import Policy
 from .step_timing import StepTiming
 from .streaming import repeated_blocks
 from .text import format_bytes, parse_bytes
-from .weights import module_tensors, storage_bytes
+from .weights import module_stored_tensors, module_tensors, storage_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,15 @@ def component_sizes(
             nbytes=tensor_bytes(module_tensors((module,))),
             block_bytes=tuple(tensor_bytes(module_tensors((block,))) for _, block in repeated_blocks(module)),
             per_step=name in _PER_STEP_COMPONENTS,
+            unsaved_bytes=tensor_bytes(_unsaved(module)),
         )
         for name, module in modules.items()
     ]
+
+
+def _unsaved(module: nn.Module) -> list[torch.Tensor]:
+    saved = {id(tensor) for tensor in saved_weights((module,))}
+    return [tensor for tensor in module_stored_tensors((module,)) if id(tensor) not in saved]
 
 
 def resolve_budget(

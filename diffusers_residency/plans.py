@@ -29,13 +29,16 @@ class ComponentSizes:
     """What the planner knows of one component.
 
     ``block_bytes`` are its repeated blocks in forward order (empty when it has none it can stream);
-    ``per_step`` marks the component the pipeline calls at every denoising step.
+    ``per_step`` marks the component the pipeline calls at every denoising step; ``unsaved_bytes``
+    are those of its tensors that no checkpoint holds (non-persistent buffers, a quantized weight's
+    parts), which a host budget cannot serve from files (see host_budget).
     """
 
     name: str
     nbytes: int
     block_bytes: tuple[int, ...] = ()
     per_step: bool = False
+    unsaved_bytes: int = 0
 
     @property
     def trunk_bytes(self) -> int:

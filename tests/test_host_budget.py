@@ -54,6 +54,8 @@ def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) 
     report = flux.pipe.residency_report()
     ram = sum(c.pinned_bytes + c.pageable_bytes for c in report.components)
     assert ram <= plan.host.budget - plan.host.ring_bytes, str(report)
+    # What stays in RAM of a served component (CLIP's non-persistent position_ids) is the plan's too.
+    assert ram + plan.host.ring_bytes <= plan.host.ram_bytes, f"{plan.host}\n{report}"
     if setup == "resident":
         assert "transformer" not in served(flux.pipe), "a resident denoiser stays in RAM"
         assert "transformer: in RAM: a denoiser kept on the device" in str(plan)
