@@ -138,12 +138,12 @@ class ResidencyReport:
 def _component_report(name: str, units: list[ResidencyUnit]) -> ComponentReport:
     held = {"pinned": 0, "pageable": 0, "mapped": 0}
     for unit in units:
-        for kind, nbytes in unit.stager.host_bytes().items():
+        own = unit.stager.host_bytes()
+        # Pages of a file that the process wrote are its own: in RAM.
+        written = unit.stager.written_mapped_bytes() if own["mapped"] else 0
+        own.update(mapped=own["mapped"] - written, pageable=own["pageable"] + written)
+        for kind, nbytes in own.items():
             held[kind] += nbytes
-        if held["mapped"]:  # pages of a file that the process wrote are its own: in RAM
-            written = unit.stager.written_mapped_bytes()
-            held["mapped"] -= written
-            held["pageable"] += written
     main = units[0]  # the component itself, or a streamed component's trunk
     return ComponentReport(
         name=name,

@@ -326,10 +326,8 @@ class BlockStream:
                     # Run under autograd, the dropped block's storage may be saved for a backward
                     # pass (a linear layer saves its weight): handed on, that backward would read
                     # the next block's weights. Freed instead, it lives as long as what saved it.
-                    under_grad = other in self._ran_under_grad
-                    other.stager.offload(slots=None if under_grad else self.slots)
-                    if under_grad:
-                        self._ran_under_grad.discard(other)
+                    other.stager.offload(slots=None if other in self._ran_under_grad else self.slots)
+                    self._ran_under_grad.discard(other)
                 # else planned to stay since it loaded (a measuring call's first step): it stays.
             if unit.stager.loaded:
                 unit.stager.ready()  # loaded ahead: the compute stream waits for its copy from here
@@ -345,7 +343,7 @@ class BlockStream:
                     ahead.load(ahead=True)  # kept while the component runs: never held, never dropped here
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
                 held.append(unit)
-            if torch.is_grad_enabled():
+            if unit.policy is Policy.STREAMED and torch.is_grad_enabled():
                 self._ran_under_grad.add(unit)
             self._held = held
             if self._stamps is not None:
