@@ -27,6 +27,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from .cgroup_limits import cgroup_memory_limit
 from .checkpoints import checkpoint_views, component_folder, equal_views, saved_weights, servable, write_checkpoint
 from .files import MappedBytes
 from .mapped_masters import FileBacking
@@ -45,28 +46,11 @@ _AUTO_MARGIN_FRACTION = 0.10
 _AUTO_MARGIN_BYTES = 2 << 30
 
 
-def _cgroup_memory_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2 ``memory.max``), or None where there is none."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hierarchy, _, path = line.partition("::")
-        if hierarchy == "0":  # the unified (v2) hierarchy
-            try:
-                value = (Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max").read_text().strip()
-            except OSError:
-                return None
-            return None if value == "max" else int(value)
-    return None
-
-
 def machine_memory_limit() -> int:
-    """The most memory this process can have: its cgroup's limit where one is set and lower than
-    physical RAM (a container), else physical RAM."""
+    """The most memory this process can have: the tightest limit of the cgroups over it where one is
+    set and lower than physical RAM (a container), else physical RAM."""
     physical = physical_memory_bytes()
-    limit = _cgroup_memory_limit()
+    limit = cgroup_memory_limit()
     return min(physical, limit) if limit else physical
 
 

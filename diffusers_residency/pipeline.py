@@ -198,8 +198,8 @@ def enable_pinned_offload(
             Masters beyond it stay pageable: loads still work, at the pageable copy rate, and the
             report's ``pageable GB`` column shows them.
         host_budget: the most host memory the masters may take, in bytes, a string such as
-            ``"16GB"``, a fraction of physical RAM, or ``"auto"`` (what the machine and its cgroup
-            allow, less a margin); None (the default): every master in RAM. Beyond it, the masters
+            ``"16GB"``, a fraction of physical RAM, or ``"auto"`` (what the machine and the cgroups
+            over the process allow, less a margin); None (the default): every master in RAM. Beyond it, the masters
             loaded least often (components kept on the device, then those loaded once per call,
             then a denoiser's streamed blocks) are served from the pipeline's safetensors files,
             mapped, and load through a ring of page-locked slots (see :mod:`.host_budget`).

@@ -10,6 +10,7 @@ import torch
 
 from diffusers_residency import host_budget, ring
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.cgroup_limits import cgroup_memory_limit
 from diffusers_residency.checkpoints import checkpoint_views
 from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
 from diffusers_residency.pipeline import pipeline_state
@@ -181,12 +182,63 @@ def test_bad_host_budget_is_refused_before_anything_changes(flux: PipelineCase, 
 
 def test_auto_reads_the_cgroup_limit_then_physical_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_budget, "physical_memory_bytes", lambda: 64 * GiB)
-    monkeypatch.setattr(host_budget, "_cgroup_memory_limit", lambda: 8 * GiB)
+    monkeypatch.setattr(host_budget, "cgroup_memory_limit", lambda: 8 * GiB)
     assert resolve_host_budget("auto") == 6 * GiB  # less 2 GiB, more than a tenth
-    monkeypatch.setattr(host_budget, "_cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(host_budget, "cgroup_memory_limit", lambda: None)
     assert resolve_host_budget("auto") == 64 * GiB - int(6.4 * GiB)  # less a tenth
     assert resolve_host_budget(0.25) == 16 * GiB
     assert resolve_host_budget("16GB") == 16 * 10**9 and resolve_host_budget(None) is None
+
+
+def _cgroup_tree(tmp_path: Path, mounts: list[str], cgroups: list[str], limits: dict[str, str]) -> Path:
+    """A /proc/self of ``cgroup`` and ``mountinfo`` lines, the mounts under ``tmp_path`` (``{root}``
+    in a line), and limit files written there."""
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    (proc / "mountinfo").write_text("\n".join(line.format(root=tmp_path) for line in mounts) + "\n")
+    (proc / "cgroup").write_text("\n".join(cgroups) + "\n")
+    for relative, value in limits.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(value + "\n")
+    return proc
+
+
+def test_cgroup_limits_set_above_the_process_are_read(tmp_path: Path) -> None:
+    # cgroup v2 under Kubernetes: the pod's cgroup has the limit, the container's own says "max".
+    proc = _cgroup_tree(
+        tmp_path / "v2",
+        ["30 23 0:26 / {root}/cg rw,nosuid - cgroup2 cgroup2 rw"],
+        ["0::/kubepods/pod1/container"],
+        {"cg/kubepods/pod1/memory.max": str(8 * GiB), "cg/kubepods/pod1/container/memory.max": "max"},
+    )
+    assert cgroup_memory_limit(proc) == 8 * GiB
+    # A hybrid host: v2 mounted at unified/ without the memory controller, v1's memory controller
+    # mounted with a Docker container's cgroup as its root; a tighter limit on the leaf wins.
+    proc = _cgroup_tree(
+        tmp_path / "v1",
+        [
+            "31 23 0:28 / {root}/unified rw - cgroup2 cgroup2 rw",
+            "35 23 0:32 /docker/abc {root}/memory rw,relatime - cgroup cgroup rw,memory",
+            "36 23 0:33 /docker/abc {root}/cpu rw,relatime - cgroup cgroup rw,cpu",
+        ],
+        ["4:memory:/docker/abc/inner", "1:cpu:/docker/abc", "0::/"],
+        {
+            "memory/memory.limit_in_bytes": str(6 * GiB),
+            "memory/inner/memory.limit_in_bytes": str(5 * GiB),
+            "cpu/memory.limit_in_bytes": str(1 * GiB),  # not the memory controller's: ignored
+            "unified/memory.max": str(1 * GiB),  # the process's v2 cgroup is the mount's top
+        },
+    )
+    assert cgroup_memory_limit(proc) == min(5 * GiB, 1 * GiB)
+    # v1's "no limit" figure, and v2's "max", are none; so is a system without the files.
+    proc = _cgroup_tree(
+        tmp_path / "none",
+        ["35 23 0:32 / {root}/memory rw - cgroup cgroup rw,memory"],
+        ["4:memory:/a"],
+        {"memory/a/memory.limit_in_bytes": "9223372036854771712"},
+    )
+    assert cgroup_memory_limit(proc) is None
+    assert cgroup_memory_limit(tmp_path / "missing") is None
 
 
 def _plan(*components: tuple[ComponentSizes, ComponentPlan]) -> ResidencyPlan:
