@@ -27,11 +27,10 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from .cgroup_limits import cgroup_memory_limit
 from .checkpoints import checkpoint_views, component_folder, equal_views, saved_weights, servable, write_checkpoint
 from .files import MappedBytes
+from .machine_memory import machine_memory_limit
 from .mapped_masters import FileBacking
-from .pinning import physical_memory_bytes
 from .plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .ring import new_ring, ring_bytes, ring_shape
@@ -46,17 +45,10 @@ _AUTO_MARGIN_FRACTION = 0.10
 _AUTO_MARGIN_BYTES = 2 << 30
 
 
-def machine_memory_limit() -> int:
-    """The most memory this process can have: the tightest limit of the cgroups over it where one is
-    set and lower than physical RAM (a container), else physical RAM."""
-    physical = physical_memory_bytes()
-    limit = cgroup_memory_limit()
-    return min(physical, limit) if limit else physical
-
-
 def resolve_host_budget(host_budget: int | float | str | None) -> int | None:
     """Bytes of masters that may stay in RAM: None (no budget, every master in RAM), bytes as an int
-    or a string such as ``"16GB"``, a float in (0, 1] for a fraction of physical RAM, or ``"auto"``:
+    or a string such as ``"16GB"``, a float in (0, 1] for a fraction of what :func:`machine_memory_limit`
+    allows, or ``"auto"``:
     what :func:`machine_memory_limit` allows, less a tenth (at least 2 GiB) for the process and the
     rest of the system."""
     if host_budget is None:
@@ -67,7 +59,7 @@ def resolve_host_budget(host_budget: int | float | str | None) -> int | None:
     if isinstance(host_budget, float):
         if not 0.0 < host_budget <= 1.0:
             raise ValueError(f"host_budget as a fraction of RAM must be in (0, 1], not {host_budget}")
-        return int(host_budget * physical_memory_bytes())
+        return int(host_budget * machine_memory_limit())
     return parse_bytes(host_budget, "host_budget")
 
 

@@ -21,7 +21,6 @@ import bisect
 import ctypes
 import logging
 import mmap
-import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -30,12 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from . import _device
+from .machine_memory import machine_memory_limit
 from .pages import PAGE, align_up, give_back_read_pages, private_file_mappings
 
 logger = logging.getLogger(__name__)
 
-# The default pin budget, as a fraction of physical RAM: what is locked cannot be paged out, so the
-# rest of the system keeps a quarter to work in.
+# The default pin budget, as a fraction of the memory the process may have (physical RAM, or a
+# container's limit): what is locked cannot be paged out, so the rest keeps a quarter to work in.
 DEFAULT_PIN_FRACTION = 0.75
 # Masters copied into a block start at multiples of this, which keeps DMA reads aligned.
 _SLOT_ALIGNMENT = 512
@@ -50,21 +50,18 @@ _SLOT_ALIGNMENT = 512
 IN_PLACE_MIN_BYTES = 64 << 20
 
 
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def resolve_pin_budget(pin_budget: int | float | None) -> int:
     """Bytes the package may keep page-locked in this process: ``None`` for the default (75 % of
-    physical RAM), a float in (0, 1] for a fraction of physical RAM, or an int number of bytes."""
+    what :func:`machine_memory_limit` allows), a float in (0, 1] for a fraction of it, or an int
+    number of bytes."""
     if pin_budget is None:
-        return int(DEFAULT_PIN_FRACTION * physical_memory_bytes())
+        return int(DEFAULT_PIN_FRACTION * machine_memory_limit())
     if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)):
         raise TypeError(f"pin_budget must be bytes (int) or a fraction of RAM (float), not {pin_budget!r}")
     if isinstance(pin_budget, float):
         if not 0.0 < pin_budget <= 1.0:
             raise ValueError(f"pin_budget as a fraction of RAM must be in (0, 1], not {pin_budget}")
-        return int(pin_budget * physical_memory_bytes())
+        return int(pin_budget * machine_memory_limit())
     if pin_budget < 0:
         raise ValueError(f"pin_budget must be at least 0 bytes, not {pin_budget}")
     return pin_budget

@@ -194,15 +194,17 @@ def enable_pinned_offload(
             are weights' own host memory, page-locked in place where the platform allows (CUDA);
             weights on the device are copied down once into blocks sized to them.
         pin_budget: the most host memory the package keeps page-locked in this process, every
-            pipeline's masters counted, in bytes or as a fraction of physical RAM (default 0.75).
+            pipeline's masters counted, in bytes or as a fraction of the memory the process may have
+            (physical RAM, or a container's cgroup limit where lower; default 0.75).
             Masters beyond it stay pageable: loads still work, at the pageable copy rate, and the
             report's ``pageable GB`` column shows them.
         host_budget: the most host memory the masters may take, in bytes, a string such as
-            ``"16GB"``, a fraction of physical RAM, or ``"auto"`` (what the machine and the cgroups
-            over the process allow, less a margin); None (the default): every master in RAM. Beyond it, the masters
-            loaded least often (components kept on the device, then those loaded once per call,
-            then a denoiser's streamed blocks) are served from the pipeline's safetensors files,
-            mapped, and load through a ring of page-locked slots (see :mod:`.host_budget`).
+            ``"16GB"``, a fraction of the memory the process may have, or ``"auto"`` (what the
+            machine and the cgroups over the process allow, less a margin); None (the default):
+            every master in RAM. Beyond it, the masters loaded least often (components kept on
+            the device, then those loaded once per call, then a denoiser's streamed blocks) are
+            served from the pipeline's safetensors files, mapped, and load through a ring of
+            page-locked slots (see :mod:`.host_budget`).
         offload_folder: where weights served from files are written once when the pipeline was
             not loaded from files, or they changed since (without it, such a pipeline is refused
             a ``host_budget`` it cannot meet from RAM).

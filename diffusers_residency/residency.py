@@ -111,7 +111,8 @@ class ResidencyGroup:
         pin_memory: pin the host masters (default: when ``device`` is an accelerator). Pinned masters
             are what make loads asynchronous and fast; on the CPU there is nothing to pin for.
         pin_budget: the most host memory the package may keep page-locked in this process, in bytes
-            or as a fraction of physical RAM (default 0.75); masters beyond it stay pageable.
+            or as a fraction of the memory the process may have (default 0.75); masters beyond it
+            stay pageable.
     """
 
     def __init__(

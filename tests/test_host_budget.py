@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusers_residency import host_budget, ring
+from diffusers_residency import machine_memory, pinning, ring
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
-from diffusers_residency.cgroup_limits import cgroup_memory_limit
 from diffusers_residency.checkpoints import checkpoint_views
 from diffusers_residency.host_budget import HostBudgetTooSmallError, place_on_host, resolve_host_budget
+from diffusers_residency.machine_memory import cgroup_memory_limit
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.plans import ComponentPlan, ComponentSizes, ResidencyPlan
 from diffusers_residency.policy import Policy
@@ -181,10 +181,12 @@ def test_bad_host_budget_is_refused_before_anything_changes(flux: PipelineCase, 
 
 
 def test_auto_reads_the_cgroup_limit_then_physical_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_budget, "physical_memory_bytes", lambda: 64 * GiB)
-    monkeypatch.setattr(host_budget, "cgroup_memory_limit", lambda: 8 * GiB)
+    monkeypatch.setattr(machine_memory, "physical_memory_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(machine_memory, "cgroup_memory_limit", lambda: 8 * GiB)
     assert resolve_host_budget("auto") == 6 * GiB  # less 2 GiB, more than a tenth
-    monkeypatch.setattr(host_budget, "cgroup_memory_limit", lambda: None)
+    assert resolve_host_budget(0.25) == 2 * GiB  # a fraction of what the container allows
+    assert pinning.resolve_pin_budget(None) == 6 * GiB  # 75 % of it
+    monkeypatch.setattr(machine_memory, "cgroup_memory_limit", lambda: None)
     assert resolve_host_budget("auto") == 64 * GiB - int(6.4 * GiB)  # less a tenth
     assert resolve_host_budget(0.25) == 16 * GiB
     assert resolve_host_budget("16GB") == 16 * 10**9 and resolve_host_budget(None) is None

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from diffusers_residency import ModuleStager, _device, file_reads, files, pinning, ring
+from diffusers_residency import ModuleStager, _device, file_reads, files, machine_memory, pinning, ring
 from diffusers_residency.file_reads import ReadBack
 from diffusers_residency.files import MappedBytes
 
@@ -216,7 +216,7 @@ def test_components_never_register_a_page_twice(flux, driver: FakeDriver) -> Non
 
 
 def test_pin_budget_arguments() -> None:
-    ram = pinning.physical_memory_bytes()
+    ram = machine_memory.machine_memory_limit()
     assert pinning.resolve_pin_budget(None) == int(pinning.DEFAULT_PIN_FRACTION * ram)
     assert pinning.resolve_pin_budget(0.5) == int(0.5 * ram)
     assert pinning.resolve_pin_budget(1 << 30) == 1 << 30

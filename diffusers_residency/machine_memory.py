@@ -1,4 +1,6 @@
-"""The memory limit that the cgroups over this process set, for ``host_budget="auto"``.
+"""How much memory this process may have: physical RAM, or less where the cgroups over it set a
+limit (a container). Fractions of RAM in ``pin_budget`` and ``host_budget``, and
+``host_budget="auto"``, are taken of it.
 
 A container's limit is rarely on the process's own cgroup alone: Kubernetes sets it on the pod's
 cgroup, systemd on a slice above the service, and Docker on cgroup v1 hosts mounts the container's
@@ -11,6 +13,7 @@ its mount, and the tightest limit wins. Where the hierarchies are mounted comes 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -99,3 +102,15 @@ def cgroup_memory_limit(proc: Path = Path("/proc/self")) -> int | None:
         if limit is not None:
             limits.append(limit)
     return min(limits, default=None)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def machine_memory_limit() -> int:
+    """The most memory this process can have: the tightest limit of the cgroups over it where one is
+    set and lower than physical RAM (a container), else physical RAM."""
+    physical = physical_memory_bytes()
+    limit = cgroup_memory_limit()
+    return min(physical, limit) if limit else physical
