@@ -83,21 +83,26 @@ def component_sizes(
     """The planner's view of each component. ``tensor_bytes``: what a set of tensors takes on the
     device (their storages' bytes; a pipeline built on the meta device, whose tensors have none,
     counts them otherwise)."""
-    return [
-        ComponentSizes(
-            name=name,
-            nbytes=tensor_bytes(module_tensors((module,))),
-            block_bytes=tuple(tensor_bytes(module_tensors((block,))) for _, block in repeated_blocks(module)),
-            per_step=name in _PER_STEP_COMPONENTS,
-            unsaved_bytes=tensor_bytes(_unsaved(module)),
-        )
-        for name, module in modules.items()
-    ]
+    return [_sizes_of(pipe, name, module, tensor_bytes) for name, module in modules.items()]
 
 
-def _unsaved(module: nn.Module) -> list[torch.Tensor]:
+def _sizes_of(
+    pipe: DiffusionPipeline, name: str, module: nn.Module, tensor_bytes: Callable[[Iterable[torch.Tensor]], int]
+) -> ComponentSizes:
     saved = {id(tensor) for tensor in saved_weights((module,))}
-    return [tensor for tensor in module_stored_tensors((module,)) if id(tensor) not in saved]
+
+    def unsaved_bytes(part: nn.Module) -> int:
+        return tensor_bytes(t for t in module_stored_tensors((part,)) if id(t) not in saved)
+
+    blocks = [block for _, block in repeated_blocks(module)]
+    return ComponentSizes(
+        name=name,
+        nbytes=tensor_bytes(module_tensors((module,))),
+        block_bytes=tuple(tensor_bytes(module_tensors((block,))) for block in blocks),
+        per_step=name in _PER_STEP_COMPONENTS,
+        unsaved_bytes=unsaved_bytes(module),
+        block_unsaved_bytes=tuple(unsaved_bytes(block) for block in blocks),
+    )
 
 
 def resolve_budget(

@@ -129,15 +129,17 @@ _WHY = {
 
 
 def _candidates(plan: ComponentPlan, sizes: ComponentSizes) -> list[_Candidate]:
-    """What of one component may be served from files, with how often it loads: a whole one
-    serves what a checkpoint holds of it (its non-persistent buffers stay in RAM)."""
+    """What of one component or block may be served from files, with how often it loads: what a
+    checkpoint holds of it (its non-persistent buffers stay in RAM)."""
     whole = sizes.nbytes - sizes.unsaved_bytes
     if plan.policy is Policy.STREAMED:
         blocks = range(len(sizes.block_bytes))
         if not sizes.per_step:
             return [_Candidate(plan.name, None, whole, 1, max(sizes.trunk_bytes, *sizes.block_bytes))]
         return [
-            _Candidate(plan.name, i, sizes.block_bytes[i], 1 if i in plan.staged_blocks else 2, sizes.block_bytes[i])
+            _Candidate(
+                plan.name, i, sizes.servable_block_bytes(i), 1 if i in plan.staged_blocks else 2, sizes.block_bytes[i]
+            )
             for i in blocks
             if i not in plan.resident_blocks
         ]

@@ -31,7 +31,8 @@ class ComponentSizes:
     ``block_bytes`` are its repeated blocks in forward order (empty when it has none it can stream);
     ``per_step`` marks the component the pipeline calls at every denoising step; ``unsaved_bytes``
     are those of its tensors that no checkpoint holds (non-persistent buffers, a quantized weight's
-    parts), which a host budget cannot serve from files (see host_budget).
+    parts), which a host budget cannot serve from files (see host_budget), and
+    ``block_unsaved_bytes`` those of each block (empty: none).
     """
 
     name: str
@@ -39,6 +40,12 @@ class ComponentSizes:
     block_bytes: tuple[int, ...] = ()
     per_step: bool = False
     unsaved_bytes: int = 0
+    block_unsaved_bytes: tuple[int, ...] = ()
+
+    def servable_block_bytes(self, position: int) -> int:
+        """Bytes of one block that its checkpoint files hold."""
+        unsaved = self.block_unsaved_bytes[position] if self.block_unsaved_bytes else 0
+        return self.block_bytes[position] - unsaved
 
     @property
     def trunk_bytes(self) -> int:

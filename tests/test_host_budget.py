@@ -78,6 +78,23 @@ def test_masters_served_from_files_load_exactly(flux: PipelineCase, setup: str) 
     assert torch.equal(flux.run(), flux.reference)
 
 
+def test_what_no_file_holds_of_a_served_block_is_counted_in_ram(flux: PipelineCase) -> None:
+    # A buffer no checkpoint holds, in every block of the denoiser: the blocks served from files
+    # keep it in RAM, and the plan's RAM figure counts it.
+    blocks = [*flux.pipe.transformer.transformer_blocks, *flux.pipe.transformer.single_transformer_blocks]
+    for block in blocks:
+        block.register_buffer("cached_table", torch.zeros(4 << 10), persistent=False)
+    reference = flux.run()
+    kwargs, _, _ = SETUPS["streamed"]
+    flux.pipe.enable_pinned_offload(device="cpu", host_budget="0.9MB", **kwargs)
+    plan = flux.pipe.residency_plan()
+    assert plan.host.blocks["transformer"], str(plan)
+    report = flux.pipe.residency_report()
+    ram = sum(c.pinned_bytes + c.pageable_bytes for c in report.components)
+    assert ram + plan.host.ring_bytes <= plan.host.ram_bytes <= plan.host.budget, f"{plan.host}\n{report}"
+    assert torch.equal(flux.run(), reference)
+
+
 def _nudge_transformer(pipe) -> None:
     with torch.no_grad():
         for parameter in pipe.transformer.parameters():
