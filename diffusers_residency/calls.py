@@ -49,6 +49,8 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(STATE_ATTR)
+        if state is not None:
+            state = state.staging_replaced(self)
         groups = [state.group] if state is not None else groups_staging(self)
         if not groups:
             return original(self, *args, **kwargs)

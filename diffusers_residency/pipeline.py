@@ -9,6 +9,7 @@ masters) as soon as it meets a component without ``_hf_hook``. The hooks are nev
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping
@@ -219,6 +220,18 @@ def enable_pinned_offload(
     arguments are checked before anything changes.
     """
     previous = pipeline_state(pipe)
+    enable_again = functools.partial(
+        enable_pinned_offload,
+        device=device,
+        components=components,
+        vram_budget=vram_budget,
+        activation_reserve=activation_reserve,
+        pin_memory=pin_memory,
+        pin_budget=pin_budget,
+        host_budget=host_budget,
+        offload_folder=offload_folder,
+        share_host_masters=share_host_masters,
+    )
     # A rank that fails here tells the others, which would otherwise wait for it to share.
     with failures_told(share_host_masters):
         group = ResidencyGroup(device, pin_memory=pin_memory, pin_budget=pin_budget)
@@ -277,6 +290,7 @@ def enable_pinned_offload(
         previous.profile, previous.profile_file, previous.shape = profile, profile_file, None
         previous.hooked_whole = tuple(hooked_whole)
         previous.dry_runs = dry_runs
+        previous.enable_again = enable_again
         previous.group.forget_estimates()  # set for the setup before, if any
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
@@ -328,6 +342,7 @@ def enable_pinned_offload(
             profile_file=profile_file,
             hooked_whole=tuple(hooked_whole),
             dry_runs=dry_runs,
+            enable_again=enable_again,
         )
         group.call_order = tuple(modules)
         apply_plan(state, plan)

@@ -6,9 +6,12 @@ these: ``adaptive`` (what calls teach), ``dry_run_plans`` (a first call planned 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from diffusers import DiffusionPipeline
 
 from .dry_runs import CallDryRuns
 from .hooks import StagingHook
@@ -17,6 +20,8 @@ from .policy import Policy
 from .profile import ResidencyProfile
 from .residency import ResidencyGroup
 from .step_timing import StepTiming
+
+logger = logging.getLogger(__name__)
 
 # Kept on top of what a component was measured to need above its weights, as a fraction of the
 # budget: the next call's activations may differ a little (another prompt length, say).
@@ -72,11 +77,26 @@ class PipelineResidency:
     # What estimates a measured call's needs before they are measured (None: the pipeline's calls
     # are not denoiser then decoder).
     dry_runs: CallDryRuns | None = None
+    # enable_pinned_offload as it was called for this setup, taking the pipeline (see staging_replaced).
+    enable_again: Callable[[DiffusionPipeline], None] = lambda pipe: None
 
     @property
     def active(self) -> bool:
         """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
         return bool(self.group.units)
+
+    def staging_replaced(self, pipe: DiffusionPipeline) -> PipelineResidency:
+        """The pipeline's state after enabling it again, as it was enabled, where a staged component
+        was replaced since (``pipe.transformer = other``); else this one. Left as they are, the new
+        component would run unstaged, wherever it is, and the one it replaced would keep its
+        device memory. An attribute look-up per component: it runs as every call starts."""
+        replaced = [name for name, hook in self.hooks.items() if getattr(pipe, name, None) is not hook.unit.module]
+        if not replaced:
+            return self
+        logger.info("%s replaced since pinned offload was enabled: enabling it again, as it was enabled", replaced)
+        with self.group.call_lock:
+            self.enable_again(pipe)
+        return pipe.__dict__[STATE_ATTR]
 
 
 def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:

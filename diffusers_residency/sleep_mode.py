@@ -115,6 +115,15 @@ def sleep(
     pipeline is on), so its host masters are taken once, here. Sleeping what sleeps is a no-op; a
     different level for a component that already sleeps is ignored with a warning.
     """
+    state = pipeline_state(pipe)
+    if state is not None:
+        state.staging_replaced(pipe)
+    elif groups_staging(pipe):
+        raise ValueError(
+            f"This {type(pipe).__name__} shares components that another pipeline's pinned offload stages "
+            "(made with from_pipe, or from its components): call sleep() on that pipeline. wake_up() and "
+            "is_sleeping work on either."
+        )
     plan = _sleep_plan(pipe, level, offload, discard)
     folders = _checkpoint_folders(pipe, [name for name, lvl in plan.items() if lvl == 2])
     # Every file read before anything sleeps: one that cannot be read refuses the whole sleep.

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import diffusers_residency
-from diffusers_residency import ModuleStager, conversions
-from diffusers_residency.bench.builders import PIPELINE_KINDS, call_kwargs, pipeline_output
+from diffusers_residency import ModuleStager, StagingHook, conversions
+from diffusers_residency.bench.builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 
 from .helpers import (
     PipelineCase,
@@ -635,6 +635,32 @@ def test_enable_on_another_setup_starts_anew(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     assert staging_hooks(flux.pipe)["transformer"].unit.stager is not first
     assert len(flux.pipe.__dict__["_pinned_residency"].group.units) == 4
+
+
+@pytest.mark.parametrize("first", ["call", "sleep"])
+def test_a_component_replaced_after_enable_is_staged_as_the_one_it_replaces(flux: PipelineCase, first: str) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", vram_budget="2GB", components={"transformer": "streamed"})
+    flux.run()
+    old = flux.pipe.transformer
+    other = PipelineCase("flux")
+    other.pipe.transformer = build_pipeline("flux", "tiny", seed=1).transformer.eval()
+    other.reference = other.run()
+    before = {name: tensor.clone() for name, tensor in old.state_dict().items()}
+    flux.pipe.transformer = build_pipeline("flux", "tiny", seed=1).transformer.eval()
+    if first == "sleep":
+        flux.pipe.sleep()
+        assert flux.pipe.residency_report()["transformer"].device_bytes == 0
+    for _ in range(2):
+        assert torch.equal(flux.run(), other.reference)
+    assert isinstance(flux.pipe.transformer._hf_hook, StagingHook)
+    assert flux.pipe.residency_plan()["transformer"].policy.value == "streamed"
+    # The one replaced is unhooked, with its weights as they were, where they were.
+    assert getattr(old, "_hf_hook", None) is None
+    assert all(torch.equal(tensor, before[name]) for name, tensor in old.state_dict().items())
+    assert {t.device.type for t in old.state_dict().values()} == {"cpu"}
+    flux.pipe.disable_pinned_offload()
+    assert_no_meta_or_foreign_device(flux.pipe)
+    assert torch.equal(flux.run(), other.reference)
 
 
 def test_component_to_its_execution_device_loads_it(flux: PipelineCase) -> None:

@@ -63,6 +63,10 @@ def test_a_pipeline_sharing_the_components_sees_them_asleep_and_wakes_them(flux:
     assert sibling.is_sleeping
     sibling.wake_up("vae")
     assert not flux.pipe.is_sleeping
+    for kwargs in ({}, {"offload": ["vae"]}):
+        with pytest.raises(ValueError, match="call sleep\\(\\) on that pipeline"):
+            sibling.sleep(**kwargs)
+    assert not flux.pipe.is_sleeping
 
 
 def test_sleep_sets_up_masters_once_on_a_pipeline_without_offload(flux: PipelineCase) -> None:
