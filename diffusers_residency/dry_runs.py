@@ -310,7 +310,7 @@ class DecoderDryRun:
         self.dtype = dtype
         self._twin = meta_twin(module)
         if self._twin is not None:
-            self._twin.to(dtype)
+            _cast(self._twin, dtype)
             for blend in TILE_BLENDS:
                 if callable(getattr(self._twin, blend, None)):
                     setattr(self._twin, blend, _blended_as_is)
@@ -347,8 +347,8 @@ class DecoderDryRun:
         # a ControlNet), or decodes latents of another size.
         if "num_frames" in parts or any(parts.get(name) is not None for name in IMAGE_ARGUMENTS):
             return None
-        if any(parts.get(name) is not None for name in OUTPUT_SIZE_ARGUMENTS):
-            return None  # the output's size is not height x width (FLUX Kontext's max_area)
+        if any(parts.get(name) for name in OUTPUT_SIZE_ARGUMENTS):
+            return None  # the output's size is not height x width (FLUX Kontext's max_area, binning)
         height, width = (parts.get(name) for name in ("height", "width"))
         if not height or not width:
             # Pipelines fill in a side not given differently: SD 1.5's takes its default for both,
@@ -377,6 +377,13 @@ def _computes_in(module: nn.Module) -> torch.dtype | None:
     if cast:
         return next(iter(cast.values()))
     return next((tensor.dtype for tensor in module.parameters() if tensor.is_floating_point()), None)
+
+
+def _cast(twin: nn.Module, dtype: torch.dtype) -> None:
+    """Cast a meta twin's floating-point tensors to ``dtype``. Not through diffusers'
+    ``ModelMixin.to``, which logs a warning about modules to keep in float32 at every dtype cast,
+    even where a model has none: every enable under a budget would print it."""
+    nn.Module.to(twin, dtype)
 
 
 def _decode_settings(vae: nn.Module) -> dict[str, Any]:
@@ -414,7 +421,7 @@ class ForwardDryRun:
             return None
         dtype = next((tensor.dtype for tensor in inputs if tensor.is_floating_point()), None)
         if self._cast_as_inputs and dtype is not None:
-            self._twin.to(dtype)
+            _cast(self._twin, dtype)
         return dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
 
 

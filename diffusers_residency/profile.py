@@ -49,8 +49,9 @@ FORMAT = 3
 # ``max_area`` (FLUX Kontext) and ``resolution`` (Qwen-Image Layered, VisualCloze) set the output's
 # size where ``height`` and ``width`` give only its aspect, or nothing; ``layers`` how many images a
 # Qwen-Image Layered call makes; ``decode_chunk_size`` and ``vae_batch_size`` (video pipelines) how
-# many frames the VAE decodes at once.
-OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution")
+# many frames the VAE decodes at once. ``use_resolution_binning`` (PixArt, Sana: on by default)
+# makes the latents those of the nearest of the model's sizes, the image resized after decoding.
+OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution", "use_resolution_binning")
 _SHAPE_ARGUMENTS = (
     "height", "width", *OUTPUT_SIZE_ARGUMENTS, "num_frames", "layers", "num_images_per_prompt",
     "num_videos_per_prompt", "max_sequence_length", "decode_chunk_size", "vae_batch_size",

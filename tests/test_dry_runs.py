@@ -5,6 +5,7 @@ exact, its denoiser's blocks kept from its first step on and through the decodin
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -125,6 +126,22 @@ def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeli
     assert decoding.decoder.dtype == torch.float32, "SDXL casts its float16 VAE to float32 to decode"
     as_stored = DecoderDryRun("vae", sdxl.pipe.vae, decoding.decoder.scale_factor, 1024, torch.float16)
     assert decoding.decoder.need(_parts(32)) > 1.8 * as_stored.need(_parts(32))
+
+
+def test_the_dry_runs_made_at_enable_log_no_warning_of_diffusers(flux: PipelineCase) -> None:
+    # diffusers' ModelMixin.to warns at every dtype cast; its loggers do not propagate to caplog's.
+    from diffusers.utils import logging as diffusers_logging
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    diffusers_logging.get_logger("diffusers").addHandler(handler)
+    try:
+        flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    finally:
+        diffusers_logging.get_logger("diffusers").removeHandler(handler)
+    assert pipeline_state(flux.pipe).dry_runs is not None
+    assert [record.getMessage() for record in warnings] == []
 
 
 def test_the_decoder_is_estimated_as_its_vae_is_set_to_decode_sliced_or_tiled(

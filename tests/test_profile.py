@@ -31,7 +31,8 @@ from diffusers_residency import (
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.bench.first_calls import PROFILE_SOURCE, PROFILED_PLAN_SAYS
 from diffusers_residency.casts import guessed_casts
-from diffusers_residency.components import component_sizes, default_reserve_for, module_components
+from diffusers_residency.components import component_sizes, default_reserve_for, module_components, offload_sequence
+from diffusers_residency.dry_runs import CallDryRuns
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
 from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes
@@ -774,6 +775,21 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
 
     signature = inspect.signature(StableDiffusionXLPipeline.__call__)
     assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
+
+
+def test_a_binned_call_is_a_shape_of_its_own_whose_decode_is_not_estimated_from_its_size(flux: PipelineCase) -> None:
+    # PixArt bins by default: a 32x32 call makes the latents of the nearest of its model's sizes.
+    from diffusers import PixArtSigmaPipeline
+
+    from diffusers_residency.profile import call_shape, shape_parts
+
+    signature = inspect.signature(PixArtSigmaPipeline.__call__)
+    binned = call_shape(signature, (), {"height": 32, "width": 32})
+    assert binned != call_shape(signature, (), {"height": 32, "width": 32, "use_resolution_binning": False})
+    decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
+    assert decoder.need(shape_parts(binned)) is None
+    unbinned = {**shape_parts(binned), "use_resolution_binning": False}
+    assert decoder.need(unbinned) == decoder.need({**unbinned, "use_resolution_binning": None}) is not None
 
 
 @pytest.mark.parametrize(
