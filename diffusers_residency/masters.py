@@ -356,10 +356,11 @@ class MasterBindings:
 
     def _changed_while_loaded(self) -> tuple[frozenset[int], list[torch.Tensor], list[torch.Tensor]]:
         """Tensors given a new dtype, shape or stride since the last load (by id), tensors
-        written in place where the load put them (``load_state_dict``, ``copy_``, an optimizer step:
-        their version counters, or their wrapper's, moved), and tensors moved elsewhere with their
-        old layout: diffusers' layerwise casting does that to each weight it casts, up and back
-        down at every forward, leaving equal values in new storage (see ModuleStager.offload).
+        written in place (``load_state_dict``, ``copy_``, an optimizer step: their version
+        counters, or their wrapper's, moved), where the load put them or after a move, and tensors
+        moved elsewhere with their old layout and no write: diffusers' layerwise casting does that
+        to each weight it casts, up and back down at every forward, leaving equal values in new
+        storage (see ModuleStager.offload); its ``.data =`` leaves the counter as it was.
         A write through ``.data`` where the load put them is none of these: no counter sees it."""
         in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
         replaced, written, moved = set(), [], []
@@ -374,7 +375,11 @@ class MasterBindings:
                 or tuple(target.stride()) != binding.stride
             ):
                 replaced.add(id(target))
-            elif at_address:
+            elif (
+                at_address
+                or id(target) in in_written_wrappers
+                or (version is not None and target._version != version)
+            ):
                 written.append(target)
             else:
                 moved.append(target)

@@ -306,6 +306,29 @@ def test_layerwise_casting_enabled_on_a_loaded_component_survives_its_offload(fl
     assert torch.equal(flux.run(), expected)
 
 
+@pytest.mark.parametrize("policy", ["resident", "streamed"])
+def test_a_weight_written_while_loaded_under_layerwise_casting_survives_its_offload(
+    flux: PipelineCase, policy: str
+) -> None:
+    # Layerwise casting moved every weight to new storage at the call's forwards; the write after
+    # it moved them is a write all the same.
+    resident = PipelineCase("flux")
+    for case in (resident, flux):
+        case.pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+    enable_with_transformer(flux, policy)
+    flux.run()
+    for case in (resident, flux):
+        transformer = case.pipe.transformer
+        halved = {key: (value.float() * 0.5).to(value.dtype) for key, value in transformer.state_dict().items()}
+        transformer.load_state_dict(halved)
+    expected = resident.run()
+    flux.pipe.sleep(offload=["transformer"])
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), expected)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), flux.state())
+
+
 def test_a_component_fused_directly_while_loaded_keeps_the_fusion(flux: PipelineCase) -> None:
     lora = lora_state_dict(flux)
     resident = PipelineCase("flux")
