@@ -379,12 +379,19 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         storages, self._device_storages = self._device_storages, []
         if not replaced:
             self.rebind_masters()
-            # Only storage that none of the modules' tensors still reaches is handed on: a parameter
-            # replaced while loaded by one over the same storage (``nn.Parameter(w.detach())``)
-            # would get the next block's weights copied into it.
             # Just rebound, every bound tensor is on its master: only their identity is left to check.
-            if slots is not None and storages and self._holds_only_bound_tensors():
-                slots.give(self._slot_layout, storages)
+            if self._holds_only_bound_tensors():
+                # Only storage that none of the modules' tensors still reaches is handed on: a
+                # parameter replaced while loaded by one over the same storage
+                # (``nn.Parameter(w.detach())``) would get the next block's weights copied into it.
+                if slots is not None and storages:
+                    slots.give(self._slot_layout, storages)
+                return
+            # Tensors added while loaded (``fuse_qkv_projections()``, a new adapter) were made where
+            # the weights were, bound to no master: left there, a sleep or a disable would leave
+            # them on the device. (A walk of the modules per offload, while the device still runs
+            # what was queued.)
+            self.retake_masters()
             return
         # Tensors replaced while loaded (layers cast to a storage dtype, weights assigned through
         # `.data`) are the module's weights now, and rebinding them to their masters would undo

@@ -329,6 +329,23 @@ def test_a_weight_written_while_loaded_under_layerwise_casting_survives_its_offl
     assert_weights_equal(resident.state(), flux.state())
 
 
+def test_layers_added_while_loaded_get_masters_as_their_component_sleeps(flux: PipelineCase) -> None:
+    # fuse_qkv_projections makes its fused layers where the loaded weights are (on the device):
+    # a sleep takes masters for them, as for the weights it had.
+    resident = PipelineCase("flux")
+    resident_transformer(flux)
+    for case in (resident, flux):
+        case.pipe.transformer.fuse_qkv_projections()
+    expected = resident.run()
+    flux.pipe.sleep(offload=["transformer"])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in flux.pipe.transformer.state_dict().values()}
+    assert flux.pipe.residency_report()["transformer"].weight_bytes == sum(s.nbytes() for s in storages.values())
+    flux.pipe.wake_up()
+    assert torch.equal(flux.run(), expected)
+    flux.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), flux.state())
+
+
 def test_a_component_fused_directly_while_loaded_keeps_the_fusion(flux: PipelineCase) -> None:
     lora = lora_state_dict(flux)
     resident = PipelineCase("flux")

@@ -145,6 +145,20 @@ def test_level_1_sleep_frees_the_device_and_wakes_exact() -> None:
     assert torch.equal(case.run(), case.reference)
 
 
+def test_layers_added_while_loaded_leave_the_device_with_their_component() -> None:
+    case = staged_from_host()
+    case.pipe.enable_pinned_offload(components={"transformer": "resident"}, vram_budget=None)
+    case.run()
+    case.pipe.transformer.fuse_qkv_projections()  # its fused layers made on the device
+    case.pipe.sleep(offload=["transformer"])
+    assert param_devices(case.pipe)["transformer"] == {torch.device("cpu")}
+    assert case.pipe.residency_report()["transformer"].device_bytes == 0
+    case.pipe.wake_up()
+    case.run()
+    case.pipe.disable_pinned_offload()
+    assert param_devices(case.pipe)["transformer"] == {torch.device("cpu")}
+
+
 def test_level_2_sleep_frees_pinned_masters_and_wakes_exact(tmp_path, monkeypatch) -> None:
     from diffusers_residency import pinning, ring
 
