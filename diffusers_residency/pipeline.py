@@ -393,9 +393,14 @@ def disable_pinned_offload(pipe: DiffusionPipeline) -> None:
                 failures.append((name, exc))
     if failures:
         name, exc = failures[0]
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise RuntimeError(
+                f"could not move {[n for n, _ in failures]} back to the device they were on; they are still "
+                "staged, on their host masters. Free device memory and call disable_pinned_offload() again."
+            ) from exc
+        # Not for want of memory (a checkpoint file a level-2 sleep mapped changed since): say why.
         raise RuntimeError(
-            f"could not move {[n for n, _ in failures]} back to the device they were on; they are still "
-            "staged, on their host masters. Free device memory and call disable_pinned_offload() again."
+            f"could not give {[n for n, _ in failures]} back their weights; they are still staged: {exc}"
         ) from exc
     _forget(pipe)
 

@@ -218,8 +218,14 @@ def test_a_checkpoint_written_while_asleep_at_level_2_is_refused_at_wake(flux: P
         flux.pipe.wake_up()
     assert states(flux.pipe)["transformer"] == "asleep (2)"
     assert_no_meta_or_foreign_device(flux.pipe)
+    # Nor can a disable read the weights back from it: it says why, not "free device memory".
+    with pytest.raises(RuntimeError, match=r"\['transformer'\] back their weights.*changed since"):
+        flux.pipe.disable_pinned_offload()
     os.utime(written, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     flux.pipe.wake_up()
+    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.disable_pinned_offload()
+    assert_no_meta_or_foreign_device(flux.pipe)
     assert torch.equal(flux.run(), flux.reference)
 
 
