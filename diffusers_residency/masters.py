@@ -8,6 +8,7 @@ untie tied weights and let each side go stale on its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Collection, Iterable, Iterator
@@ -97,8 +98,15 @@ class StorageGroup:
 
 # The stager holding masters of each tensor, process-wide: id(tensor) -> (tensor, stager), both
 # weakly. Keyed by id because tensors compare element-wise; the tensor reference tells a reused id
-# from the same tensor.
+# from the same tensor, and drops its entry as the tensor goes (a pipeline deleted while enabled
+# never releases its own).
 _STAGED_BY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _drop_entry(tensor_ref: weakref.ref, key: int) -> None:
+    # Only the entry this reference made: the id may be another tensor's already.
+    if _STAGED_BY.get(key, (None,))[0] is tensor_ref:
+        _STAGED_BY.pop(key, None)
 
 
 def staged_by(tensor: torch.Tensor) -> Owner | None:
@@ -130,7 +138,8 @@ def claim(owner: Owner, groups: Iterable[StorageGroup]) -> None:
     me = weakref.ref(owner)
     for group in groups:
         for binding in group.bindings:
-            _STAGED_BY[id(binding.target)] = (weakref.ref(binding.target), me)
+            key = id(binding.target)
+            _STAGED_BY[key] = (weakref.ref(binding.target, functools.partial(_drop_entry, key=key)), me)
 
 
 def release(owner: Owner, groups: Iterable[StorageGroup]) -> None:

@@ -663,6 +663,23 @@ def test_a_component_replaced_after_enable_is_staged_as_the_one_it_replaces(flux
     assert torch.equal(flux.run(), other.reference)
 
 
+def test_a_pipeline_deleted_while_enabled_leaves_no_record_of_its_weights() -> None:
+    import gc
+
+    from diffusers_residency import masters
+
+    gc.collect()
+    before = len(masters._STAGED_BY)
+    for _ in range(2):
+        case = PipelineCase("flux")
+        case.pipe.enable_pinned_offload(device="cpu", vram_budget="2GB", components={"transformer": "streamed"})
+        case.run()
+        assert len(masters._STAGED_BY) > before
+        del case
+        gc.collect()
+        assert len(masters._STAGED_BY) <= before
+
+
 def test_component_to_its_execution_device_loads_it(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     assert not flux.pipe.residency_report()["text_encoder"].loaded
