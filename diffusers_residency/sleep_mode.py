@@ -91,6 +91,17 @@ def _checkpoint_folders(pipe: DiffusionPipeline, names: Iterable[str]) -> dict[s
     return folders
 
 
+def _refuse_sharing(pipe: DiffusionPipeline) -> None:
+    """Raise for a pipeline without pinned offload of its own whose components another pipeline's
+    stages (``from_pipe``): enabling it would be refused as staging them twice."""
+    if pipeline_state(pipe) is None and groups_staging(pipe):
+        raise ValueError(
+            f"This {type(pipe).__name__} shares components that another pipeline's pinned offload stages "
+            "(made with from_pipe, or from its components): sleep that pipeline, or put it in a rotation, "
+            "instead. wake_up() and is_sleeping work on either."
+        )
+
+
 def sleep(
     pipe: DiffusionPipeline,
     level: int = 1,
@@ -118,12 +129,7 @@ def sleep(
     state = pipeline_state(pipe)
     if state is not None:
         state.staging_replaced(pipe)
-    elif groups_staging(pipe):
-        raise ValueError(
-            f"This {type(pipe).__name__} shares components that another pipeline's pinned offload stages "
-            "(made with from_pipe, or from its components): call sleep() on that pipeline. wake_up() and "
-            "is_sleeping work on either."
-        )
+    _refuse_sharing(pipe)
     plan = _sleep_plan(pipe, level, offload, discard)
     folders = _checkpoint_folders(pipe, [name for name, lvl in plan.items() if lvl == 2])
     # Every file read before anything sleeps: one that cannot be read refuses the whole sleep.
@@ -245,7 +251,9 @@ class AwakeRotation:
         self.level = level
         self.keep_cache = keep_cache
         self.awake: str | None = None
-        for name, pipe in self.pipelines.items():
+        for pipe in self.pipelines.values():
+            _refuse_sharing(pipe)
+        for pipe in self.pipelines.values():
             sleep(pipe, level)
 
     def use(self, name: str) -> DiffusionPipeline:

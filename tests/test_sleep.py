@@ -64,8 +64,10 @@ def test_a_pipeline_sharing_the_components_sees_them_asleep_and_wakes_them(flux:
     sibling.wake_up("vae")
     assert not flux.pipe.is_sleeping
     for kwargs in ({}, {"offload": ["vae"]}):
-        with pytest.raises(ValueError, match="call sleep\\(\\) on that pipeline"):
+        with pytest.raises(ValueError, match="sleep that pipeline, or put it in a rotation"):
             sibling.sleep(**kwargs)
+    with pytest.raises(ValueError, match="sleep that pipeline, or put it in a rotation"):
+        AwakeRotation({"flux": flux.pipe, "img2img": sibling})
     assert not flux.pipe.is_sleeping
 
 
