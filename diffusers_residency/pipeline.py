@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.hooks import remove_hook_from_module
@@ -83,6 +84,8 @@ def _same_setup(
         and previous.group.pin_memory == group.pin_memory
         and previous.group.pin_budget == group.pin_budget
         and {id(hook.unit.module) for hook in previous.hooks.values()} == {id(m) for m in modules.values()}
+        # each under the name it had (two swapped are another setup: policies are given by name)
+        and all(modules.get(name) is hook.unit.module for name, hook in previous.hooks.items())
         # every hook still attached (one may have been detached on its own) and still in the group
         and all(getattr(h.unit.module, "_hf_hook", None) is h and h.unit in previous.group.units for h in previous.hooks.values())
         and streamed == {p.name for p in previous.plan.components if p.policy is Policy.STREAMED}
@@ -221,7 +224,7 @@ def enable_pinned_offload(
     """
     previous = pipeline_state(pipe)
     enable_again = functools.partial(
-        enable_pinned_offload,
+        _enable_again,
         device=device,
         components=components,
         vram_budget=vram_budget,
@@ -291,6 +294,7 @@ def enable_pinned_offload(
         previous.hooked_whole = tuple(hooked_whole)
         previous.dry_runs = dry_runs
         previous.enable_again = enable_again
+        previous.staged_names = {name: id(module) for name, module in modules.items()}
         previous.group.forget_estimates()  # set for the setup before, if any
         previous.measured_shapes.clear()
         previous.estimates_failed.clear()
@@ -343,6 +347,7 @@ def enable_pinned_offload(
             hooked_whole=tuple(hooked_whole),
             dry_runs=dry_runs,
             enable_again=enable_again,
+            staged_names={name: id(module) for name, module in modules.items()},
         )
         group.call_order = tuple(modules)
         apply_plan(state, plan)
@@ -373,6 +378,15 @@ def enable_pinned_offload(
     )
     plan_ahead(state, guessed_casts(pipe))
     logger.info("Pinned offload on %s:\n%s", group.device, state.plan)
+
+
+def _enable_again(pipe: DiffusionPipeline, *, components: Mapping[str, str] | None, **arguments: Any) -> None:
+    """``enable_pinned_offload`` as it was called, for a component replaced since (see
+    PipelineResidency.staging_replaced); components named then that are gone (set to None) left out."""
+    if components is not None:
+        present = module_components(pipe)
+        components = {name: policy for name, policy in components.items() if name in present}
+    enable_pinned_offload(pipe, components=components, **arguments)
 
 
 def disable_pinned_offload(pipe: DiffusionPipeline) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diffusers import DiffusionPipeline
+from torch import nn
 
 from .dry_runs import CallDryRuns
 from .hooks import StagingHook
@@ -77,26 +78,44 @@ class PipelineResidency:
     # What estimates a measured call's needs before they are measured (None: the pipeline's calls
     # are not denoiser then decoder).
     dry_runs: CallDryRuns | None = None
-    # enable_pinned_offload as it was called for this setup, taking the pipeline (see staging_replaced).
+    # enable_pinned_offload as it was called for this setup, taking the pipeline, and the modules it
+    # staged by every name they had then, by id (see staging_replaced).
     enable_again: Callable[[DiffusionPipeline], None] = lambda pipe: None
+    staged_names: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
         """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
         return bool(self.group.units)
 
-    def staging_replaced(self, pipe: DiffusionPipeline) -> PipelineResidency:
+    def staging_replaced(self, pipe: DiffusionPipeline) -> PipelineResidency | None:
         """The pipeline's state after enabling it again, as it was enabled, where a staged component
-        was replaced since (``pipe.transformer = other``); else this one. Left as they are, the new
-        component would run unstaged, wherever it is, and the one it replaced would keep its
-        device memory. An attribute look-up per component: it runs as every call starts."""
-        replaced = [name for name, hook in self.hooks.items() if getattr(pipe, name, None) is not hook.unit.module]
-        if not replaced:
+        was replaced since by a module no pinned offload stages (``pipe.transformer = other``); else
+        this one. Left as they are, the new component would run unstaged, wherever it is, and the
+        one it replaced would keep its device memory. One set to None (its embeddings computed),
+        or to a module another pipeline stages, is left as it was. An attribute look-up per
+        component while nothing changed: it runs as every call starts."""
+        if not self._replaced_by_unstaged(pipe) or not self.active:
             return self
-        logger.info("%s replaced since pinned offload was enabled: enabling it again, as it was enabled", replaced)
         with self.group.call_lock:
+            current = pipe.__dict__.get(STATE_ATTR)
+            if current is not self:  # enabled again by another thread's call meanwhile
+                return current
+            logger.info(
+                "%s replaced since pinned offload was enabled: enabling it again, as it was enabled",
+                self._replaced_by_unstaged(pipe),
+            )
             self.enable_again(pipe)
         return pipe.__dict__[STATE_ATTR]
+
+    def _replaced_by_unstaged(self, pipe: DiffusionPipeline) -> list[str]:
+        replaced = []
+        for name, staged in self.staged_names.items():
+            current = getattr(pipe, name, None)
+            if id(current) != staged and isinstance(current, nn.Module):
+                if not isinstance(getattr(current, "_hf_hook", None), StagingHook):
+                    replaced.append(name)
+        return replaced
 
 
 def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:

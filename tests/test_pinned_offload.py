@@ -663,6 +663,35 @@ def test_a_component_replaced_after_enable_is_staged_as_the_one_it_replaces(flux
     assert torch.equal(flux.run(), other.reference)
 
 
+def test_a_component_set_to_none_or_to_one_staged_elsewhere_is_left_as_it_was(flux: PipelineCase) -> None:
+    # Embeddings computed, the text encoders dropped: the components named at enable are gone.
+    with torch.inference_mode():
+        embeds, pooled, _ = flux.pipe.encode_prompt(prompt=call_kwargs("flux")["prompt"], prompt_2=None, device="cpu")
+    def call() -> dict:  # a fresh generator each time
+        without_prompt = {key: value for key, value in call_kwargs("flux").items() if key != "prompt"}
+        return {**without_prompt, "prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    reference = pipeline_output(flux.pipe, call())
+    flux.pipe.enable_pinned_offload(device="cpu", components={"text_encoder": "staged"})
+    state = flux.pipe.__dict__["_pinned_residency"]
+    flux.pipe.text_encoder = flux.pipe.text_encoder_2 = None
+    other = PipelineCase("flux")
+    other.pipe.enable_pinned_offload(device="cpu")
+    flux.pipe.vae = other.pipe.vae  # staged by the other pipeline
+    for _ in range(2):
+        assert torch.equal(pipeline_output(flux.pipe, call()), reference)
+    assert flux.pipe.__dict__["_pinned_residency"] is state, "not enabled again"
+
+
+def test_two_components_swapped_are_another_setup(flux: PipelineCase) -> None:
+    flux.pipe.enable_pinned_offload(device="cpu", components={"vae": "resident"})
+    pipe = flux.pipe
+    pipe.text_encoder, pipe.text_encoder_2 = pipe.text_encoder_2, pipe.text_encoder
+    pipe.enable_pinned_offload(device="cpu", components={"vae": "resident"})
+    hooks = pipe.__dict__["_pinned_residency"].hooks
+    assert all(hook.unit.module is getattr(pipe, name) for name, hook in hooks.items())
+
+
 def test_a_pipeline_deleted_while_enabled_leaves_no_record_of_its_weights() -> None:
     import gc
 

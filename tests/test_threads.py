@@ -67,3 +67,47 @@ def test_a_pipeline_class_defined_after_enabling_takes_the_lock_when_built_from_
     assert Later.__dict__["__call__"]._residency_wrapper, "wrapped as it was built from staged components"
     later.set_progress_bar_config(disable=True)
     assert torch.equal(pipeline_output(later, call_kwargs("flux", "tiny")), flux.reference)
+
+
+def test_calls_waiting_while_a_component_is_replaced_enable_the_pipeline_again_once(flux: PipelineCase) -> None:
+    import logging
+
+    flux.pipe.enable_pinned_offload(device="cpu")
+    first_step, go_on = threading.Event(), threading.Event()
+
+    def held_at_its_first_step(pipe, step, timestep, kwargs):
+        first_step.set()
+        go_on.wait(30)
+        return kwargs
+
+    outputs, errors = [], []
+
+    def call(**extra) -> None:
+        try:
+            outputs.append(pipeline_output(flux.pipe, {**call_kwargs("flux"), **extra}))
+        except BaseException as error:
+            errors.append(error)
+
+    running = threading.Thread(target=call, kwargs={"callback_on_step_end": held_at_its_first_step})
+    running.start()
+    assert first_step.wait(30)
+    flux.pipe.vae = PipelineCase("flux").pipe.vae  # the same weights: the outputs stay the same
+    said = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    logger = logging.getLogger("diffusers_residency.pipeline_residency")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        waiting = [threading.Thread(target=call) for _ in range(2)]
+        for thread in waiting:
+            thread.start()
+        go_on.set()
+        for thread in (running, *waiting):
+            thread.join(120)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert not errors and len(outputs) == 3
+    assert all(torch.equal(output, flux.reference) for output in outputs)
+    assert len([record for record in said if "enabling it again" in record.getMessage()]) == 1
