@@ -14,6 +14,7 @@ its mount, and the tightest limit wins. Where the hierarchies are mounted comes 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -33,6 +34,11 @@ class _Hierarchy:
     limit_file: str
 
 
+def _unescaped(field: str) -> str:
+    # mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040).
+    return re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), field)
+
+
 def _memory_hierarchies(mountinfo: str) -> dict[str, _Hierarchy]:
     """The hierarchies that limit memory, by how ``/proc/self/cgroup`` names them: ``""`` for v2
     (its line is ``0::path``), ``"memory"`` for v1's memory controller."""
@@ -42,7 +48,8 @@ def _memory_hierarchies(mountinfo: str) -> dict[str, _Hierarchy]:
         fields, tail = before.split(), after.split()
         if not separator or len(fields) < 5 or len(tail) < 3:
             continue
-        root, mount_point, filesystem, options = fields[3], fields[4], tail[0], tail[2].split(",")
+        root, mount_point = _unescaped(fields[3]), _unescaped(fields[4])
+        filesystem, options = tail[0], tail[2].split(",")
         if filesystem == "cgroup2":
             key, limit_file = "", "memory.max"
         elif filesystem == "cgroup" and "memory" in options:

@@ -214,7 +214,8 @@ def _cgroup_tree(tmp_path: Path, mounts: list[str], cgroups: list[str], limits: 
     in a line), and limit files written there."""
     proc = tmp_path / "proc"
     proc.mkdir(parents=True)
-    (proc / "mountinfo").write_text("\n".join(line.format(root=tmp_path) for line in mounts) + "\n")
+    escaped = str(tmp_path).replace(" ", "\\040")  # as mountinfo writes a space
+    (proc / "mountinfo").write_text("\n".join(line.format(root=escaped) for line in mounts) + "\n")
     (proc / "cgroup").write_text("\n".join(cgroups) + "\n")
     for relative, value in limits.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ def _cgroup_tree(tmp_path: Path, mounts: list[str], cgroups: list[str], limits: 
 def test_cgroup_limits_set_above_the_process_are_read(tmp_path: Path) -> None:
     # cgroup v2 under Kubernetes: the pod's cgroup has the limit, the container's own says "max".
     proc = _cgroup_tree(
-        tmp_path / "v2",
+        tmp_path / "v2 mounted",
         ["30 23 0:26 / {root}/cg rw,nosuid - cgroup2 cgroup2 rw"],
         ["0::/kubepods/pod1/container"],
         {"cg/kubepods/pod1/memory.max": str(8 * GiB), "cg/kubepods/pod1/container/memory.max": "max"},
