@@ -121,7 +121,9 @@ class PipelineResidency:
 def apply_plan(state: PipelineResidency, plan: ResidencyPlan) -> None:
     """Give the units of an unchanged setup the policies of ``plan``; evictions follow at the next switch."""
     for component in plan.components:
-        if component.name not in state.hooks:
+        hook = state.hooks.get(component.name)
+        # A component whose hook a script took off or attached again keeps what the script gave it.
+        if hook is None or getattr(hook.unit.module, "_hf_hook", None) is not hook:
             continue
         units = state.group.units_of(component.name)
         units[0].policy = component.policy

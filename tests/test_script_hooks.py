@@ -11,7 +11,7 @@ from diffusers_residency import (
     attach_staging_hook,
     detach_staging_hook,
 )
-from diffusers_residency.bench.builders import call_kwargs
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import PipelineCase, assert_weights_equal
@@ -144,11 +144,21 @@ def test_one_block_of_a_streamed_module_is_not_detached_alone(flux: PipelineCase
     assert torch.equal(flux.run(), flux.reference)
 
 
-def test_a_hook_attached_again_in_a_pipelines_group_goes_with_disable(flux: PipelineCase) -> None:
+@pytest.mark.parametrize("budget", [False, True], ids=["no-budget", "measured-budget"])
+@pytest.mark.parametrize("name", ["vae", "my_vae"])
+def test_a_hook_attached_again_in_a_pipelines_group_goes_with_disable(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, budget: bool, name: str
+) -> None:
+    from .test_profile import _budget, _measure_on_the_cpu
+
     before = flux.state()
-    flux.pipe.enable_pinned_offload("cpu")
-    attach_staging_hook(flux.pipe.vae, pipeline_state(flux.pipe).group, name="vae", policy="resident")
-    assert torch.equal(flux.run(), flux.reference)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux) if budget else "auto")
+    if budget:  # plans made again as calls measure, and for a shape of their own
+        _measure_on_the_cpu(flux, monkeypatch)
+    attach_staging_hook(flux.pipe.vae, pipeline_state(flux.pipe).group, name=name, policy="resident")
+    for _ in range(2):
+        assert torch.equal(flux.run(), flux.reference)
+    pipeline_output(flux.pipe, {**call_kwargs("flux"), "height": 48, "width": 48})
     flux.pipe.disable_pinned_offload()
     assert not any(hasattr(module, "_hf_hook") for module in flux.pipe.components.values())
     assert_weights_equal(before, flux.state())
