@@ -327,6 +327,8 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
             state.estimates_failed.add(shape)
         elif state.plan.source and state.profile is not None and state.profile.shapes.pop(shape, None) is not None:
             state.measured_shapes.discard(shape)
+            state.profile.dropped.add(shape)
+            _save_profile(state)
             logger.warning(
                 "A call of %s ran out of device memory under the plan from its figures (%s); the next call "
                 "of it measures again",
@@ -364,6 +366,10 @@ def end_call(state: PipelineResidency) -> None:
         return
     state.profile.shapes[state.shape] = figures
     state.measured_shapes.add(state.shape)
+    _save_profile(state)
+
+
+def _save_profile(state: PipelineResidency) -> None:
     if state.profile_file is not None:
         try:
             write_profile(state.profile_file, state.profile)

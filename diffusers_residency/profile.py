@@ -260,6 +260,9 @@ class ResidencyProfile:
 
     key: Mapping[str, str]
     shapes: dict[str, CallFigures] = field(default_factory=dict)
+    # Shapes whose figures a call disproved in this process (it ran out of memory under them): a
+    # write leaves out the file's figures for them too, or the next process would plan from them.
+    dropped: set[str] = field(default_factory=set)
 
     def first_shape(self) -> str | None:
         """The call shape kept first: a pipeline enabled from the profile plans for it (a service's
@@ -327,8 +330,9 @@ def profile_key(
     policies: Mapping[str, str],
 ) -> dict[str, str]:
     """What a profile's figures hold for. Components are hashed from their class, configuration,
-    attention kernel, dtypes and their tensors' bytes: the same checkpoint loaded again matches, another one
-    (or another dtype) does not. ``policies``: those the caller gave (``components=``), which the
+    attention kernel, dtypes and their tensors' bytes: the same checkpoint loaded again matches,
+    another architecture or dtype does not (a fine-tune of the same one does: its calls need the
+    same). ``policies``: those the caller gave (``components=``), which the
     plan kept with the figures keeps. Not keyed: a VAE's tiling or slicing switched on after loading."""
     import diffusers
     import transformers
@@ -367,7 +371,7 @@ def profile_path(folder: Path, key: Mapping[str, str]) -> Path:
 def read_profile(path: Path, key: Mapping[str, str]) -> ResidencyProfile | None:
     """The profile at ``path`` if it holds for ``key``. A file that is missing gives None quietly;
     one that cannot be read, is malformed, or was measured for something else (another GPU, budget,
-    checkpoint or version) gives None with a warning that says which."""
+    architecture, dtype or version) gives None with a warning that says which."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -423,10 +427,13 @@ def _closest_other(file: Path, key: Mapping[str, str]) -> tuple[Path, list[str]]
 
 def write_profile(path: Path, profile: ResidencyProfile) -> None:
     """Write ``profile`` to ``path`` atomically (a reader sees the old file or the new one, never
-    a part), with the shapes the file held when read (ours win where both have one). Two
-    processes writing at once can still lose each other's new shapes: measured again later."""
+    a part), with the shapes the file held when read (ours win where both have one; those it
+    dropped are left out). Two processes writing at once can still lose each other's new shapes:
+    measured again later."""
     on_disk = read_profile(path, profile.key)
-    merged = ResidencyProfile(profile.key, {**(on_disk.shapes if on_disk else {}), **profile.shapes})
+    saved = on_disk.shapes if on_disk else {}
+    kept = {shape: figures for shape, figures in saved.items() if shape not in profile.dropped}
+    merged = ResidencyProfile(profile.key, {**kept, **profile.shapes})
     path.parent.mkdir(parents=True, exist_ok=True)
     # Readable by others as the umask allows, as any cache file (a profile is shipped with images
     # and shared), where mkstemp would make it private; and made so by the kernel as it is created,

@@ -1030,6 +1030,9 @@ def test_a_call_out_of_memory_under_its_shapes_own_figures_leaves_the_next_to_me
         # Interrupted, the call says nothing of the room; out of memory, that its figures no longer hold.
         assert bool(residency_profile(flux.pipe).shapes) is (error is KeyboardInterrupt)
     assert "ran out of device memory under the plan from its figures" in caplog.text
+    # Nor does the cache file: a process started now would plan from them.
+    state = pipeline_state(flux.pipe)
+    assert not read_profile(state.profile_file, state.profile.key).shapes
     assert torch.equal(flux.run(), flux.reference)
     assert sources[-1] == "", "measured again, with the least on the device"
     assert torch.equal(flux.run(), flux.reference)
