@@ -94,7 +94,12 @@ def attach_block_streaming(
             f"other or the rest of it), too few to stream with {prefetch_blocks} loading ahead; stage it whole instead"
         )
     resident_blocks = frozenset(resident_blocks)
-    outside = [i for i in resident_blocks if not (isinstance(i, numbers.Integral) and 0 <= i < len(blocks))]
+    # True is 1 to Python, and no position.
+    outside = [
+        i
+        for i in resident_blocks
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(blocks)
+    ]
     if outside:
         raise ValueError(
             f"resident_blocks {sorted(outside, key=repr)} are not positions of {name!r}'s {len(blocks)} blocks; "

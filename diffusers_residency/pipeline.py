@@ -463,7 +463,7 @@ def save_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> 
 def load_residency_profile(pipe: DiffusionPipeline, path: str | os.PathLike) -> bool:
     """Plan from the figures in ``path`` (saved by :func:`save_residency_profile`) for the call
     shapes it holds, from the next call on. A profile measured for another setup (GPU, budget,
-    checkpoint, library version) is not used: the log says why, and this returns False."""
+    architecture, dtype, library version) is not used: the log says why, and this returns False."""
     profile = _profile_of(pipe)
     path = Path(path)
     if not path.is_file():

@@ -93,12 +93,13 @@ def _checkpoint_folders(pipe: DiffusionPipeline, names: Iterable[str]) -> dict[s
 
 def _refuse_sharing(pipe: DiffusionPipeline) -> None:
     """Raise for a pipeline without pinned offload of its own whose components another pipeline's
-    stages (``from_pipe``): enabling it would be refused as staging them twice."""
+    stages (``from_pipe``), or a script's group: enabling it would be refused as staging them twice."""
     if pipeline_state(pipe) is None and groups_staging(pipe):
         raise ValueError(
-            f"This {type(pipe).__name__} shares components that another pipeline's pinned offload stages "
-            "(made with from_pipe, or from its components): sleep that pipeline, or put it in a rotation, "
-            "instead. wake_up() and is_sleeping work on either."
+            f"This {type(pipe).__name__} has components staged by another pipeline's pinned offload (made "
+            "with from_pipe, or from its components): sleep that pipeline, or put it in a rotation, instead; "
+            "wake_up() and is_sleeping work on either. Or by hooks a script attached: sleep their "
+            "ResidencyGroup, or detach them (detach_staging_hook) first."
         )
 
 

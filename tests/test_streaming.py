@@ -196,8 +196,9 @@ def test_script_streams_a_component_through_a_group(flux: PipelineCase) -> None:
     before = flux.state()
     group = ResidencyGroup("cpu")
     transformer = flux.pipe.transformer
-    with pytest.raises(ValueError, match="not positions"):
-        attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0, 99])
+    for positions in ([0, 99], [True]):  # True is 1 to Python, and no position
+        with pytest.raises(ValueError, match="not positions"):
+            attach_block_streaming(transformer, group, name="transformer", resident_blocks=positions)
     assert group.units == [] and not hasattr(transformer, "_hf_hook")
     attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0])
     stream = group.units_of("transformer")[1].stream
