@@ -365,6 +365,7 @@ def end_call(state: PipelineResidency) -> None:
     if known == figures:
         return
     state.profile.shapes[state.shape] = figures
+    state.profile.dropped.discard(state.shape)  # measured again: another process's figures may stand
     state.measured_shapes.add(state.shape)
     _save_profile(state)
 
