@@ -32,7 +32,7 @@ from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook
 from .host_budget import file_backing, file_sources, place_on_host, resolve_host_budget
 from .masters import refuse_staged_elsewhere
-from .pipeline_residency import STATE_ATTR, PipelineResidency, apply_plan
+from .pipeline_residency import RESERVE_MARGIN, STATE_ATTR, PipelineResidency, apply_plan
 from .planner import default_reserve
 from .plans import BudgetTooSmallError, ResidencyPlan
 from .policy import Policy
@@ -40,6 +40,7 @@ from .profile import ResidencyProfile, read_profile, starting_profile, write_pro
 from .report import ResidencyReport, report_for
 from .residency import ResidencyGroup
 from .shared_masters import failures_told, refuse_unsharable, share_host_weights
+from .step_timing import StepTiming
 from .weights import module_tensors, refuse_shared_quantization_state, refuse_unstageable_tensors
 
 logger = logging.getLogger(__name__)
@@ -113,29 +114,39 @@ def _hooked_whole(
     replan: Callable[..., ResidencyPlan],
     encoders: Collection[str],
     whole_before: Collection[str],
+    dry_runs: CallDryRuns | None,
 ) -> list[str]:
     """The ``encoders`` to hook whole rather than block by block: those that the plan for the
     figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream,
-    and, enabled again, those hooked whole so before.
+    or, with no profile, the plan for what ``dry_runs`` estimate of a call of the pipeline's default
+    size (its decoder's need; the activation reserve for the others); and, enabled again, those
+    hooked whole so before.
 
     Hooks are attached once, here, and later plans keep them (see ``pipeline_residency.replan_in_place``):
-    hooked by blocks, a component streams for good; hooked whole, it never streams. Without
-    figures, the measuring call gives each component the most room it can, streaming what streams.
+    hooked by blocks, a component streams for good; hooked whole, it never streams. A process with
+    no profile hooks whole what its estimate stages, as one with a profile would: streamed instead,
+    SDXL's second text encoder at 8 GB loads its 33 blocks one by one at every call, each waiting for
+    its copy behind a compute too short to hide it, where a process with a profile loads it in one.
     Encoders only (see :func:`_encoders`): what they need does not grow with the image, where a VAE
     decoding a larger one needs more room, which a whole hook would take at its moment for every
     later shape. A call of a shape the profile lacks is measured under the least plan these hooks
     allow, with the activation reserve for each component: an encoder whose whole leaves no room
     for that stays hooked by blocks."""
-    sizes = {s.name: s for s in replan({}, {}).sizes}
+    unmeasured = replan({}, {})
+    sizes = {s.name: s for s in unmeasured.sizes}
     candidates = set(whole_before)
     first = profile.first_shape()
+    activations: Mapping[str, int] = {}
+    timings: Mapping[str, StepTiming] = {}
     if first is not None:
-        figures = profile.shapes[first]
-        try:
-            plan = replan(figures.activations, {}, timings=figures.timings)
-            candidates |= {p.name for p in plan.components if p.policy is not Policy.STREAMED}
-        except BudgetTooSmallError:
-            pass  # figures for other policies given: the first call measures again (see begin_call)
+        activations, timings = profile.shapes[first].activations, profile.shapes[first].timings
+    elif dry_runs is not None and (need := dry_runs.decoder.need({})) is not None:
+        activations = {dry_runs.decoder.name: need + int(unmeasured.budget * RESERVE_MARGIN)}
+    try:
+        plan = replan(activations, {}, timings=timings)
+        candidates |= {p.name for p in plan.components if p.policy is not Policy.STREAMED}
+    except BudgetTooSmallError:
+        pass  # figures for other policies given: the first call measures again (see begin_call)
     whole: list[str] = []
     for name in sorted(candidates & set(encoders), key=lambda name: sizes[name].nbytes):
         if not sizes[name].per_step:
@@ -272,16 +283,16 @@ def enable_pinned_offload(
             and (not plan.keeps_everything or capped)
             and len(set(sequence)) > 1
         )
-        profile, profile_file, hooked_whole = None, None, []
+        profile, profile_file, hooked_whole, dry_runs = None, None, [], None
         if measuring:
             given = {name: Policy.parse(value, name).value for name, value in (components or {}).items()}
             profile, profile_file = starting_profile(
                 type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
             )
+            dry_runs = CallDryRuns.of(pipe, modules, sequence, guessed_casts(pipe))
             whole_before = previous.hooked_whole if previous is not None else ()
-            hooked_whole = _hooked_whole(profile, replan, _encoders(modules, given), whole_before)
+            hooked_whole = _hooked_whole(profile, replan, _encoders(modules, given), whole_before, dry_runs)
             plan = replan({}, {}, hooked_whole, least=True)
-        dry_runs = CallDryRuns.of(pipe, modules, sequence, guessed_casts(pipe)) if measuring else None
     wrap_every_pipeline_call()
 
     if share_host_masters:

@@ -115,8 +115,9 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     assert planned.source == PROFILE_SOURCE and PROFILED_PLAN_SAYS in str(planned)
     assert planned.activations == learned.activations
     group = pipeline_state(second.pipe).group
-    # The text encoders, which the first pipeline streamed because its measuring call hooked them by
-    # blocks, and which its figures keep whole, are hooked whole now; the VAE, which decodes the
+    # The text encoders that the first pipeline streamed, because its estimate at enable had no room
+    # to stage them (see the next test) and its measuring call hooked them by blocks, and which its
+    # figures keep whole, are hooked whole now; the VAE, which decodes the
     # latents (a larger image needs more room), is not, and keeps the plan learned, as the rest does.
     streamed = {p.name for p in learned.components if p.policy is Policy.STREAMED}
     whole = {p.name for p in planned.components if p.name in streamed and p.policy is not Policy.STREAMED}
@@ -163,6 +164,34 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     kept = fourth.pipe.residency_plan()
     assert measuring == [False] and kept.source == "from the residency profile"
     assert kept.activations == learned.activations and kept["text_encoder_2"].policy is Policy.STREAMED
+
+
+def test_with_no_profile_the_encoders_an_estimate_stages_are_hooked_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first process has no figures, but dry runs estimate its decoder at the default size: the
+    encoders the plan for that estimate stages are hooked whole from the first process on, as a
+    process with a profile hooks them (streamed, their blocks would load one by one at every call);
+    its calls are exact and, once measured, it stages them. An encoder whose whole that plan
+    streams stays hooked by blocks."""
+    case = PipelineCase("sdxl")
+    budget = _budget(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    state = pipeline_state(case.pipe)
+    assert state.profile is not None and state.profile.first_shape() is None, "no profile"
+    group = state.group
+    encoders = ("text_encoder", "text_encoder_2")
+    assert state.hooked_whole == encoders and all(len(group.units_of(name)) == 1 for name in encoders)
+    assert all(len(group.units_of(name)) > 1 for name in ("unet", "vae")), "models stay hooked by blocks"
+    _measure_on_the_cpu(case, monkeypatch)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    plan = case.pipe.residency_plan()
+    assert plan.source == "measured" and all(plan[name].policy is not Policy.STREAMED for name in encoders), str(plan)
+
+    flux = PipelineCase("flux")  # its T5 encoder takes most of the room the estimate leaves
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    units = pipeline_state(flux.pipe).group.units_of
+    assert len(units("text_encoder")) == 1 and len(units("text_encoder_2")) > 1
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_profile(
