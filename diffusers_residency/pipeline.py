@@ -119,8 +119,8 @@ def _hooked_whole(
     """The ``encoders`` to hook whole rather than block by block: those that the plan for the
     figures of the profile's first call shape (the one ``plan_ahead`` plans for) does not stream,
     or, with no profile, the plan for what ``dry_runs`` estimate of a call of the pipeline's default
-    size (its decoder's need; the activation reserve for the others); and, enabled again, those
-    hooked whole so before.
+    size (its decoder's need; the activation reserve for the others, and for every component where
+    no dry run estimates one); and, enabled again, those hooked whole so before.
 
     Hooks are attached once, here, and later plans keep them (see ``pipeline_residency.replan_in_place``):
     hooked by blocks, a component streams for good; hooked whole, it never streams. A process with
@@ -146,7 +146,7 @@ def _hooked_whole(
         plan = replan(activations, {}, timings=timings)
         candidates |= {p.name for p in plan.components if p.policy is not Policy.STREAMED}
     except BudgetTooSmallError:
-        pass  # figures for other policies given: the first call measures again (see begin_call)
+        pass  # figures for other policies given, or a need no plan fits: no candidate from them
     whole: list[str] = []
     for name in sorted(candidates & set(encoders), key=lambda name: sizes[name].nbytes):
         if not sizes[name].per_step:

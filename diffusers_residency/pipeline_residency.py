@@ -62,8 +62,8 @@ class PipelineResidency:
     # nothing is measured (no budget, a reserve given, or a plan that keeps everything).
     profile: ResidencyProfile | None = None
     profile_file: Path | None = None
-    # Encoders hooked whole from a profile's figures (see pipeline._hooked_whole): enabled again,
-    # they stay so, whether or not the profile is found again.
+    # Encoders hooked whole as enabled, from a profile's figures or the dry runs' estimate (see
+    # pipeline._hooked_whole): enabled again, they stay so, whatever the figures then.
     hooked_whole: tuple[str, ...] = ()
     # The shape of the call under way, or of the last one (see adaptive.begin_call), and the shapes whose
     # figures this process measured (the others came from the profile).

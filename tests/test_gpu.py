@@ -558,9 +558,9 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     assert measured == [False, False], "planned from the profile: no measuring call"
     plan = second.pipe.residency_plan()
     assert plan.source == "from the residency profile" and plan.activations == learned.activations, str(plan)
-    # Text encoders that the first pipeline's measuring call hooked by blocks, and that its figures
-    # do not stream, are hooked whole where the measuring plan has room for them so (the CPU test
-    # makes that room); the others keep the plan learned.
+    # Text encoders that the first pipeline hooked by blocks, and that its figures do not stream,
+    # are hooked whole where the measuring plan has room for them so (the CPU test makes that
+    # room); the others keep the plan learned.
     streamed = {p.name for p in learned.components if p.policy is Policy.STREAMED}
     whole = {p.name for p in plan.components if p.name in streamed and p.policy is not Policy.STREAMED}
     assert whole <= {"text_encoder", "text_encoder_2"}, (str(learned), str(plan))

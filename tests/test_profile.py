@@ -187,10 +187,12 @@ def test_with_no_profile_the_encoders_an_estimate_stages_are_hooked_whole(monkey
     plan = case.pipe.residency_plan()
     assert plan.source == "measured" and all(plan[name].policy is not Policy.STREAMED for name in encoders), str(plan)
 
-    flux = PipelineCase("flux")  # its T5 encoder takes most of the room the estimate leaves
+    # Not every encoder: FLUX's T5 encoder, whole, takes more room than the estimate's plan leaves
+    # it, and is hooked by blocks.
+    flux = PipelineCase("flux")
     flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
-    units = pipeline_state(flux.pipe).group.units_of
-    assert len(units("text_encoder")) == 1 and len(units("text_encoder_2")) > 1
+    state = pipeline_state(flux.pipe)
+    assert "text_encoder_2" not in state.hooked_whole and len(state.group.units_of("text_encoder_2")) > 1
     assert torch.equal(flux.run(), flux.reference)
 
 
