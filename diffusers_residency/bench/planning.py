@@ -85,7 +85,9 @@ def timed_plans(sizes: Sequence[ComponentSizes], budget: int, kind: str) -> tupl
     (see the module)."""
     others, (decoder, estimated, measured), (denoiser, step, bus) = FIGURES[kind]
     blocks = next(s for s in sizes if s.name == denoiser).block_bytes
-    # As the pipeline replans once a call is under way: what streams keeps streaming.
+    # As the pipeline replans once a call is under way, what streams keeps streaming: here every
+    # component with blocks, the most the planner searches (enabled, a pipeline hooks whole the
+    # encoders the plan for its estimate stages, SDXL's two at 8 GB, which its plans then move whole).
     streaming = {s.name: Policy.STREAMED for s in sizes if s.streamable}
 
     def plan(decoder_need: int, step_seconds: float) -> Callable[[], object]:
