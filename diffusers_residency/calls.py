@@ -51,7 +51,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
         state = self.__dict__.get(STATE_ATTR)
         if state is not None:
             state = state.staging_replaced(self)
-            state = state if state is not None and state.active else None
+            state = state if state is not None and state.active_in(self) else None
         groups = [state.group] if state is not None else groups_staging(self)
         if not groups:
             return original(self, *args, **kwargs)

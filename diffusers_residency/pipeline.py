@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 def pipeline_state(pipe: DiffusionPipeline) -> PipelineResidency | None:
     """What ``enable_pinned_offload`` set up on ``pipe``, or None (also once every hook was removed)."""
     state = pipe.__dict__.get(STATE_ATTR)
-    if state is not None and not state.active:
+    if state is not None and not state.active_in(pipe):
         _forget(pipe)
         return None
     return state

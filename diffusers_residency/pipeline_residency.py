@@ -83,10 +83,22 @@ class PipelineResidency:
     enable_again: Callable[[DiffusionPipeline], None] = lambda pipe: None
     staged_names: Mapping[str, int] = field(default_factory=dict)
 
-    @property
-    def active(self) -> bool:
-        """False once every hook is gone, e.g. after ``pipe.remove_all_hooks()``."""
-        return bool(self.group.units)
+    def active_in(self, pipe: DiffusionPipeline) -> bool:
+        """Whether pinned offload is still on for ``pipe``: a component of it is staged here, or none
+        of the modules staged as enabled is a component now (each replaced or set to None: enabled
+        again at the next call, see :meth:`staging_replaced`) and hooks are left. Off once
+        ``pipe.remove_all_hooks()`` took the hooks off its components (as ``enable_model_cpu_offload``
+        does first): diffusers walks the components there are, and leaves the hooks of a module
+        replaced or set to None since."""
+        units = self.group.units
+        if not units:
+            return False
+        current = [id(module) for module in pipe.components.values() if isinstance(module, nn.Module)]
+        staged_now = {id(unit.module) for unit in units if unit.name == unit.component}
+        if any(module in staged_now for module in current):
+            return True
+        staged_then = set(self.staged_names.values())
+        return not any(module in staged_then for module in current)
 
     def staging_replaced(self, pipe: DiffusionPipeline) -> PipelineResidency | None:
         """The pipeline's state after enabling it again, as it was enabled, where a staged component
@@ -95,16 +107,23 @@ class PipelineResidency:
         one it replaced would keep its device memory. One set to None (its embeddings computed),
         or to a module another pipeline stages, is left as it was. An attribute look-up per
         component while nothing changed: it runs as every call starts."""
-        if not self._replaced_by_unstaged(pipe) or not self.active:
+        replaced = self._replaced_by_unstaged(pipe)
+        if not replaced or not self.active_in(pipe):
             return self
+        if self.group.host_copy is not None:
+            # Enabled with share_host_masters: enabling is collective, and this rank alone would
+            # wait for the others in it.
+            raise RuntimeError(
+                f"{replaced} replaced since pinned offload was enabled with share_host_masters=True, whose "
+                "ranks share one host copy of the weights: one rank cannot enable it again alone. Call "
+                "pipe.disable_pinned_offload() and then pipe.enable_pinned_offload(..., share_host_masters=True) "
+                "on every rank, each with the new component."
+            )
         with self.group.call_lock:
             current = pipe.__dict__.get(STATE_ATTR)
             if current is not self:  # enabled again by another thread's call meanwhile
                 return current
-            logger.info(
-                "%s replaced since pinned offload was enabled: enabling it again, as it was enabled",
-                self._replaced_by_unstaged(pipe),
-            )
+            logger.info("%s replaced since pinned offload was enabled: enabling it again, as it was enabled", replaced)
             self.enable_again(pipe)
         return pipe.__dict__[STATE_ATTR]
 

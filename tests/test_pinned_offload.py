@@ -14,6 +14,7 @@ import torch
 import diffusers_residency
 from diffusers_residency import ModuleStager, StagingHook, conversions
 from diffusers_residency.bench.builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
+from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import (
     PipelineCase,
@@ -681,6 +682,34 @@ def test_a_component_set_to_none_or_to_one_staged_elsewhere_is_left_as_it_was(fl
     for _ in range(2):
         assert torch.equal(pipeline_output(flux.pipe, call()), reference)
     assert flux.pipe.__dict__["_pinned_residency"] is state, "not enabled again"
+
+
+@pytest.mark.parametrize("change", ["replaced", "set to None"])
+@pytest.mark.parametrize("then", ["remove_all_hooks", "enable_model_cpu_offload"])
+def test_hooks_taken_off_the_components_turn_it_off_though_one_was_replaced_or_set_to_none(
+    flux: PipelineCase, change: str, then: str
+) -> None:
+    """diffusers' remove_all_hooks (enable_model_cpu_offload's first step) walks the components there
+    are: the hooks of a module replaced or set to None since stay on it. Pinned offload is off all
+    the same: pipe.to and model offload are not refused, and no call enables it again."""
+    flux.pipe.enable_pinned_offload(device="cpu")
+    flux.run()
+    if change == "replaced":
+        flux.pipe.vae = build_pipeline("flux", "tiny").vae.eval()  # the same weights, not staged
+    else:
+        flux.pipe.text_encoder = flux.pipe.text_encoder_2 = None
+    if then == "remove_all_hooks":
+        flux.pipe.remove_all_hooks()
+        flux.pipe.to("cpu")
+    else:
+        flux.pipe.enable_model_cpu_offload(device="cpu")
+    assert pipeline_state(flux.pipe) is None and staging_hooks(flux.pipe) == {}
+    if change == "replaced":
+        untouched = PipelineCase("flux")  # model offload moves CPU results' last bits: see above
+        if then == "enable_model_cpu_offload":
+            untouched.pipe.enable_model_cpu_offload(device="cpu")
+        assert torch.equal(flux.run(), untouched.run())
+        assert staging_hooks(flux.pipe) == {}, "not enabled again by the call"
 
 
 def test_two_components_swapped_are_another_setup(flux: PipelineCase) -> None:

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from diffusers_residency import ModuleStager, shared_masters
+from diffusers_residency import ModuleStager, StagingHook, shared_masters
+from diffusers_residency.bench.builders import build_pipeline
 from diffusers_residency.pages import PAGE
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.shared_masters import FILE_PREFIX, SHARED_FOLDER
@@ -549,5 +550,25 @@ def test_an_inference_weight_sharing_a_page_with_one_written_stays_in_the_host_c
         reading = {id(b.target): group.read_from is not None for group in stager._groups for b in group.bindings}
         assert reading == {id(module.weight): False, id(module.bias): True}
         assert torch.equal(module.bias, expected[0]) and torch.equal(module.weight, expected[1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_component_replaced_on_one_rank_is_refused_at_its_next_call_before_anything_changes(tmp_path: Path) -> None:
+    # Enabling with share_host_masters is collective: one rank cannot enable again alone, as it does
+    # for a component replaced without sharing (a world of one rank here).
+    _join(0, 1, str(tmp_path / "store"))
+    try:
+        case = _pipeline()
+        case.pipe.enable_pinned_offload("cpu", share_host_masters=True)
+        state = pipeline_state(case.pipe)
+        old = case.pipe.vae
+        case.pipe.vae = build_pipeline("flux", "tiny").vae.eval()
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"\['vae'\] replaced since .* share_host_masters=True.* every rank"):
+                case.run()
+        assert pipeline_state(case.pipe) is state and isinstance(old._hf_hook, StagingHook)
+        case.pipe.vae = old
+        assert torch.equal(case.run(), case.reference)
     finally:
         dist.destroy_process_group()
