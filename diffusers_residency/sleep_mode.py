@@ -127,14 +127,15 @@ def sleep(
     pipeline is on), so its host masters are taken once, here. Sleeping what sleeps is a no-op; a
     different level for a component that already sleeps is ignored with a warning.
     """
-    state = pipeline_state(pipe)
-    if state is not None:
-        state.staging_replaced(pipe)
     _refuse_sharing(pipe)
     plan = _sleep_plan(pipe, level, offload, discard)
     folders = _checkpoint_folders(pipe, [name for name, lvl in plan.items() if lvl == 2])
-    # Every file read before anything sleeps: one that cannot be read refuses the whole sleep.
+    # Every file read before anything sleeps: one that cannot be read refuses the whole sleep. (By
+    # the tensors' ids, which a component replaced since keeps as it is enabled again just below.)
     views = {name: checkpoint_views(folder, pipe.components[name]) for name, folder in folders.items()}
+    state = pipeline_state(pipe)
+    if state is not None:
+        state.staging_replaced(pipe)
     state = pipeline_state(pipe)
     if state is None:
         modules = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
@@ -150,6 +151,12 @@ def sleep(
     for name, component in staged_as.items():
         for unit in group.units_of(component) if component is not None else ():
             group.sleep(unit, plan[name], views.get(name))
+    # A component set to None since (its embeddings computed) is no component to wake, but its
+    # device copies are weights of this pipeline's setup all the same: they go too.
+    current = {id(module) for module in pipe.components.values()}
+    for unit in group.units:
+        if unit.name == unit.component and id(unit.module) not in current:
+            group.offload_component(unit.component)
     if release_cache:
         group.retention.release(reason="sleep")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusers_residency import AwakeRotation, detach_staging_hook, sleep, sleep_mode, wake_up
-from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency import AwakeRotation, StagingHook, detach_staging_hook, sleep, sleep_mode, wake_up
+from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.policy import Policy
 
 from .helpers import PipelineCase, assert_no_meta_or_foreign_device, assert_weights_equal, enable_with_transformer
@@ -321,11 +321,30 @@ def test_per_component_levels(flux: PipelineCase) -> None:
         (dict(offload=["tokenizer"]), "tokenizer"),
     ],
 )
-def test_bad_sleep_arguments(flux: PipelineCase, kwargs: dict, error: str) -> None:
+@pytest.mark.parametrize("replaced", [False, True], ids=["", "a component replaced since enabling"])
+def test_bad_sleep_arguments(flux: PipelineCase, kwargs: dict, error: str, replaced: bool) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
+    state, vae = flux.pipe.__dict__["_pinned_residency"], flux.pipe.vae
+    if replaced:  # enabled again by the next call or sleep: not by one refused
+        flux.pipe.vae = build_pipeline("flux", "tiny").vae.eval()
     with pytest.raises(ValueError, match=error):
         flux.pipe.sleep(**kwargs)
     assert not flux.pipe.is_sleeping
+    assert flux.pipe.__dict__["_pinned_residency"] is state and isinstance(vae._hf_hook, StagingHook)
+
+
+def test_sleep_gives_back_the_device_copies_of_a_component_set_to_none(flux: PipelineCase) -> None:
+    # Embeddings computed, the text encoders dropped: their units are still the setup's, and kept
+    # resident they hold device memory that the sleep is to free.
+    flux.pipe.enable_pinned_offload(device="cpu", components={"text_encoder": "resident", "text_encoder_2": "resident"})
+    flux.run()
+    group = flux.pipe.__dict__["_pinned_residency"].group
+    encoders = [unit for name in ("text_encoder", "text_encoder_2") for unit in group.units_of(name)]
+    assert encoders and all(unit.stager.loaded for unit in encoders)
+    flux.pipe.text_encoder = flux.pipe.text_encoder_2 = None
+    flux.pipe.sleep()
+    assert not any(unit.stager.loaded for unit in group.units)
+    assert_no_meta_or_foreign_device(flux.pipe)
 
 
 def test_a_module_registered_under_two_names_sleeps_by_either(flux: PipelineCase) -> None:
