@@ -28,6 +28,7 @@ from . import _device
 from .residency import ResidencyGroup, ResidencyUnit
 from .retry_with_room import RETRIED_METHODS, retried_with_room
 from .text import format_bytes
+from .weights import module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +333,11 @@ class StagingHook(ModelHook):
         # Cast the host masters rather than a device copy: no device-to-host copy, and the results
         # are host tensors ready to become the new masters.
         unit, group = self.unit, self.group
+        if group.cast_dtype is not None and not group.casting and _already_in(unit.module, group.cast_dtype):
+            # nn.Module.to(dtype) casts floating-point tensors alone: to the dtype they all have, it
+            # changes nothing. Offloaded for it, a unit would leave the device under a forward
+            # running it (a no-op cast from another thread, or between a component's blocks).
+            return unit.module
         convert = functools.partial(
             unit.stager.convert,
             lambda apply: original_apply(apply, recurse),
@@ -372,6 +378,15 @@ class StagingHook(ModelHook):
             unit.sleep_level = 1
         return result
 
+
+def _already_in(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether every floating-point (or complex) tensor of ``module`` is a plain one of ``dtype``: a
+    tensor subclass (a quantized weight) may cast in a ``to`` of its own."""
+    return all(
+        type(tensor) in (torch.Tensor, nn.Parameter) and tensor.dtype == dtype
+        for tensor in module_tensors((module,))
+        if tensor.is_floating_point() or tensor.is_complex()
+    )
 
 def _served_bytes(units: list[ResidencyUnit]) -> int:
     """Master bytes of ``units`` that a host budget serves from checkpoint files (see host_budget)."""

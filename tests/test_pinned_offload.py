@@ -189,6 +189,25 @@ def test_dtype_cast_inside_pipeline_moves_the_masters(flux: PipelineCase) -> Non
     assert_weights_equal(before, flux.state())
 
 
+def test_a_cast_to_the_dtype_a_component_has_moves_nothing(flux: PipelineCase) -> None:
+    # Between the transformer's blocks, with the block about to run and the trunk loaded: a cast
+    # that changes nothing leaves them there (offloaded, a forward on another thread would run on
+    # storage handed to the next block).
+    flux.pipe.enable_pinned_offload(device="cpu", vram_budget="2GB", components={"transformer": "streamed"})
+    flux.run()
+    units = pipeline_state(flux.pipe).group.units_of("transformer")
+    moved = []
+
+    def cast(*_) -> None:
+        loaded = [unit for unit in units if unit.stager.loaded]
+        flux.pipe.transformer.to(torch.float32)
+        moved.append([unit.name for unit in loaded if not unit.stager.loaded])
+
+    flux.pipe.transformer.transformer_blocks[1].register_forward_pre_hook(cast)
+    assert torch.equal(flux.run(), flux.reference)
+    assert moved and not any(moved), moved
+
+
 @pytest.mark.parametrize("vae", ["staged", "streamed"])
 def test_a_cast_back_and_forth_reuses_the_masters_of_each_side(flux: PipelineCase, vae: str) -> None:
     """SDXL casts its VAE up and back at every call: the second round trip binds the masters the
