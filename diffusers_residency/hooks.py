@@ -388,6 +388,7 @@ def _already_in(module: nn.Module, dtype: torch.dtype) -> bool:
         if tensor.is_floating_point() or tensor.is_complex()
     )
 
+
 def _served_bytes(units: list[ResidencyUnit]) -> int:
     """Master bytes of ``units`` that a host budget serves from checkpoint files (see host_budget)."""
     return sum(unit.stager.host_bytes()["mapped"] for unit in units if unit.stager.file_backing is not None)
