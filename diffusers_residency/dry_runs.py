@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .diffusers_hooks import compute_dtypes
+from .live_bytes import LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
 from .streaming import repeated_blocks
 
@@ -44,35 +44,6 @@ logger = logging.getLogger(__name__)
 # with the rest of the pipeline off the device (see dry_run_plans.make_room_to_retry), a first call
 # slower by a decode and the reloads after it.
 ALLOCATOR_FACTOR = 2.0
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the storages that the operations run under it create, while they are
-    alive, and the most alive at once. Storages it was told of (weights, inputs) are not counted
-    again when an operation returns a view of them."""
-
-    def __init__(self, known: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self._sizes: dict[int, int] = {id(tensor.untyped_storage()): 0 for tensor in known}
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                storage = leaf.untyped_storage()
-                key = id(storage)
-                if key not in self._sizes:
-                    # A storage's Python object lives exactly as long as the storage (torch keeps
-                    # it with the storage), so its finalizer says when the memory would be freed.
-                    self._sizes[key] = storage.nbytes()
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, key)
-        return out
-
-    def _freed(self, key: int) -> None:
-        self.live -= self._sizes.pop(key)
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -191,7 +162,7 @@ def _described(leaf: Any) -> Any:
     return leaf if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
 
 
-def _replaying_repeats(twin: nn.Module, counter: _LiveBytes) -> Callable[[], None]:
+def _replaying_repeats(twin: nn.Module, counter: LiveBytes) -> Callable[[], None]:
     """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time a
     block of its class and tensors' shapes sees inputs of their shapes; later ones return new
     tensors of the shapes it returned, and count the most it held above what was alive as it
@@ -224,7 +195,7 @@ def _block_layouts(twin: nn.Module) -> list[tuple[nn.Module, tuple]]:
 
 
 def _replayed(
-    counter: _LiveBytes, seen: dict[tuple, tuple[Any, int]], layout: tuple, forward: Callable, *args: Any, **kwargs: Any
+    counter: LiveBytes, seen: dict[tuple, tuple[Any, int]], layout: tuple, forward: Callable, *args: Any, **kwargs: Any
 ) -> Any:
     key = (layout, _signature(args, kwargs))
     entry = counter.live
@@ -255,7 +226,7 @@ def dry_run_need(twin: nn.Module, run: Callable[[nn.Module], Any], inputs: Seque
     meta tensors do not have)."""
     undo = None
     try:
-        counter = _LiveBytes([*twin.parameters(), *twin.buffers(), *inputs])
+        counter = LiveBytes([*twin.parameters(), *twin.buffers(), *inputs])
         counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
         undo = _replaying_repeats(twin, counter)
         with torch.no_grad(), _FusedAttention(), counter:

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel, UNet2DConditionModel
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
 from torch.overrides import TorchFunctionMode
 
-from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_run_plans, dry_runs, kept_blocks
+from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_run_plans, dry_runs, kept_blocks, live_bytes
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
@@ -633,3 +633,61 @@ def test_a_streamed_decoder_decoding_again_learns_the_order_of_a_whole_pass(
     blocks = state.group.units_of("vae")[1:]
     decoding = {block.name for block in blocks if ".decoder." in block.name}
     assert set(blocks[0].stream.order) == decoding, "every block the decode ran, not those before the retry"
+
+
+def test_operations_run_once_per_layout_change_no_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Full-sized SDXL UNet and VAE (on the meta device): an operation seen before on inputs of the
+    # same layouts returns tensors of the layouts it made, and every estimate is what running them
+    # all gives.
+    unet = _full_on_meta(UNet2DConditionModel, "sdxl_unet", torch.float16)
+    half = torch.float16
+    step = (
+        (torch.empty(2, 4, 128, 128, dtype=half, device="meta"), torch.tensor(999.0)),
+        {
+            "encoder_hidden_states": torch.empty(2, 77, 2048, dtype=half, device="meta"),
+            "added_cond_kwargs": {
+                "text_embeds": torch.empty(2, 1280, dtype=half, device="meta"),
+                "time_ids": torch.empty(2, 6, dtype=half, device="meta"),
+            },
+            "return_dict": False,
+        },
+    )
+    vae = meta_twin(_full_on_meta(AutoencoderKL, "sdxl_vae", torch.float32))
+    latents = torch.empty(1, 4, 128, 128, device="meta")
+
+    def needs() -> tuple[int | None, int | None]:
+        decode = dry_run_need(vae, lambda twin: twin.decode(latents, return_dict=False), [latents])
+        return ForwardDryRun(unet).need(*step), decode
+
+    runs: list[bool] = []
+    layouts = live_bytes._new_tensor_layouts
+    monkeypatch.setattr(live_bytes, "_new_tensor_layouts", lambda *a: runs.append(True) or layouts(*a))
+    dispatched: list[bool] = []
+    dispatch = live_bytes.LiveBytes.__torch_dispatch__
+    monkeypatch.setattr(
+        live_bytes.LiveBytes, "__torch_dispatch__", lambda *a, **k: dispatched.append(True) or dispatch(*a, **k)
+    )
+    remembered = needs()
+    assert 0 < len(runs) < len(dispatched) / 2, (len(runs), len(dispatched))
+
+    def no_key(value: object) -> None:
+        raise live_bytes._NoLayoutKey
+
+    monkeypatch.setattr(live_bytes, "_layout_key", no_key)
+    assert remembered == needs()
+    assert all(need is not None and need > GB / 2 for need in remembered), remembered
+
+
+def test_an_operation_returning_a_view_or_a_host_tensor_runs_every_time() -> None:
+    # Only new meta tensors filling storages of their own stand in for a run: a view shares its
+    # input's storage (counted once), and a tensor on the host has values the code may read.
+    weight = torch.empty(4, 4, device="meta")
+    counter = live_bytes.LiveBytes([weight])
+    with counter:
+        views = [weight.t(), weight.t()]
+        host = [torch.arange(3), torch.arange(3)]
+        made = [weight + 1, weight + 1]
+    assert all(view.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for view in views)
+    assert counter.peak == 2 * 16 * 4 + 2 * 3 * 8  # the views count nothing, the rest once each
+    assert host[1].tolist() == [0, 1, 2]
+    assert made[0].untyped_storage() is not made[1].untyped_storage()
