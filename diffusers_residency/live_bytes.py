@@ -3,6 +3,7 @@ alive at once (see ``dry_runs``)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,24 +29,20 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self._sizes: dict[int, int] = {id(tensor.untyped_storage()): 0 for tensor in known}
         self.live = self.peak = 0
-        # Per operation and inputs' layouts: the layouts of the new tensors it returned, or None
-        # where it returned anything else (a view of an input, a number).
+        # Per operation and inputs' layouts (see _key): the layouts of the new tensors it returned,
+        # or None where it returned anything else (a host tensor, a number).
         self._made: dict[tuple, Any] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        try:
-            key = (func, _layout_key(args), _layout_key(kwargs))
-        except _NoLayoutKey:
-            key = None
+        key = _key(func, args, kwargs)
         made = self._made.get(key) if key is not None else None
         if made is not None:
             out = tree_map(_empty_as, made, is_leaf=lambda leaf: isinstance(leaf, _Layout))
         else:
             out = func(*args, **kwargs)
             if key is not None and key not in self._made:
-                # One that writes into an argument runs every time: it may resize it.
-                self._made[key] = None if func._schema.is_mutable else _new_tensor_layouts(out, (args, kwargs))
+                self._made[key] = _new_tensor_layouts(out, (args, kwargs))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 storage = leaf.untyped_storage()
@@ -62,21 +59,46 @@ class LiveBytes(TorchDispatchMode):
         self.live -= self._sizes.pop(key)
 
 
-# Arguments that say the same thing wherever they are equal (a dimension, an epsilon, a dtype).
+# Arguments that say the same thing wherever they are equal and of one type (a dimension, an
+# epsilon, a dtype: 1, 1.0 and True are equal, but an operation promotes them differently).
 _PLAIN_ARGUMENTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class _NoLayoutKey(Exception):
-    """An argument that is no tensor nor plain value (a symbolic size): the operation is run."""
+    """An argument that is no meta tensor nor plain value: the operation is run."""
+
+
+@functools.cache
+def _makes_new_tensors_only(func: Any) -> bool:
+    """Whether ``func`` may be reused: it writes into no argument (it may resize one) and returns
+    no view of one (views are cheap to make, and share their input's storage)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and not schema.is_mutable and not any(result.alias_info for result in schema.returns)
+
+
+def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """What ``func``'s outputs' layouts depend on, or None where that is not known."""
+    if not _makes_new_tensors_only(func):
+        return None
+    try:
+        # The default dtype too: a factory function with no dtype makes tensors of it.
+        key = (func, torch.get_default_dtype(), _layout_key(args), _layout_key(kwargs))
+        hash(key)  # a symbolic size is unhashable
+    except (_NoLayoutKey, TypeError, RuntimeError):  # RuntimeError: a nested tensor has no strides
+        return None
+    return key
 
 
 def _layout_key(value: Any) -> Any:
-    """``value`` with each tensor as its layout (class, shape, strides, dtype, device): what an operation's
-    outputs' layouts depend on."""
+    """``value`` with each tensor as its layout (class, shape, strides, dtype): what an operation's
+    outputs' layouts depend on. A tensor off the meta device has values that may shape them (a
+    boolean mask indexing a meta tensor)."""
     if isinstance(value, torch.Tensor):
-        return (type(value), value.shape, value.stride(), value.dtype, value.device)
+        if not value.is_meta:
+            raise _NoLayoutKey
+        return (type(value), value.shape, value.stride(), value.dtype)
     if isinstance(value, _PLAIN_ARGUMENTS):
-        return value
+        return (type(value), value)
     if isinstance(value, (tuple, list)):
         return (type(value), *(_layout_key(item) for item in value))
     if isinstance(value, dict):
@@ -92,11 +114,16 @@ class _Layout:
 
 
 def _new_tensor_layouts(out: Any, inputs: Any) -> Any:
-    """The layouts of ``out``'s tensors, or None unless each is a meta tensor over a storage of its
-    own that it fills (not a view of an input, nor of another output)."""
+    """The layouts of ``out``'s tensors, or None unless each is a plain meta tensor (no subclass,
+    which an empty tensor would not stand for) over a storage of its own that it fills (not a view
+    of an input, nor of another output)."""
     taken = {id(leaf.untyped_storage()) for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)}
     for leaf in tree_flatten(out)[0]:
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_meta or id(leaf.untyped_storage()) in taken:
+        if (
+            type(leaf) not in (torch.Tensor, torch.nn.Parameter)
+            or not leaf.is_meta
+            or id(leaf.untyped_storage()) in taken
+        ):
             return None
         taken.add(id(leaf.untyped_storage()))
         if leaf.storage_offset() or leaf.untyped_storage().nbytes() != _strided_bytes(leaf):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -691,3 +692,73 @@ def test_an_operation_returning_a_view_or_a_host_tensor_runs_every_time() -> Non
     assert counter.peak == 2 * 16 * 4 + 2 * 3 * 8  # the views count nothing, the rest once each
     assert host[1].tolist() == [0, 1, 2]
     assert made[0].untyped_storage() is not made[1].untyped_storage()
+
+
+class _Wrapper(torch.Tensor):
+    """A tensor subclass wrapping another, as quantized weights' classes do."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        unwrap = lambda value: value.inner if isinstance(value, _Wrapper) else value  # noqa: E731
+        out = func(*[unwrap(arg) for arg in args], **{name: unwrap(value) for name, value in (kwargs or {}).items()})
+        return _Wrapper(out) if isinstance(out, torch.Tensor) else out
+
+
+def _promoting_scalars() -> list[torch.Tensor]:
+    x = torch.empty(1000, dtype=torch.int64, device="meta")
+    return [x * 2, x * 2.0, torch.full((10,), 1, device="meta"), torch.full((10,), True, device="meta")]
+
+
+def _masks_on_the_host() -> list[torch.Tensor]:
+    x = torch.empty(8, 1000, device="meta")
+    return [x[torch.ones(8, dtype=torch.bool)], x[torch.arange(8) < 4]]
+
+
+def _default_dtype_changed() -> list[torch.Tensor]:
+    first = torch.empty(1000, device="meta")
+    torch.set_default_dtype(torch.float64)
+    try:
+        return [first, torch.empty(1000, device="meta")]
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _subclass_outputs() -> list[torch.Tensor]:
+    wrapped = _Wrapper(torch.empty(64, 64, device="meta"))
+    return [wrapped + 1, wrapped + 1]
+
+
+def _nested_on_the_host() -> list[torch.Tensor]:
+    nested = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)])
+    return [nested * 2, nested * 2]
+
+
+@pytest.mark.parametrize(
+    "run", [_promoting_scalars, _masks_on_the_host, _default_dtype_changed, _subclass_outputs, _nested_on_the_host]
+)
+def test_operations_are_reused_only_where_nothing_but_layouts_shapes_their_outputs(
+    run: Callable[[], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What an operation returns may hang on a scalar's type (1 and 1.0 are equal keys), a host
+    # tensor's values, the default dtype, or its inputs' class: each such call runs as it would
+    # without reuse, and counts the same bytes.
+    def outcome() -> tuple[list[tuple], int]:
+        counter = live_bytes.LiveBytes([])
+        with counter:
+            outputs = run()
+        return [(type(out), out.dtype, out.is_nested or tuple(out.shape)) for out in outputs], counter.peak
+
+    reused = outcome()
+
+    def no_key(value: object) -> None:
+        raise live_bytes._NoLayoutKey
+
+    monkeypatch.setattr(live_bytes, "_layout_key", no_key)
+    assert reused == outcome()
