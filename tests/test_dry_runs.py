@@ -201,6 +201,27 @@ def test_a_first_call_is_planned_from_dry_runs_as_its_denoiser_starts_and_keeps_
     assert torch.equal(_run(flux), flux.reference)
 
 
+def test_a_decoder_that_retried_under_the_dry_runs_estimate_gets_more_than_that_room(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under a cap, a decoder short of the estimate's room makes the allocator retry, and its peak
+    # reads what the cap let through: here 1000 bytes, less than the estimate gave it.
+    state = _measured(flux, monkeypatch)
+    retries = [0]
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    flux.pipe.vae.decoder.register_forward_hook(lambda *_: retries.__setitem__(0, retries[0] + 2))
+    estimated: list[int] = []
+    flux.pipe.vae.decoder.register_forward_pre_hook(lambda *_: estimated.append(state.plan.activation_bytes_of("vae")))
+    assert torch.equal(_run(flux), flux.reference)
+    margin = int(state.plan.budget * 0.02)
+    room = estimated[0]
+    assert room > 1000 + margin, "the estimate gave the decoder more room than its peak read"
+    plan = flux.pipe.residency_plan()
+    assert plan.source == "measured" and plan.activations["vae"] == room + margin, str(plan)
+    assert plan.activations["transformer"] == 1000 + margin, "the others as measured"
+    assert torch.equal(_run(flux), flux.reference)
+
+
 def test_a_first_call_planned_from_dry_runs_plans_its_other_steps_for_the_first_step_it_timed(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
