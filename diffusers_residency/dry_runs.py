@@ -32,6 +32,7 @@ from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
 from .streaming import repeated_blocks
+from .weights import module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -270,15 +271,31 @@ class DecoderDryRun:
     size: its latents are ``batch x latent_channels x height/f x width/f`` for the pipelines that
     make images from text (FLUX, SDXL, SD3, Qwen-Image...), with ``f`` the pipeline's
     ``vae_scale_factor`` and the size its default where not given. ``dtype``: the one it decodes in
-    (SDXL casts a float16 VAE to float32 to decode)."""
+    (SDXL casts a float16 VAE to float32 to decode); ``cast_whole``: whether the pipeline casts the
+    whole VAE to it, rather than each layer as it runs (layerwise casting)."""
 
-    def __init__(self, name: str, module: nn.Module, scale_factor: int, default_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        scale_factor: int,
+        default_size: int,
+        dtype: torch.dtype,
+        *,
+        cast_whole: bool = False,
+    ) -> None:
         self.name = name
         self._module = module
         self.latent_channels: int = module.config.latent_channels
         self.scale_factor = scale_factor
         self.default_size = default_size
         self.dtype = dtype
+        # Cast whole, the VAE holds its weights wider while it decodes than the plan counts them (as
+        # stored): room the decode takes above the planned weights, as a measured call's need has
+        # it. Counted for all of them, as a VAE staged whole holds them; a streamed one holds its
+        # trunk and a window of blocks. (SDXL's VAE, 167 MB more in float32: planned without them
+        # at 1024x1024 under an 8 GB cap, its first decode made the allocator retry.)
+        self._widened = _widened_bytes(module, dtype) if cast_whole else 0
         self._twin = meta_twin(module)
         if self._twin is not None:
             _cast(self._twin, dtype)
@@ -309,7 +326,7 @@ class DecoderDryRun:
         dtype = casts.get("vae", (_computes_in(vae),))[0]
         if dtype is None:
             return None
-        return cls("vae", vae, factor, default * factor, dtype)
+        return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts)
 
     def need(self, parts: Mapping[str, Any]) -> int | None:
         """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
@@ -338,7 +355,17 @@ class DecoderDryRun:
             latents = torch.empty(shape, dtype=self.dtype, device="meta")
             decode = lambda twin: twin.decode(latents, return_dict=False)  # noqa: E731
             self._needs[key] = dry_run_need(self._twin, decode, [latents])
-        return self._needs.get(key)
+        need = self._needs.get(key)
+        return None if need is None else need + self._widened
+
+
+def _widened_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """The bytes ``module``'s floating-point tensors narrower than ``dtype`` gain cast to it."""
+    return sum(
+        tensor.numel() * (dtype.itemsize - tensor.element_size())
+        for tensor in module_tensors((module,))
+        if tensor.is_floating_point() and tensor.element_size() < dtype.itemsize
+    )
 
 
 def _computes_in(module: nn.Module) -> torch.dtype | None:

@@ -50,7 +50,7 @@ FIGURES = {
     ),
     "sdxl": (
         {"text_encoder": 249 * _MB, "text_encoder_2": 234 * _MB, "unet": 690 * _MB},
-        ("vae", 6443 * _MB, 6760 * _MB),
+        ("vae", 6611 * _MB, 6760 * _MB),
         ("unet", 0.061, 53.9e9),
     ),
 }
