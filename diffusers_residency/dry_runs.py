@@ -152,7 +152,8 @@ def holds_quantized(module: nn.Module, recurse: bool = True) -> bool:
 
 def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """What a block's memory may depend on in its inputs: their structure (keyword names included),
-    tensors' shapes and dtypes, and the values of plain ones (a flag, a size)."""
+    tensors' shapes and dtypes, and the types and values of plain ones (a flag, a size: ``True``,
+    ``1`` and ``1.0`` are equal, and promote a tensor they multiply to different dtypes)."""
     leaves, spec = tree_flatten((args, dict(kwargs)))
     return (str(spec), *(_described(leaf) for leaf in leaves))
 
@@ -160,7 +161,7 @@ def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 def _described(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return tuple(leaf.shape), leaf.dtype
-    return leaf if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
+    return (type(leaf), leaf) if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
 
 
 def _replaying_repeats(twin: nn.Module, counter: LiveBytes) -> Callable[[], None]:

@@ -102,6 +102,29 @@ def test_replaying_repeated_blocks_changes_no_estimate(kind: str, monkeypatch: p
     assert replayed == every_block > 0
 
 
+class _Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, factor: object) -> torch.Tensor:
+        return x * factor
+
+
+class _ScaledTwice(torch.nn.Module):
+    _repeated_blocks = ["_Scaled"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Scaled() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Equal factors of other types: int8 times True stays int8, times 1.0 is float32.
+        return self.blocks[0](x, True), self.blocks[1](x, 1.0)
+
+
+def test_a_block_replays_only_for_plain_arguments_of_the_same_type_and_value() -> None:
+    x = torch.empty(1000, dtype=torch.int8, device="meta")
+    need = dry_run_need(_ScaledTwice(), lambda twin: twin(x), [x])
+    assert need == int((1000 + 1000 + 4000) * dry_runs.ALLOCATOR_FACTOR), "the float32 product counted as float32"
+
+
 def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeline_decodes_in(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
