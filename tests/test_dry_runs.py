@@ -812,3 +812,26 @@ def test_operations_are_reused_only_where_nothing_but_layouts_shapes_their_outpu
 
     monkeypatch.setattr(live_bytes, "_layout_key", no_key)
     assert reused == outcome()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 32, 16, 16), (1, 64, 8), (2, 32, 4, 4, 4), (2, 32, 1, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_group_norm_made_directly_has_the_layouts_its_decomposition_makes(
+    dtype: torch.dtype, shape: tuple[int, ...], affine: bool, channels_last: bool
+) -> None:
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    if channels_last and len(shape) == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = bias = torch.empty(shape[1], dtype=dtype, device="meta") if affine else None
+    inner = int(np.prod(shape[2:]))
+    args = (x, weight, bias, shape[0], shape[1], inner, 8, 1e-5)
+    decomposed = torch.ops.aten.native_group_norm.default(*args)
+    counter = live_bytes.LiveBytes([x])
+    with counter:
+        direct = torch.ops.aten.native_group_norm.default(*args)
+    for made, expected in zip(direct, decomposed, strict=True):
+        assert (made.shape, made.stride(), made.dtype) == (expected.shape, expected.stride(), expected.dtype)
+        assert made.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
+    assert counter.peak == sum(out.untyped_storage().nbytes() for out in decomposed)
