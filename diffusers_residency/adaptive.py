@@ -151,11 +151,15 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int], ret
     activations = {**plan.activations, **{name: need + margin for name, need in measured.items()}}
     short_of = {name: max(activations.get(name, plan.reserve), plan.activation_bytes_of(name)) for name in retried}
     with_retries = {**activations, **{name: room + margin for name, room in short_of.items()}}
+    # Where the margin finds no room: at least the room that retried, rather than the capped peak.
+    at_room = {**activations, **short_of}
     needs = ", ".join(f"{name} {format_bytes(need)}" for name, need in measured.items())
     # A component whose step this call did not time (a call of fewer than three steps) keeps the
     # timing the plan had, or takes the latest one timed, in an earlier call.
     timings = {**plan.timings, **step_timings(state.group, state.plan)}
-    new_plan, planned = _first_that_fits(state, (with_retries, activations) if retried else (activations,), timings)
+    candidates = (with_retries, at_room, activations) if retried else (activations,)
+    distinct = [c for i, c in enumerate(candidates) if c not in candidates[:i]]  # a plan fails slowly
+    new_plan, planned = _first_that_fits(state, distinct, timings)
     if new_plan is None:
         logger.warning(
             "%s measured %s above the weights; with margins no plan fits vram_budget %s, so the plan it "

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .diffusers_hooks import compute_dtypes
-from .live_bytes import LiveBytes
+from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
 from .streaming import repeated_blocks
 from .weights import module_tensors
@@ -152,8 +152,8 @@ def holds_quantized(module: nn.Module, recurse: bool = True) -> bool:
 
 def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """What a block's memory may depend on in its inputs: their structure (keyword names included),
-    tensors' shapes and dtypes, and the types and values of plain ones (a flag, a size: ``True``,
-    ``1`` and ``1.0`` are equal, and promote a tensor they multiply to different dtypes)."""
+    tensors' shapes and dtypes, and the types and values of plain ones (a flag, a size, a dtype:
+    ``True``, ``1`` and ``1.0`` are equal, and promote a tensor they multiply to different dtypes)."""
     leaves, spec = tree_flatten((args, dict(kwargs)))
     return (str(spec), *(_described(leaf) for leaf in leaves))
 
@@ -161,7 +161,7 @@ def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 def _described(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return tuple(leaf.shape), leaf.dtype
-    return (type(leaf), leaf) if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
+    return (type(leaf), leaf) if isinstance(leaf, PLAIN_ARGUMENTS) else type(leaf)
 
 
 def _replaying_repeats(twin: nn.Module, counter: LiveBytes) -> Callable[[], None]:
@@ -292,9 +292,9 @@ class DecoderDryRun:
         self.default_size = default_size
         self.dtype = dtype
         # Cast whole, the VAE holds its weights wider while it decodes than the plan counts them (as
-        # stored): room the decode takes above the planned weights, as a measured call's need has
-        # it. Counted for all of them, as a VAE staged whole holds them; a streamed one holds its
-        # trunk and a window of blocks. (SDXL's VAE, 167 MB more in float32: planned without them
+        # stored): room the decode takes above the planned weights, which a measured call's need
+        # has in it (read once the VAE is cast back, off the device). Counted for all of them, as
+        # a VAE staged whole holds them; a streamed one holds its trunk and a window of blocks. (SDXL's VAE, 167 MB more in float32: planned without them
         # at 1024x1024 under an 8 GB cap, its first decode made the allocator retry.)
         self._widened = _widened_bytes(module, dtype) if cast_whole else 0
         self._twin = meta_twin(module)

@@ -62,7 +62,7 @@ class LiveBytes(TorchDispatchMode):
 
 # Arguments that say the same thing wherever they are equal and of one type (a dimension, an
 # epsilon, a dtype: 1, 1.0 and True are equal, but an operation promotes them differently).
-_PLAIN_ARGUMENTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+PLAIN_ARGUMENTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class _NoLayoutKey(Exception):
@@ -98,7 +98,7 @@ def _layout_key(value: Any) -> Any:
         if not value.is_meta:
             raise _NoLayoutKey
         return (type(value), value.shape, value.stride(), value.dtype)
-    if isinstance(value, _PLAIN_ARGUMENTS):
+    if isinstance(value, PLAIN_ARGUMENTS):
         return (type(value), value)
     if isinstance(value, (tuple, list)):
         return (type(value), *(_layout_key(item) for item in value))
@@ -147,13 +147,15 @@ def _native_group_norm(
     input: torch.Tensor, weight: Any, bias: Any, batch: int, channels: int, inner: int, groups: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten.native_group_norm``'s outputs on the meta device, in the layouts its decomposition
-    (``torch._refs.native_group_norm``) makes of a contiguous input: the normalised input
-    contiguous, in its shape and dtype; the mean and reciprocal deviation per sample and group, in
-    its dtype. Other inputs (channels last, whose layout the output follows) are decomposed."""
-    if not input.is_contiguous():
+    (``torch._refs.native_group_norm``) makes of an input with a contiguous tensor's strides: the
+    normalised input in its shape, dtype and strides; the mean and reciprocal deviation per sample
+    and group, in its dtype. Other inputs (channels last, or a size-1 dimension with a stride of
+    its own, whose strides the output follows) are decomposed."""
+    out = torch.empty(input.shape, dtype=input.dtype, device="meta")
+    if out.stride() != input.stride():
         return torch.ops.aten.native_group_norm.default(input, weight, bias, batch, channels, inner, groups, eps)
     stats = torch.empty((batch, groups), dtype=input.dtype, device="meta")
-    return torch.empty(input.shape, dtype=input.dtype, device="meta"), stats, torch.empty_like(stats)
+    return out, stats, torch.empty_like(stats)
 
 
 # Operations whose meta kernels are Python decompositions that take the host a millisecond or more

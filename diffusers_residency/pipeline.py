@@ -289,7 +289,7 @@ def enable_pinned_offload(
             profile, profile_file = starting_profile(
                 type(pipe).__name__, modules, budget[0], group.device, group.pin_memory, given
             )
-            dry_runs = CallDryRuns.of(pipe, modules, sequence, guessed_casts(pipe))
+            dry_runs = CallDryRuns.of(pipe, modules, sequence, casts)
             whole_before = previous.hooked_whole if previous is not None else ()
             hooked_whole = _hooked_whole(profile, replan, _encoders(modules, given), whole_before, dry_runs)
             plan = replan({}, {}, hooked_whole, least=True)

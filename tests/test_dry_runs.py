@@ -102,27 +102,45 @@ def test_replaying_repeated_blocks_changes_no_estimate(kind: str, monkeypatch: p
     assert replayed == every_block > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_vae_is_estimated_wider_only_where_its_pipeline_casts_it_to_decode(dtype: torch.dtype) -> None:
+    # SDXL's pipeline upcasts a float16 VAE to float32 to decode; a bfloat16 one decodes as it is.
+    case = sdxl_in_float16() if dtype == torch.float16 else PipelineCase("sdxl", dtype=dtype)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    decoder = pipeline_state(case.pipe).dry_runs.decoder
+    vae = case.pipe.vae
+    as_stored = DecoderDryRun("vae", vae, decoder.scale_factor, decoder.default_size, dtype).need(_parts(32))
+    if dtype == torch.float16:
+        widened = 2 * sum(parameter.numel() for parameter in vae.parameters())
+        assert decoder.dtype == torch.float32 and decoder.need(_parts(32)) > as_stored + widened
+    else:
+        assert decoder.dtype == dtype and decoder.need(_parts(32)) == as_stored
+    assert torch.equal(case.run(), case.reference)
+
+
 class _Scaled(torch.nn.Module):
     def forward(self, x: torch.Tensor, factor: object) -> torch.Tensor:
-        return x * factor
+        return x.to(factor, copy=True) if isinstance(factor, torch.dtype) else x * factor
 
 
 class _ScaledTwice(torch.nn.Module):
     _repeated_blocks = ["_Scaled"]
 
-    def __init__(self) -> None:
+    def __init__(self, factors: tuple[object, object]) -> None:
         super().__init__()
+        self.factors = factors
         self.blocks = torch.nn.ModuleList(_Scaled() for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Equal factors of other types: int8 times True stays int8, times 1.0 is float32.
-        return self.blocks[0](x, True), self.blocks[1](x, 1.0)
+        return self.blocks[0](x, self.factors[0]), self.blocks[1](x, self.factors[1])
 
 
-def test_a_block_replays_only_for_plain_arguments_of_the_same_type_and_value() -> None:
+# An int8 tensor times True stays int8, times 1.0 (an equal key) is float32; cast to each dtype.
+@pytest.mark.parametrize("factors", [(True, 1.0), (torch.int8, torch.float32)])
+def test_a_block_replays_only_for_plain_arguments_of_the_same_type_and_value(factors: tuple[object, object]) -> None:
     x = torch.empty(1000, dtype=torch.int8, device="meta")
-    need = dry_run_need(_ScaledTwice(), lambda twin: twin(x), [x])
-    assert need == int((1000 + 1000 + 4000) * dry_runs.ALLOCATOR_FACTOR), "the float32 product counted as float32"
+    need = dry_run_need(_ScaledTwice(factors), lambda twin: twin(x), [x])
+    assert need == int((1000 + 1000 + 4000) * dry_runs.ALLOCATOR_FACTOR), "the float32 output counted as float32"
 
 
 def test_the_decoder_is_estimated_for_the_calls_size_and_in_the_dtype_its_pipeline_decodes_in(
@@ -815,7 +833,7 @@ def test_operations_are_reused_only_where_nothing_but_layouts_shapes_their_outpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(2, 32, 16, 16), (1, 64, 8), (2, 32, 4, 4, 4), (2, 32, 1, 1)])
+@pytest.mark.parametrize("shape", [(2, 32, 16, 16), (1, 64, 8), (2, 32, 4, 4, 4), (2, 32, 1, 1), (0, 32, 4, 4)])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_a_group_norm_made_directly_has_the_layouts_its_decomposition_makes(
@@ -823,7 +841,9 @@ def test_a_group_norm_made_directly_has_the_layouts_its_decomposition_makes(
 ) -> None:
     x = torch.empty(shape, dtype=dtype, device="meta")
     if channels_last and len(shape) == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
+        # Channels last's strides, those of a size-1 dimension too (contiguous all the same).
+        strides = torch.empty(shape[0], *shape[2:], shape[1], device="meta").permute(0, 3, 1, 2).stride()
+        x = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
     weight = bias = torch.empty(shape[1], dtype=dtype, device="meta") if affine else None
     inner = int(np.prod(shape[2:]))
     args = (x, weight, bias, shape[0], shape[1], inner, 8, 1e-5)

@@ -1137,6 +1137,22 @@ def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_a
     _, budget, retrying = _measured_at_48_retrying_on_demand(flux, monkeypatch)
     state = pipeline_state(flux.pipe)
     margin = int(budget * pipeline_residency.RESERVE_MARGIN)
+    low = _largest_need_with_no_room_for_a_margin_more(state)
+    _measure_on_the_cpu(flux, monkeypatch, need=low)
+    retrying[0] = True
+    with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
+        assert torch.equal(_run(flux, 32), flux.reference)
+    retrying[0] = False
+    plan = flux.pipe.residency_plan()
+    assert plan.activations["transformer"] == low + margin, str(plan)
+    assert "no plan leaves it more room" in caplog.text
+    assert state.retries_left_alone == {"transformer"}
+
+
+def _largest_need_with_no_room_for_a_margin_more(state: pipeline_residency.PipelineResidency) -> int:
+    """The largest need of every component that a plan fits with its margin, the transformer's
+    with no room for one margin more."""
+    margin = int(state.plan.budget * pipeline_residency.RESERVE_MARGIN)
     names = [p.name for p in state.plan.components]
 
     def fits(need: int, extra: int) -> bool:
@@ -1148,20 +1164,38 @@ def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_a
         except BudgetTooSmallError:
             return False
 
-    # The largest need that fits with its margins alone: then no room for one margin more.
-    low, high = 0, budget
+    low, high = 0, state.plan.budget
     while high - low > 1:
         low, high = ((low + high) // 2, high) if fits((low + high) // 2, 0) else (low, (low + high) // 2)
     assert fits(low, 0) and not fits(low, margin)
+    return low
+
+
+def test_a_retry_under_a_larger_shapes_figures_keeps_the_room_it_had_where_no_margin_more_fits(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The smaller call runs under the larger shape's figures, retries, and reads less than that
+    # room (as a peak under a cap does): planned with the room it retried under, not its reading.
+    reference_48 = _run(flux, 48)
+    budget = _budget(flux)
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    state = pipeline_state(flux.pipe)
+    margin = int(budget * pipeline_residency.RESERVE_MARGIN)
+    low = _largest_need_with_no_room_for_a_margin_more(state)
     _measure_on_the_cpu(flux, monkeypatch, need=low)
+    retrying = _retrying_while_the_transformer_runs(flux, monkeypatch)
+    assert torch.equal(_run(flux, 48), reference_48)
+    assert flux.pipe.residency_plan().activations["transformer"] == low + margin
+    _measure_on_the_cpu(flux, monkeypatch, need=1000)
     retrying[0] = True
     with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
         assert torch.equal(_run(flux, 32), flux.reference)
     retrying[0] = False
     plan = flux.pipe.residency_plan()
     assert plan.activations["transformer"] == low + margin, str(plan)
-    assert "no plan leaves it more room" in caplog.text
-    assert state.retries_left_alone == {"transformer"}
+    assert plan.activations["text_encoder"] == 1000 + margin, "the others as measured"
+    assert "no plan leaves it more room" in caplog.text and state.retries_left_alone == {"transformer"}
+    assert torch.equal(_run(flux, 32), flux.reference)
 
 
 def test_a_kept_plan_is_taken_where_it_still_fits_and_planned_again_where_not() -> None:
