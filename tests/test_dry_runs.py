@@ -855,3 +855,22 @@ def test_a_group_norm_made_directly_has_the_layouts_its_decomposition_makes(
         assert (made.shape, made.stride(), made.dtype) == (expected.shape, expected.stride(), expected.dtype)
         assert made.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
     assert counter.peak == sum(out.untyped_storage().nbytes() for out in decomposed)
+
+
+class _WithTable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.empty(1000, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[: len(x)] + x  # a view of the buffer, then a new tensor
+
+
+def test_a_twin_cast_again_has_its_new_buffers_known_as_weights() -> None:
+    # A cast makes a module's buffers anew: the weights a dry run knows are listed again.
+    twin = _WithTable()
+    x = torch.empty(10, device="meta")
+    assert dry_run_need(twin, lambda twin: twin(x), [x]) == int(2 * 40 * dry_runs.ALLOCATOR_FACTOR)
+    dry_runs._cast(twin, torch.float16)
+    x = x.half()
+    assert dry_run_need(twin, lambda twin: twin(x), [x]) == int(2 * 20 * dry_runs.ALLOCATOR_FACTOR)
