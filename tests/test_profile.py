@@ -35,7 +35,7 @@ from diffusers_residency.components import component_sizes, default_reserve_for,
 from diffusers_residency.dry_runs import CallDryRuns
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import default_reserve, plan_residency
-from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes
+from diffusers_residency.plans import BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
 from diffusers_residency.policy import Policy
 from diffusers_residency.profile import (
     FORMAT,
@@ -1139,14 +1139,22 @@ def test_retries_whose_margin_finds_no_room_beside_what_was_measured_are_tried_a
     margin = int(budget * pipeline_residency.RESERVE_MARGIN)
     low = _largest_need_with_no_room_for_a_margin_more(state)
     _measure_on_the_cpu(flux, monkeypatch, need=low)
+    plan = _planned_after_a_call_at_32_retrying(flux, retrying, caplog)
+    assert plan.activations["transformer"] == low + margin, str(plan)
+    assert "no plan leaves it more room" in caplog.text
+    assert state.retries_left_alone == {"transformer"}
+
+
+def _planned_after_a_call_at_32_retrying(
+    flux: PipelineCase, retrying: list[bool], caplog: pytest.LogCaptureFixture
+) -> ResidencyPlan:
+    """The plan after a 32x32 call (exact) with the allocator retrying while the transformer runs
+    (see _retrying_while_the_transformer_runs), its warnings captured."""
     retrying[0] = True
     with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
         assert torch.equal(_run(flux, 32), flux.reference)
     retrying[0] = False
-    plan = flux.pipe.residency_plan()
-    assert plan.activations["transformer"] == low + margin, str(plan)
-    assert "no plan leaves it more room" in caplog.text
-    assert state.retries_left_alone == {"transformer"}
+    return flux.pipe.residency_plan()
 
 
 def _largest_need_with_no_room_for_a_margin_more(state: pipeline_residency.PipelineResidency) -> int:
@@ -1187,11 +1195,7 @@ def test_a_retry_under_a_larger_shapes_figures_keeps_the_room_it_had_where_no_ma
     assert torch.equal(_run(flux, 48), reference_48)
     assert flux.pipe.residency_plan().activations["transformer"] == low + margin
     _measure_on_the_cpu(flux, monkeypatch, need=1000)
-    retrying[0] = True
-    with caplog.at_level("WARNING", logger="diffusers_residency.adaptive"):
-        assert torch.equal(_run(flux, 32), flux.reference)
-    retrying[0] = False
-    plan = flux.pipe.residency_plan()
+    plan = _planned_after_a_call_at_32_retrying(flux, retrying, caplog)
     assert plan.activations["transformer"] == low + margin, str(plan)
     assert plan.activations["text_encoder"] == 1000 + margin, "the others as measured"
     assert "no plan leaves it more room" in caplog.text and state.retries_left_alone == {"transformer"}
