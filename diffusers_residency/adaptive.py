@@ -158,7 +158,8 @@ def learn_activations(state: PipelineResidency, measured: Mapping[str, int], ret
     # timing the plan had, or takes the latest one timed, in an earlier call.
     timings = {**plan.timings, **step_timings(state.group, state.plan)}
     candidates = (with_retries, at_room, activations) if retried else (activations,)
-    distinct = [c for i, c in enumerate(candidates) if c not in candidates[:i]]  # a plan fails slowly
+    # Each tried once: finding that a plan does not fit takes the planner as long as making one.
+    distinct = [c for i, c in enumerate(candidates) if c not in candidates[:i]]
     new_plan, planned = _first_that_fits(state, distinct, timings)
     if new_plan is None:
         logger.warning(

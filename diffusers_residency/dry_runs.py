@@ -306,8 +306,9 @@ class DecoderDryRun:
         # Cast whole, the VAE holds its weights wider while it decodes than the plan counts them (as
         # stored): room the decode takes above the planned weights, which a measured call's need
         # has in it (read once the VAE is cast back, off the device). Counted for all of them, as
-        # a VAE staged whole holds them; a streamed one holds its trunk and a window of blocks. (SDXL's VAE, 167 MB more in float32: planned without them
-        # at 1024x1024 under an 8 GB cap, its first decode made the allocator retry.)
+        # a VAE staged whole holds them; a streamed one holds its trunk and a window of blocks.
+        # (SDXL's VAE, 167 MB more in float32: planned without them at 1024x1024 under an 8 GB
+        # cap, its first decode made the allocator retry.)
         self._widened = _widened_bytes(module, dtype) if cast_whole else 0
         self._twin = meta_twin(module)
         if self._twin is not None:
