@@ -598,6 +598,19 @@ def test_the_first_call_can_be_the_traced_one(tmp_path, capsys) -> None:
     assert "give --warmup 1 or more" in capsys.readouterr().err
 
 
+def test_the_first_call_can_be_traced_without_python(tmp_path, capsys) -> None:
+    args = ["--modes", "pinned", "--warmup", "1", "--calls", "1", "--trace", "first-device", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the first call traced, pinned @ unlimited" in out
+    (result,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert len(result["call_seconds"]) == 2 and "one call traced" in result["trace"]
+    assert "host time in this package's functions" not in result["trace"], "Python is not traced"
+    with pytest.raises(SystemExit):
+        main(["--trace", "first-device", "--warmup", "0", "--out", str(tmp_path)])
+    assert "--trace first-device traces a warm-up call" in capsys.readouterr().err
+
+
 def test_a_python_trace_sums_the_packages_functions_and_device_waits_outermost_calls_only() -> None:
     planner, hook = "diffusers_residency/planner.py(10): plan", "diffusers_residency/hooks.py(5): pre_forward"
     sync, other_sync = (f"<built-in method synchronize of torch.Event object at 0x7f0{i}>" for i in range(2))
@@ -684,6 +697,35 @@ def test_a_trace_with_device_events_counts_each_components_work_idle_time_and_th
     ]
     assert trace.gaps[2].host_ops == (("aten::to", 2.0),)
     assert "7.0 ms at +63.0 ms, host in vae: aten::to 2.0 ms" in str(trace)
+
+
+def test_runtime_calls_that_hold_the_host_are_summed_with_what_the_device_ran_meanwhile() -> None:
+    # A kernel's first launch loading its module while a copy queued ahead runs, twice in one
+    # component; a synchronisation beside a kernel; launches too short to be waits.
+    events = [
+        _span("user_annotation", "pipeline call", 0, 100_000),
+        _span("user_annotation", "component:unet", 0, 50_000),
+        _span("user_annotation", "component:vae", 60_000, 30_000),
+        _launch(1, 1_000, "cudaMemcpyAsync"),
+        _span("gpu_memcpy", "Memcpy HtoD", 2_000, 10_000, 1),
+        _span("cuda_runtime", "cudaLaunchKernel", 3_000, 4_000),  # held the host 4 ms, copying throughout
+        _span("cuda_runtime", "cudaLaunchKernel", 10_000, 4_000),  # 2 ms of it beside the copy
+        _launch(2, 14_000),
+        _span("kernel", "conv", 14_500, 1_000, 2),
+        _launch(3, 61_000),
+        _span("kernel", "conv", 61_500, 5_000, 3),
+        _span("cuda_runtime", "cudaDeviceSynchronize", 62_000, 5_000),
+        _span("cuda_runtime", "cudaLaunchKernel", 70_000, 200),  # a launch, not a wait
+    ]
+
+    trace = summarise(events, 100.0, with_device=True)
+
+    assert [(w.name, w.component, w.calls, w.ms, w.copy_ms, w.kernel_ms) for w in trace.waits] == [
+        ("cudaLaunchKernel", "unet", 2, 8.0, 6.0, 0.0),
+        ("cudaDeviceSynchronize", "vae", 1, 5.0, 0.0, 4.5),
+    ]
+    assert "8.0 ms in 2 cudaLaunchKernel, host in unet: copies 6.0 ms, kernels 0.0 ms" in str(trace)
+    assert summarise(events, 100.0, with_device=False).waits == (), "waits come with the device's events"
 
 
 def test_a_component_compiled_whole_is_not_ranged_and_not_compiled_again() -> None:

@@ -60,6 +60,7 @@ from .tables import (
     judged_by_compile_spread,
     run_label,
 )
+from .trace import FIRST_CALL_TRACES
 
 # What a plain run compares; sequential offload and block-level group offload are slow enough
 # (seconds per denoising step at full scale) to be asked for by name.
@@ -131,12 +132,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--trace",
         nargs="?",
         const="after",
-        choices=("after", "first"),
+        choices=("after", *FIRST_CALL_TRACES),
         default=None,
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
         "time went and how long the device waited for it, per component; '--trace first' runs the first call "
-        "under it instead (a warm-up call): where a first call's excess goes; what that call measures for a "
-        "plan, its time and the host-memory peak then carry the profiler's cost too",
+        "under it instead (a warm-up call), Python traced too: where a first call's excess goes; what that call "
+        "measures for a plan, its time and the host-memory peak then carry the profiler's cost too; "
+        "'--trace first-device' traces the first call without Python, so that the host's waits are its own "
+        "(a kernel's first launch, a synchronisation)",
     )
     parser.add_argument(
         "--fresh-process",
@@ -163,8 +166,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--compile-mode applies to a compiled denoiser: give --compile regional or --compile whole too")
     if args.warmup < 0 or args.calls < 1:
         parser.error("--warmup takes 0 or more, --calls 1 or more: the steady figures are the latter's")
-    if args.trace == "first" and args.warmup < 1:
-        parser.error("--trace first traces a warm-up call, not a steady one: give --warmup 1 or more")
+    if args.trace in FIRST_CALL_TRACES and args.warmup < 1:
+        parser.error(f"--trace {args.trace} traces a warm-up call, not a steady one: give --warmup 1 or more")
     if any(value is not None and value < 1 for value in (args.steps, args.height, args.width)):
         parser.error("--steps, --height and --width take 1 or more")
     # Sizes and the device are checked here, once, rather than failing each mode that uses them.
@@ -449,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for result in results:  # every round's: each is a call of its own
         if result.trace:
             where = run_label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
-            which = "the first call" if args.trace == "first" else "one more call"
+            which = "the first call" if args.trace in FIRST_CALL_TRACES else "one more call"
             print(f"\n{which} traced, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))

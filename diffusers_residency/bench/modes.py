@@ -28,7 +28,7 @@ from ..planner import default_reserve
 from .compiling import CompileSettings, compile_denoiser, cuda_graphs_recorded, graphs_compiled, uncompile
 from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
 from .timing import calls_to_steady, host_cpu_ticks, steal_fraction, timed_calls
-from .trace import traced_call
+from .trace import FIRST_CALL_TRACES, traced_call
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +337,8 @@ def run_mode(
     """Cap the device at ``budget``, set the mode up (and compile its denoiser, as ``compile``
     says), run ``warmup`` then ``calls`` calls, every one timed, the steady figures taken over the
     last ``calls`` (with ``trace="after"``, one more under the profiler, see :mod:`.trace`; with
-    ``"first"``, the first one under it, a warm-up call), tear it down; return the figures and the
+    ``"first"`` or ``"first-device"``, the first one under it, a warm-up call, Python traced with the
+    former), tear it down; return the figures and the
     first output (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
@@ -357,8 +358,13 @@ def run_mode(
             compile_denoiser(pipe, compile)
         seconds: list[float] = []
         ticks = host_cpu_ticks()
-        traced, first = _traced_first_call(pipe, call, device, seconds) if trace == "first" else (None, None)
-        output = timed_calls(call, device, warmup - (trace == "first"), seconds)
+        first_traced = trace in FIRST_CALL_TRACES
+        traced, first = (
+            _traced_first_call(pipe, call, device, seconds, python_functions=trace == "first")
+            if first_traced
+            else (None, None)
+        )
+        output = timed_calls(call, device, warmup - first_traced, seconds)
         first = output if first is None else first
         graphs = graphs_compiled() if compile is not None else None
         # Inductor's graph trees are CUDA's only.
@@ -482,14 +488,20 @@ def _trace(pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: to
 
 
 def _traced_first_call(
-    pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: torch.device, seconds: list[float]
+    pipe: DiffusionPipeline,
+    call: Callable[[], torch.Tensor],
+    device: torch.device,
+    seconds: list[float],
+    *,
+    python_functions: bool,
 ) -> tuple[str, torch.Tensor]:
     """The first call under the profiler: its summary and its output, its time appended to
     ``seconds`` (the profiler's own cost included: it is where a first call's excess goes that this
-    shows, not its length; Python is traced too, to show the planning and measuring a first call
-    does). A failure fails the mode, as an untraced first call's would."""
+    shows, not its length). With ``python_functions``, Python is traced too, to show the planning
+    and measuring a first call does; without, the host's waits keep their own length. A failure
+    fails the mode, as an untraced first call's would."""
     outputs: list[torch.Tensor] = []
-    traced = traced_call(pipe, lambda: outputs.append(call()), device, python_functions=True)
+    traced = traced_call(pipe, lambda: outputs.append(call()), device, python_functions=python_functions)
     seconds.append(traced.wall_ms / 1000)
     return str(traced), outputs[0]
 

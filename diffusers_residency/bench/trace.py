@@ -54,8 +54,15 @@ _PACKAGE_FILES = "diffusers_residency/"
 _BENCH_FILES = "diffusers_residency/bench/"
 _WAITING_BUILTINS = ("synchronize", "emptyCache", "empty_cache")
 _FUNCTIONS_SHOWN = 15
+# Runtime calls that hold the host this long are waits, not the microseconds a launch takes.
+_WAIT_MIN_US = 300.0
+_WAITS_SHOWN = 8
+_RUNTIME = ("cuda_runtime", "cuda_driver")
 
 Interval = tuple[float, float]
+
+# The benchmark's ways of tracing a first call: with Python traced too, and without.
+FIRST_CALL_TRACES = ("first", "first-device")
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,22 @@ class FunctionTime:
 
 
 @dataclass(frozen=True)
+class RuntimeWait:
+    """Runtime (or driver) calls of one name that each held the host ``_WAIT_MIN_US`` or more, made
+    in one component, with what the device ran meanwhile. A synchronisation shows here, and so does
+    a kernel's first launch in a process: CUDA loads kernels as they are first launched (its default
+    lazy loading), and a load may wait for the whole device. Copies running through such a wait,
+    with no kernel beside them, are compute held back behind copies queued ahead."""
+
+    name: str
+    component: str | None
+    calls: int
+    ms: float
+    copy_ms: float | None  # device copies running meanwhile
+    kernel_ms: float | None  # device kernels running meanwhile
+
+
+@dataclass(frozen=True)
 class CallTrace:
     wall_ms: float
     device_busy_ms: float | None
@@ -100,6 +123,7 @@ class CallTrace:
     # The ms of each entry, in order, of the components entered more than once.
     entry_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
     functions: tuple[FunctionTime, ...] = ()
+    waits: tuple[RuntimeWait, ...] = ()
 
     def __str__(self) -> str:
         def ms(value: float | None) -> str:
@@ -119,6 +143,14 @@ class CallTrace:
         for gap in self.gaps:
             ops = ", ".join(f"{name} {op_ms:.1f} ms" for name, op_ms in gap.host_ops) or "no long host operation"
             lines.append(f"  {gap.ms:.1f} ms at +{gap.at_ms:.1f} ms, host in {gap.component or '-'}: {ops}")
+        if self.waits:
+            over = f"each over {_WAIT_MIN_US / 1000:.1f} ms"
+            lines.append(f"runtime calls that held the host ({over}), and what the device ran meanwhile:")
+        for wait in self.waits:
+            lines.append(
+                f"  {wait.ms:.1f} ms in {wait.calls} {wait.name}, host in {wait.component or '-'}: "
+                f"copies {ms(wait.copy_ms)} ms, kernels {ms(wait.kernel_ms)} ms"
+            )
         if self.functions:
             lines.append("host time in this package's functions and in device waits (Python traced, so slowed):")
         for function in self.functions:
@@ -215,7 +247,7 @@ def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallT
     launched = {
         e["args"]["correlation"]: e["ts"]
         for e in spans
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        if e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})
     }
     work: dict[tuple[str, str], list[Interval]] = collections.defaultdict(list)
     for event in device:
@@ -254,7 +286,8 @@ def summarise(events: list[dict], wall_ms: float, *, with_device: bool) -> CallT
     start, end = call["ts"], call["ts"] + call["dur"]
     inside = _clip(busy, start, end)
     gaps = _gaps(inside, start, end, entries, spans)
-    return CallTrace(wall_ms, _length(inside) / 1000, components, gaps, entry_ms, functions)
+    waits = _runtime_waits(spans, entries, device)
+    return CallTrace(wall_ms, _length(inside) / 1000, components, gaps, entry_ms, functions, waits)
 
 
 def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
@@ -273,6 +306,27 @@ def _function_times(spans: list[dict]) -> tuple[FunctionTime, ...]:
         ranges.append((event["ts"], event["ts"] + event["dur"]))
     times = [FunctionTime(name, len(ranges), _length(ranges) / 1000) for name, ranges in calls.items()]
     return tuple(sorted(times, key=lambda f: -f.ms)[:_FUNCTIONS_SHOWN])
+
+
+def _runtime_waits(
+    spans: list[dict], entries: dict[str, list[Interval]], device: list[dict]
+) -> tuple[RuntimeWait, ...]:
+    """The runtime calls that held the host, by name and component, the longest first."""
+    copies = _union((e["ts"], e["ts"] + e["dur"]) for e in device if _DEVICE_WORK[e["cat"]] == "copy")
+    kernels = _union((e["ts"], e["ts"] + e["dur"]) for e in device if _DEVICE_WORK[e["cat"]] == "kernel")
+    held: dict[tuple[str, str | None], list[Interval]] = collections.defaultdict(list)
+    for event in spans:
+        if event.get("cat") in _RUNTIME and event["dur"] >= _WAIT_MIN_US:
+            held[event["name"], _owner(entries, event["ts"])].append((event["ts"], event["ts"] + event["dur"]))
+
+    def meanwhile(busy: list[Interval], calls: list[Interval]) -> float:
+        return sum(_length(_clip(busy, start, end)) for start, end in calls) / 1000
+
+    waits = [
+        RuntimeWait(name, owner, len(calls), _length(calls) / 1000, meanwhile(copies, calls), meanwhile(kernels, calls))
+        for (name, owner), calls in held.items()
+    ]
+    return tuple(sorted(waits, key=lambda w: -w.ms)[:_WAITS_SHOWN])
 
 
 def _outer_first(event: dict) -> tuple[float, float]:
