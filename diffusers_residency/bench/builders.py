@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import logging
 import string
+import struct
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +65,9 @@ __all__ = ["PIPELINE_KINDS", "PROMPT", "SCALES", "build_pipeline", "call_kwargs"
 from .architectures import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
+
+# Where a saved tiny pipeline's tensor data starts in its files (see _align_tensor_data).
+_DATA_ALIGNMENT = 64
 
 PIPELINE_KINDS = ("flux", "sdxl", "sd3", "sd15", "wan")
 SCALES = ("tiny", "full")
@@ -436,12 +441,27 @@ def _save_and_reload(
     original = _build_on_device(pipeline_cls, parts, seed=seed, dtype=torch.float32, device="cpu")
     directory = tempfile.TemporaryDirectory(prefix="diffusers_residency_")
     original.save_pretrained(directory.name)
+    for path in Path(directory.name).rglob("*.safetensors"):
+        _align_tensor_data(path)
     pipe = pipeline_cls.from_pretrained(directory.name, dtype=dtype, **parts.options)
     # The loaders memory-map the safetensors files, and weights loaded without a dtype change
     # stay backed by them, as from the hub cache. So the files must outlive the pipeline's use:
     # the directory is tied to the pipeline, and removed when the pipeline is garbage-collected.
     pipe._builder_checkpoint_dir = directory
     return pipe.to(device)
+
+
+def _align_tensor_data(path: Path) -> None:
+    """Pad a safetensors file's header (with spaces, as its format allows) so that its tensor data
+    starts 64-byte aligned. Weights memory-mapped from it then have the alignment of freshly
+    allocated ones, whatever length the writer gave the header: the CPU's kernels can round
+    differently with their operands' alignment, and a pipeline must compute as its copies do."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    padding = -(8 + length) % _DATA_ALIGNMENT
+    if padding:
+        header = raw[8 : 8 + length] + b" " * padding
+        path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
 
 
 # --------------------------------------------------------------------------------------------
