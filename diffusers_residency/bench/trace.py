@@ -110,8 +110,8 @@ class RuntimeWait:
     component: str | None
     calls: int
     ms: float
-    copy_ms: float | None  # device copies running meanwhile
-    kernel_ms: float | None  # device kernels running meanwhile
+    copy_ms: float  # device copies running meanwhile
+    kernel_ms: float  # device kernels running meanwhile
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class CallTrace:
         for wait in self.waits:
             lines.append(
                 f"  {wait.ms:.1f} ms in {wait.calls} {wait.name}, host in {wait.component or '-'}: "
-                f"copies {ms(wait.copy_ms)} ms, kernels {ms(wait.kernel_ms)} ms"
+                f"copies {wait.copy_ms:.1f} ms, kernels {wait.kernel_ms:.1f} ms"
             )
         if self.functions:
             lines.append("host time in this package's functions and in device waits (Python traced, so slowed):")
