@@ -41,6 +41,7 @@ _SAFETENSORS_DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 # The file an offload folder holds for each component (see write_checkpoint).
+_DATA_ALIGNMENT = 64
 _OFFLOAD_FILE = "weights.safetensors"
 
 
@@ -185,7 +186,10 @@ def write_checkpoint(folder: Path, module: nn.Module) -> Path:
         }
         offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    # The data starts 64-byte aligned, as memory of a weight's own is: weights mapped from the file
+    # then compute as they did before it was written (the CPU's kernels can round differently with
+    # their operands' alignment).
+    encoded += b" " * (-(8 + len(encoded)) % _DATA_ALIGNMENT)
     descriptor, temporary = tempfile.mkstemp(dir=folder, suffix=".partial")
     try:
         with os.fdopen(descriptor, "wb") as out:
