@@ -41,7 +41,8 @@ _SAFETENSORS_DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 # The file an offload folder holds for each component (see write_checkpoint).
-_DATA_ALIGNMENT = 64
+# Where a written file's tensor data starts (see write_checkpoint).
+DATA_ALIGNMENT = 64
 _OFFLOAD_FILE = "weights.safetensors"
 
 
@@ -189,7 +190,7 @@ def write_checkpoint(folder: Path, module: nn.Module) -> Path:
     # The data starts 64-byte aligned, as memory of a weight's own is: weights mapped from the file
     # then compute as they did before it was written (the CPU's kernels can round differently with
     # their operands' alignment).
-    encoded += b" " * (-(8 + len(encoded)) % _DATA_ALIGNMENT)
+    encoded += b" " * (-(8 + len(encoded)) % DATA_ALIGNMENT)
     descriptor, temporary = tempfile.mkstemp(dir=folder, suffix=".partial")
     try:
         with os.fdopen(descriptor, "wb") as out:

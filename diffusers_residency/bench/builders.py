@@ -62,12 +62,10 @@ from transformers import (
 
 __all__ = ["PIPELINE_KINDS", "PROMPT", "SCALES", "build_pipeline", "call_kwargs", "pipeline_output"]
 
+from ..checkpoints import DATA_ALIGNMENT
 from .architectures import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
-
-# Where a saved tiny pipeline's tensor data starts in its files (see _align_tensor_data).
-_DATA_ALIGNMENT = 64
 
 PIPELINE_KINDS = ("flux", "sdxl", "sd3", "sd15", "wan")
 SCALES = ("tiny", "full")
@@ -453,12 +451,13 @@ def _save_and_reload(
 
 def _align_tensor_data(path: Path) -> None:
     """Pad a safetensors file's header (with spaces, as its format allows) so that its tensor data
-    starts 64-byte aligned. Weights memory-mapped from it then have the alignment of freshly
-    allocated ones, whatever length the writer gave the header: the CPU's kernels can round
-    differently with their operands' alignment, and a pipeline must compute as its copies do."""
+    starts where the package's own checkpoints' does (see checkpoints.write_checkpoint). Weights
+    memory-mapped from it then have the alignment of freshly allocated ones, whatever length the
+    writer gave the header: the CPU's kernels can round differently with their operands' alignment,
+    and a pipeline must compute as its copies do."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    padding = -(8 + length) % _DATA_ALIGNMENT
+    padding = -(8 + length) % DATA_ALIGNMENT
     if padding:
         header = raw[8 : 8 + length] + b" " * padding
         path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
