@@ -40,9 +40,9 @@ _SAFETENSORS_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-# The file an offload folder holds for each component (see write_checkpoint).
-# Where a written file's tensor data starts (see write_checkpoint).
+# The alignment a written file's tensor data starts at (see write_checkpoint).
 DATA_ALIGNMENT = 64
+# The file an offload folder holds for each component (see write_checkpoint).
 _OFFLOAD_FILE = "weights.safetensors"
 
 
@@ -187,9 +187,9 @@ def write_checkpoint(folder: Path, module: nn.Module) -> Path:
         }
         offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    # The data starts 64-byte aligned, as memory of a weight's own is: weights mapped from the file
-    # then compute as they did before it was written (the CPU's kernels can round differently with
-    # their operands' alignment).
+    # The data starts 64-byte aligned, as memory of a weight's own is: a weight served from the
+    # file is then aligned as far as its offset in the data allows (the CPU's kernels can round
+    # differently with their operands' alignment). The tensors follow each other without gaps.
     encoded += b" " * (-(8 + len(encoded)) % DATA_ALIGNMENT)
     descriptor, temporary = tempfile.mkstemp(dir=folder, suffix=".partial")
     try:

@@ -451,10 +451,11 @@ def _save_and_reload(
 
 def _align_tensor_data(path: Path) -> None:
     """Pad a safetensors file's header (with spaces, as its format allows) so that its tensor data
-    starts where the package's own checkpoints' does (see checkpoints.write_checkpoint). Weights
-    memory-mapped from it then have the alignment of freshly allocated ones, whatever length the
-    writer gave the header: the CPU's kernels can round differently with their operands' alignment,
-    and a pipeline must compute as its copies do."""
+    starts where the package's own checkpoints' does (see checkpoints.write_checkpoint). A weight
+    memory-mapped from it is then aligned as far as its offset in the data allows, whatever length
+    the writer gave the header: the CPU's kernels can round differently with their operands'
+    alignment, and a pipeline must compute as its copies do. (Tensors follow each other without
+    gaps, so a weight after one of an odd size stays as unaligned as its offset.)"""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     padding = -(8 + length) % DATA_ALIGNMENT
