@@ -46,3 +46,8 @@ def text_table(rows: Sequence[Sequence[str]]) -> list[str]:
     """``rows`` (the header first) as lines of left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def first_line(exc: BaseException) -> str:
+    """The exception's type and the start of its message's first line (a message may be empty)."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diffusers_residency.bench import __main__ as bench_main
-from diffusers_residency.bench import first_calls, modes, processes
+from diffusers_residency.bench import first_calls, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.builders import build_pipeline
 from diffusers_residency.bench.modes import (
@@ -750,7 +750,7 @@ def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch) -> None:
     def failing(*args, **kwargs):
         raise RuntimeError("profiler unavailable")
 
-    monkeypatch.setattr(modes, "traced_call", failing)
+    monkeypatch.setattr("diffusers_residency.bench.trace.traced_call", failing)
     result, output = run_mode(
         case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace="after"
     )

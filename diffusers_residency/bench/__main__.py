@@ -43,12 +43,13 @@ from .. import _device
 from ..policy import Policy
 from ..text import format_bytes, parse_bytes
 from ..weights import module_tensors, storage_bytes
-from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output, quantize_nf4
+from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .compiling import DENOISERS, CompileSettings
 from .first_calls import FIRST_CALL_CRITERIA, FRESH_PROCESSES, format_first_calls
 from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
+from .quantizing import quantize_nf4
 from .tables import (
     call_seconds,
     format_calls,

@@ -25,10 +25,11 @@ from .. import _device
 from ..hooks import replays_cuda_graphs
 from ..pipeline import disable_pinned_offload, enable_pinned_offload, residency_plan, residency_report
 from ..planner import default_reserve
+from ..text import first_line
 from .compiling import CompileSettings, compile_denoiser, cuda_graphs_recorded, graphs_compiled, uncompile
 from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
 from .timing import calls_to_steady, host_cpu_ticks, steal_fraction, timed_calls
-from .trace import FIRST_CALL_TRACES, traced_call
+from .trace import FIRST_CALL_TRACES, summary_or_reason, traced_first_call
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +361,7 @@ def run_mode(
         ticks = host_cpu_ticks()
         first_traced = trace in FIRST_CALL_TRACES
         traced, first = (
-            _traced_first_call(pipe, call, device, seconds, python_functions=trace == "first")
+            traced_first_call(pipe, call, device, seconds, python_functions=trace == "first")
             if first_traced
             else (None, None)
         )
@@ -385,14 +386,14 @@ def run_mode(
         peak_anonymous = sampler.stop()
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
-        traced = _trace(pipe, call, device) if trace == "after" else traced
+        traced = summary_or_reason(pipe, call, device) if trace == "after" else traced
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)
         if oom or unavailable:
             error = "out of memory" if oom else str(exc)
         else:
-            error = f"failed: {_first_line(exc)}"
+            error = f"failed: {first_line(exc)}"
         logger.warning("%s %s", mode.name, error, exc_info=not (oom or unavailable))
         sampler.stop()
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
@@ -471,39 +472,6 @@ def _restore_dtypes(pipe: DiffusionPipeline, before: dict[str, set[torch.dtype]]
             (dtype,) = dtypes
             logger.warning("%s was left in %s; cast back to %s for the next mode", name, sorted(map(str, after[name])), dtype)
             pipe.components[name].to(dtype=dtype)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The exception's type and the start of its message's first line (a message may be empty)."""
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
-
-
-def _trace(pipe: DiffusionPipeline, call: Callable[[], torch.Tensor], device: torch.device) -> str:
-    """The traced call's summary, or why there is none: a failed trace leaves the timed figures be."""
-    try:
-        return str(traced_call(pipe, call, device))
-    except Exception as exc:
-        logger.warning("tracing a call failed", exc_info=True)
-        return f"no trace: {_first_line(exc)}"
-
-
-def _traced_first_call(
-    pipe: DiffusionPipeline,
-    call: Callable[[], torch.Tensor],
-    device: torch.device,
-    seconds: list[float],
-    *,
-    python_functions: bool,
-) -> tuple[str, torch.Tensor]:
-    """The first call under the profiler: its summary and its output, its time appended to
-    ``seconds`` (the profiler's own cost included: it is where a first call's excess goes that this
-    shows, not its length). With ``python_functions``, Python is traced too, to show the planning
-    and measuring a first call does; without, the host's waits keep their own length. A failure
-    fails the mode, as an untraced first call's would."""
-    outputs: list[torch.Tensor] = []
-    traced = traced_call(pipe, lambda: outputs.append(call()), device, python_functions=python_functions)
-    seconds.append(traced.wall_ms / 1000)
-    return str(traced), outputs[0]
 
 
 def _counters(pipe: DiffusionPipeline) -> tuple[int, float, float, int, float]:

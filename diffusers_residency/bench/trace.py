@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import _device
-from ..text import text_table
+from ..text import first_line, text_table
+
+logger = logging.getLogger(__name__)
 
 # Methods a component is entered through: a VAE decodes through ``decode``, not ``forward``.
 _ENTRY_METHODS = ("forward", "encode", "decode")
@@ -178,6 +181,34 @@ def traced_call(
         profiler.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     return summarise(events, wall_ms, with_device=device.type == "cuda")
+
+
+def summary_or_reason(pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device) -> str:
+    """The traced call's summary, or why there is none: a failed trace leaves the timed figures be."""
+    try:
+        return str(traced_call(pipe, call, device))
+    except Exception as exc:
+        logger.warning("tracing a call failed", exc_info=True)
+        return f"no trace: {first_line(exc)}"
+
+
+def traced_first_call(
+    pipe: DiffusionPipeline,
+    call: Callable[[], torch.Tensor],
+    device: torch.device,
+    seconds: list[float],
+    *,
+    python_functions: bool,
+) -> tuple[str, torch.Tensor]:
+    """The first call under the profiler: its summary and its output, its time appended to
+    ``seconds`` (the profiler's own cost included: it is where a first call's excess goes that this
+    shows, not its length). With ``python_functions``, Python is traced too, to show the planning
+    and measuring a first call does; without, the host's waits keep their own length. A failure
+    fails the mode, as an untraced first call's would."""
+    outputs: list[torch.Tensor] = []
+    traced = traced_call(pipe, lambda: outputs.append(call()), device, python_functions=python_functions)
+    seconds.append(traced.wall_ms / 1000)
+    return str(traced), outputs[0]
 
 
 @contextmanager
