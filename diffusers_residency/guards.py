@@ -32,6 +32,8 @@ IN_PLACE_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_weights")
 # model or sequential offloading removes every hook before it finds out it has no accelerator.
 OTHER_OFFLOADS = ("enable_group_offload", "enable_model_cpu_offload", "enable_sequential_cpu_offload")
 GUARDED = ("to", *IN_PLACE_PIPELINE_METHODS, "__deepcopy__", "__reduce_ex__")
+# The attribute of an enabled pipeline that holds its setup (a pipeline_residency.PipelineResidency).
+STATE_ATTR = "_pinned_residency"
 # What attaching a staging hook sets on a module's instance: accelerate's hook and wrapped forward,
 # and the hook's own guards (see hooks.StagingHook.init_hook).
 _HOOK_ATTRIBUTES = (

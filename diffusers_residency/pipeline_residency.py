@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from .dry_runs import CallDryRuns
+from .guards import STATE_ATTR
 from .hooks import StagingHook
 from .plans import ComponentPlan, ResidencyPlan
 from .policy import Policy
@@ -32,10 +33,6 @@ RESERVE_MARGIN = 0.02
 ESTIMATED = "estimated"
 COVERING = f"{ESTIMATED} from calls of"
 DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
-
-
-# The attribute of a pipeline that holds its PipelineResidency.
-STATE_ATTR = "_pinned_residency"
 
 
 @dataclass
