@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
@@ -416,20 +418,26 @@ def _is_setting(value: Any) -> bool:
 
 
 class ForwardDryRun:
-    """The need of a component's forward for the inputs its hook was given (a denoiser's step)."""
+    """The need of a component's forward for the inputs its hook was given (a denoiser's step),
+    remembered per inputs' :func:`_signature`."""
 
     def __init__(self, module: nn.Module) -> None:
+        self._module = module
         self._twin = meta_twin(module)
         # A quantized module's copy computes in the dtype of the inputs it is given (see meta_twin).
         self._cast_as_inputs = self._twin is not None and holds_quantized(module)
         if self._twin is not None:
             _block_layouts(self._twin)
             _weights(self._twin)
+        self._needs: dict[tuple, int | None] = {}
 
     def need(self, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
         if self._twin is None:
             return None
         try:
+            key = _signature(args, kwargs)
+            if key in self._needs:
+                return self._needs[key]
             meta_args, meta_kwargs, inputs = _on_meta(args, kwargs)
         except Exception as error:  # an input tensor with no meta counterpart: no estimate
             logger.debug("No dry run of %s's inputs: %s", type(self._twin).__name__, error)
@@ -437,7 +445,30 @@ class ForwardDryRun:
         dtype = next((tensor.dtype for tensor in inputs if tensor.is_floating_point()), None)
         if self._cast_as_inputs and dtype is not None:
             _cast(self._twin, dtype)
-        return dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
+        need = self._needs[key] = dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
+        return need
+
+    def need_at_defaults(self, pipe: DiffusionPipeline, name: str) -> int | None:
+        """The need of the forward in a call of ``pipe``'s default shape, made now from the inputs
+        its call makes on meta copies of its components (see ``default_call``), so that a first
+        call of that shape finds it made. None where that call cannot run on the meta device."""
+        if self._twin is None:
+            return None
+        twins, undos = {name: self._twin}, []
+        try:
+            for component, module in pipe.components.items():
+                if isinstance(module, nn.Module) and module is not self._module:
+                    twin = twins[component] = meta_twin(module)
+                    if twin is None:
+                        return None
+                    # Only the shapes of what they make count here: each repeated block runs once
+                    # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached).
+                    undos.append(_replaying_repeats(twin, LiveBytes(())))
+            inputs = denoiser_inputs(pipe, twins, name)
+        finally:
+            for undo in undos:
+                undo()  # the blocks' forwards refer to the blocks: freed with their twins, not by a collection
+        return None if inputs is None else self.need(*inputs)
 
 
 @dataclass(frozen=True)
@@ -470,4 +501,6 @@ class CallDryRuns:
         # that size starts, while the device waits (a call of another size, or with the VAE tiled
         # or sliced since, is estimated as it starts).
         decoder.need({})
-        return cls(denoiser, ForwardDryRun(modules[denoiser]), decoder)
+        forward = ForwardDryRun(modules[denoiser])
+        forward.need_at_defaults(pipe, denoiser)  # likewise
+        return cls(denoiser, forward, decoder)

@@ -1,0 +1,118 @@
+"""A pipeline's call with its defaults, run on the meta device as the pipeline is enabled: its
+denoiser's inputs for the default shape, whose dry run a first call of that shape then finds made;
+the pipeline left as it was; a pipeline whose call cannot run there estimated as its denoiser starts,
+as before."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from diffusers_residency import dry_runs
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.dry_runs import ForwardDryRun
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.pipeline_residency import DRY_RUN
+from diffusers_residency.plans import ResidencyPlan
+
+from .helpers import PipelineCase
+from .test_profile import _budget, _measure_on_the_cpu
+
+
+def _default_call(kind: str) -> dict:
+    """The benchmark's tiny call of ``kind`` with its size and prompt length left to the pipeline."""
+    kwargs = call_kwargs(kind)
+    for name in ("height", "width", "max_sequence_length"):
+        kwargs.pop(name, None)
+    return kwargs
+
+
+def _counting_dry_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The class of every module a dry run is made of from here on."""
+    made: list[str] = []
+    real = dry_runs.dry_run_need
+
+    def counting(twin: torch.nn.Module, *args: object) -> int | None:
+        made.append(type(twin).__name__)
+        return real(twin, *args)
+
+    monkeypatch.setattr(dry_runs, "dry_run_need", counting)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["flux", "sdxl", "sd3", "sd15"])
+def test_a_first_call_of_the_default_shape_finds_its_denoisers_estimate_made_at_enable(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = PipelineCase(kind)
+    reference = pipeline_output(case.pipe, _default_call(kind))
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    state = pipeline_state(case.pipe)
+    denoiser = case.pipe.components[state.dry_runs.denoiser]
+    inputs: list[tuple[tuple, dict]] = []
+    denoiser.register_forward_pre_hook(lambda _, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
+    plans: list[ResidencyPlan] = []
+    case.pipe.vae.decoder.register_forward_pre_hook(lambda *_: plans.append(state.plan))
+    made = _counting_dry_runs(monkeypatch)
+
+    assert torch.equal(pipeline_output(case.pipe, _default_call(kind)), reference)
+    assert plans[0].source == DRY_RUN, "planned from the estimates as its denoiser started"
+    assert type(denoiser).__name__ not in made, "its denoiser's dry run was made at enable"
+    # The estimate made at enable is the one the inputs the call gave make.
+    assert state.dry_runs.forward.need(*inputs[0]) == ForwardDryRun(denoiser).need(*inputs[0]) is not None
+
+
+def test_a_call_of_another_shape_makes_its_denoisers_dry_run_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase("flux")  # its tiny call is 32x32, its default 1024x1024
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    made = _counting_dry_runs(monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+    assert made.count("FluxTransformer2DModel") == 1
+
+
+def test_the_default_call_leaves_the_pipeline_as_it_was(capfd: pytest.CaptureFixture[str]) -> None:
+    case = PipelineCase("sdxl")
+    scheduler = case.pipe.scheduler
+    before = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in vars(scheduler).items()}
+    attributes = dict(vars(case.pipe))
+    capfd.readouterr()
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    assert capfd.readouterr().err == "", "no progress bar, no warning"
+    assert case.pipe.scheduler is scheduler and vars(scheduler).keys() == before.keys()
+    for name, value in vars(scheduler).items():
+        assert torch.equal(value, before[name]) if isinstance(value, torch.Tensor) else value == before[name], name
+    assert all(vars(case.pipe)[name] is value for name, value in attributes.items())
+    assert pipeline_state(case.pipe).dry_runs.forward._needs, "the default call's estimate was made"
+    assert torch.equal(case.run(), case.reference)
+
+
+class _ReadingValues(FluxPipeline):
+    """A pipeline whose call reads a tensor's value before its denoiser, which no meta tensor has."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if torch.ones(1, device=self._execution_device).item() != 1:
+            raise AssertionError("unreachable")
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_pipeline_whose_call_reads_values_is_estimated_as_its_denoiser_starts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = PipelineCase("flux")
+    pipe = _ReadingValues(**case.pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    case.pipe = pipe
+    caplog.set_level(logging.DEBUG, logger="diffusers_residency.default_call")
+    pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    assert "_ReadingValues's call cannot run on the meta device" in caplog.text
+    _measure_on_the_cpu(case, monkeypatch)
+    made = _counting_dry_runs(monkeypatch)
+    reference = case.reference
+    assert torch.equal(pipeline_output(pipe, call_kwargs("flux")), reference)
+    assert made.count("FluxTransformer2DModel") == 1
+    assert pipe.residency_plan().source == "measured"
