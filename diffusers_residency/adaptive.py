@@ -22,6 +22,7 @@ from .budget_watch import BudgetWatch
 from .casts import lossless_round_trip, warm_casts
 from .dry_run_plans import estimate_at_start
 from .pipeline_residency import (
+    AT_ENABLE,
     COVERING,
     ESTIMATED,
     RESERVE_MARGIN,
@@ -264,16 +265,24 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
     if covering is not None and _plan_from_figures(state, shapes[covering], f"{COVERING} {covering}", estimated=True):
         return
     state.group.retention.set_release_before(learned_for=state.shape)
-    apply_least_plan(state)
-    _watch(state, measure=True)
     parts = shape_parts(shape)
     runs = state.dry_runs
     estimable = runs is not None and parts is not None and shape not in state.estimates_failed
     decoder_need = runs.decoder.need(parts) if estimable else None
+    if decoder_need is not None and state.plan.source == AT_ENABLE:
+        # The plan made at enable stays until the denoiser starts, and the call plans from its own
+        # dry runs then: the blocks it loaded at enable are on the device as the first step
+        # reaches those of them that the call's plan keeps, rather than each loaded in that step.
+        _watch(state, measure=True, estimated=True)
+        on_device = "under the plan made at enable"
+    else:
+        apply_least_plan(state)
+        _watch(state, measure=True)
+        on_device = "with the least on the device"
     if decoder_need is not None:
         state.group.estimate_from_inputs = functools.partial(estimate_at_start, state, decoder_need)
-    logger.info("Calls of %s not measured yet: this one measures each component, with the least on the device%s",
-                state.shape, " until its denoiser starts" if decoder_need is not None else "")  # fmt: skip
+    logger.info("Calls of %s not measured yet: this one measures each component, %s%s", state.shape, on_device,
+                " until its denoiser starts" if decoder_need is not None else "")  # fmt: skip
 
 
 def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: str, *, estimated: bool) -> bool:
@@ -314,9 +323,34 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is None:
         warm_casts(state.group, guessed_casts, guessed=True)
+        _plan_default_call(state)
     else:
         warm_casts(state.group, state.profile.shapes[shape].casts)
         begin_call(state, shape)
+
+
+def _plan_default_call(state: PipelineResidency) -> None:
+    """With no profile, as a pipeline whose calls are measured is enabled: plan for a call of its
+    default shape from the dry runs made of it (see ``dry_runs.CallDryRuns``), the components they
+    do not estimate (text encoders) given the reserve, and start loading what that plan keeps
+    resident. A first call whose shape the dry runs follow keeps this plan until its denoiser
+    starts (see begin_call); the blocks loaded here that the call's own plan keeps then cost it no
+    load, as a resident pipeline's weights loaded by ``.to(device)`` cost its first call none."""
+    runs, budget = state.dry_runs, state.plan.budget
+    if runs is None or budget is None or not state.measuring:
+        return
+    needs = {runs.denoiser: runs.default_step_need, runs.decoder.name: runs.decoder.need({})}
+    if None in needs.values():
+        return
+    margin = int(budget * RESERVE_MARGIN)
+    try:
+        plan = replan_in_place(state, {name: need + margin for name, need in needs.items()})
+    except BudgetTooSmallError:
+        return  # a first call measures with the least on the device, as without estimates
+    apply_plan(state, replace(plan, source=AT_ENABLE))
+    state.group.load_resident_ahead()
+    logger.info("Planned at enable for a call of the default shape, estimated above the weights: %s. %s",
+                ", ".join(f"{name} {format_bytes(need)}" for name, need in needs.items()), plan.summary())  # fmt: skip
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 
 from .pipeline_residency import (
+    AT_ENABLE,
     DRY_RUN,
     RESERVE_MARGIN,
     PipelineResidency,
@@ -46,6 +47,7 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     state.group.estimate_from_inputs = None
     need = runs.forward.need(args, kwargs)
     if need is None:
+        _without_estimates(state)
         return
     margin = int(state.plan.budget * RESERVE_MARGIN)
     estimates = {component: need, runs.decoder.name: decoder_need}
@@ -54,7 +56,8 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
         activations = {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}}
         plan = replan_in_place(state, activations)
     except BudgetTooSmallError:
-        return  # measured with the least on the device, as a call without estimates
+        _without_estimates(state)
+        return
     apply_plan(state, replace(plan, source=DRY_RUN))
     # Under an estimate a retry is all that shows a component was short (see adaptive._watch).
     watch.retries_while_measuring = True
@@ -67,6 +70,14 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
         ", ".join(f"{name} {format_bytes(bytes_)}" for name, bytes_ in estimates.items()),
         state.plan.summary(),
     )
+
+
+def _without_estimates(state: PipelineResidency) -> None:
+    """The denoiser that started has no estimate, or none that fits: the call is measured from
+    here with the least on the device, as a call without estimates is (from its start), rather
+    than under the plan made at enable, which estimated another call."""
+    if state.plan.source == AT_ENABLE:
+        apply_least_plan(state)
 
 
 def plan_from_timed_step(state: PipelineResidency, component: str) -> None:

@@ -481,6 +481,8 @@ class CallDryRuns:
     denoiser: str
     forward: ForwardDryRun
     decoder: DecoderDryRun
+    # The denoiser's need in a call of the pipeline's default shape (see ForwardDryRun.need_at_defaults).
+    default_step_need: int | None = None
 
     @classmethod
     def of(
@@ -502,5 +504,4 @@ class CallDryRuns:
         # or sliced since, is estimated as it starts).
         decoder.need({})
         forward = ForwardDryRun(modules[denoiser])
-        forward.need_at_defaults(pipe, denoiser)  # likewise
-        return cls(denoiser, forward, decoder)
+        return cls(denoiser, forward, decoder, forward.need_at_defaults(pipe, denoiser))  # likewise

@@ -33,6 +33,8 @@ RESERVE_MARGIN = 0.02
 ESTIMATED = "estimated"
 COVERING = f"{ESTIMATED} from calls of"
 DRY_RUN = f"{ESTIMATED} by dry runs of this call's denoiser and decoder"
+# The plan made at enable with no profile (see adaptive.plan_ahead): dry runs of the default call.
+AT_ENABLE = f"{ESTIMATED} at enable by dry runs of a call of the pipeline's default shape"
 
 
 @dataclass

@@ -6,6 +6,7 @@ as before."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from diffusers_residency import dry_runs
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.dry_runs import ForwardDryRun
 from diffusers_residency.pipeline import pipeline_state
-from diffusers_residency.pipeline_residency import DRY_RUN
+from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
 from diffusers_residency.plans import ResidencyPlan
+from diffusers_residency.policy import Policy
 
 from .helpers import PipelineCase
 from .test_profile import _budget, _measure_on_the_cpu
@@ -116,3 +118,76 @@ def test_a_pipeline_whose_call_reads_values_is_estimated_as_its_denoiser_starts(
     assert torch.equal(pipeline_output(pipe, call_kwargs("flux")), reference)
     assert made.count("FluxTransformer2DModel") == 1
     assert pipe.residency_plan().source == "measured"
+
+
+def _budget_keeping_half_the_transformer(case: PipelineCase) -> int:
+    """A budget under which the tiny FLUX's calls are measured, with room for about half its
+    transformer's blocks to stay."""
+    return _budget(case) + case.pipe.transformer.num_parameters() * 4 // 2
+
+
+def _transformer_blocks(case: PipelineCase) -> list:
+    return pipeline_state(case.pipe).group.units_of("transformer")[1:]
+
+
+def test_a_pipeline_enabled_with_no_profile_loads_what_the_default_calls_plan_keeps_resident(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    assert state.plan.source == AT_ENABLE
+    blocks = _transformer_blocks(case)
+    resident = [block for block in blocks if block.policy is Policy.RESIDENT]
+    assert resident and len(resident) < len(blocks)
+    assert [block.stager.loaded for block in blocks] == [block.policy is Policy.RESIDENT for block in blocks]
+
+    _measure_on_the_cpu(case, monkeypatch)
+    loaded_as_encoding: list[list[bool]] = []
+    case.pipe.text_encoder.register_forward_pre_hook(
+        lambda *_: loaded_as_encoding.append([block.stager.loaded for block in resident])
+    )
+    plans: list[ResidencyPlan] = []
+    case.pipe.vae.decoder.register_forward_pre_hook(lambda *_: plans.append(state.plan))
+    assert torch.equal(case.run(), case.reference)
+    assert loaded_as_encoding == [[True] * len(resident)], "kept through the text encoders, not made room for"
+    assert plans[0].source == DRY_RUN and case.pipe.residency_plan().source == "measured"
+
+
+def test_a_first_call_no_dry_run_follows_measures_with_the_least_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase("flux")
+    kwargs = call_kwargs("flux")
+    latents = case.pipe(**{**kwargs, "output_type": "latent"}, return_dict=False)[0]
+    reference = pipeline_output(case.pipe, {**call_kwargs("flux"), "latents": latents})
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    assert pipeline_state(case.pipe).plan.source == AT_ENABLE
+    _measure_on_the_cpu(case, monkeypatch)
+    loaded_as_encoding: list[bool] = []
+    case.pipe.text_encoder.register_forward_pre_hook(
+        lambda *_: loaded_as_encoding.extend(block.stager.loaded for block in _transformer_blocks(case))
+    )
+    # Latents given: no dry run follows the call, which is measured as without estimates.
+    assert torch.equal(pipeline_output(case.pipe, {**call_kwargs("flux"), "latents": latents}), reference)
+    assert loaded_as_encoding and not any(loaded_as_encoding)
+    assert case.pipe.residency_plan().source == "measured"
+
+
+def test_a_denoiser_with_no_estimate_under_the_plan_made_at_enable_is_measured_with_the_least_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    assert state.plan.source == AT_ENABLE
+    _measure_on_the_cpu(case, monkeypatch)
+    # As for a transformer with adapters loaded since: its tensors are not those its config builds.
+    state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
+    in_step: list[tuple[str, list[bool]]] = []
+    first_block = _transformer_blocks(case)[0].module
+    first_block.register_forward_pre_hook(
+        lambda *_: in_step.append((state.plan.source, [b.policy is Policy.RESIDENT for b in _transformer_blocks(case)]))
+    )
+    assert torch.equal(case.run(), case.reference)
+    source, resident = in_step[0]
+    assert source == "" and not any(resident), "the least plan from the denoiser's start"
+    assert case.pipe.residency_plan().source == "measured"
