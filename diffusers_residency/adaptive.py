@@ -20,7 +20,7 @@ import torch
 
 from .budget_watch import BudgetWatch
 from .casts import lossless_round_trip, warm_casts
-from .dry_run_plans import estimate_at_start
+from .dry_run_plans import estimate_at_start, make_room_to_retry
 from .pipeline_residency import (
     AT_ENABLE,
     COVERING,
@@ -274,6 +274,9 @@ def begin_call(state: PipelineResidency, shape: str) -> None:
         # dry runs then: the blocks it loaded at enable are on the device as the first step
         # reaches those of them that the call's plan keeps, rather than each loaded in that step.
         _watch(state, measure=True, estimated=True)
+        # The text encoders run with the reserve for their need: one that runs out of memory runs
+        # again with the rest off the device, as a component short of a dry run's estimate does.
+        state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
         on_device = "under the plan made at enable"
     else:
         apply_least_plan(state)
@@ -379,6 +382,8 @@ def abort_call(state: PipelineResidency, error: BaseException) -> None:
                 shape,
                 state.plan.source,
             )
+    if isinstance(error, torch.OutOfMemoryError) and state.plan.source == AT_ENABLE:
+        apply_least_plan(state)  # short of room: the next call measures as usual rather than failing alike
     state.shape = None
 
 

@@ -198,6 +198,14 @@ class BudgetWatch:
             measured[self.running] = max(measured.get(self.running, 0), self._need_above_weights(peak))
         return measured
 
+    def measure_running_until_here(self) -> None:
+        """End the running component's measurement here, as the next component's start would, and
+        measure it on from here: a plan about to be applied (see ``dry_run_plans.estimate_at_start``)
+        may offload weights it ran beside, which its peak holds and the weights loaded would no
+        longer count, and its need would take them for its own."""
+        self._measured = self.measured_so_far()
+        _device.reset_peak_allocated(self.device)
+
     def _need_above_weights(self, peak_allocated: int) -> int:
         # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)
         # count against the budget's cap as much as tensors do; a plan made from allocated peaks

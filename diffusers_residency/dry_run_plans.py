@@ -45,6 +45,7 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     if component != runs.denoiser or component == watch.running:
         return
     state.group.estimate_from_inputs = None
+    watch.measure_running_until_here()  # the text encoder that ran last, before a plan moves weights
     need = runs.forward.need(args, kwargs)
     if need is None:
         _without_estimates(state)
@@ -78,6 +79,10 @@ def _without_estimates(state: PipelineResidency) -> None:
     than under the plan made at enable, which estimated another call."""
     if state.plan.source == AT_ENABLE:
         apply_least_plan(state)
+        watch = state.group.budget_watch
+        # As with no estimate from the call's start: retries under the least plan are nobody's shortfall.
+        watch.drop_retries()
+        watch.retries_while_measuring = False
 
 
 def plan_from_timed_step(state: PipelineResidency, component: str) -> None:

@@ -461,6 +461,11 @@ class ForwardDryRun:
                     twin = twins[component] = meta_twin(module)
                     if twin is None:
                         return None
+                    dtype = _computes_in(module)
+                    if holds_quantized(module) and dtype is not None:
+                        # Built in float32 (see meta_twin): what it makes, the denoiser's inputs,
+                        # comes in the dtype it computes in.
+                        _cast(twin, dtype)
                     # Only the shapes of what they make count here: each repeated block runs once
                     # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached).
                     undos.append(_replaying_repeats(twin, LiveBytes(())))

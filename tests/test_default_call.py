@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from diffusers_residency import dry_runs
+from diffusers_residency import _device, dry_runs, retry_with_room
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.dry_runs import ForwardDryRun
 from diffusers_residency.pipeline import pipeline_state
@@ -191,3 +191,87 @@ def test_a_denoiser_with_no_estimate_under_the_plan_made_at_enable_is_measured_w
     source, resident = in_step[0]
     assert source == "" and not any(resident), "the least plan from the denoiser's start"
     assert case.pipe.residency_plan().source == "measured"
+
+
+def test_a_quantized_text_encoder_makes_the_default_calls_inputs_in_the_dtype_it_computes_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    quantization = pytest.importorskip("torchao.quantization")
+    case = PipelineCase("flux", dtype=torch.bfloat16)
+    quantization.quantize_(case.pipe.text_encoder_2, quantization.Int8WeightOnlyConfig())
+    reference = pipeline_output(case.pipe, _default_call("flux"))
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    assert pipeline_state(case.pipe).dry_runs.default_step_need is not None, "the bfloat16 transformer's copy ran"
+    _measure_on_the_cpu(case, monkeypatch)
+    made = _counting_dry_runs(monkeypatch)
+    assert torch.equal(pipeline_output(case.pipe, _default_call("flux")), reference)
+    assert "FluxTransformer2DModel" not in made, "the call's inputs are those made at enable, bfloat16 embeddings"
+
+
+def test_the_last_text_encoders_need_is_measured_before_the_denoisers_plan_offloads_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    group = state.group
+    # A peak as a CUDA allocator keeps one: the most held while the encoders ran, which offloading
+    # after does not lower; each needing 1000 bytes above what is loaded.
+    peak = [0]
+
+    def record(*_: object) -> None:
+        peak[0] = max(peak[0], group.loaded_bytes() + 1000)
+
+    for encoder in (case.pipe.text_encoder, case.pipe.text_encoder_2):
+        for module in encoder.modules():
+            module.register_forward_pre_hook(record)
+            module.register_forward_hook(record)
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: max(peak[0], group.loaded_bytes() + 1000))
+    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: peak.__setitem__(0, 0))
+    # No estimate for the denoiser: the least plan from its start offloads the blocks loaded at enable.
+    state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
+    assert torch.equal(case.run(), case.reference)
+    assert state.plan.activations["text_encoder_2"] == 1000 + int(state.plan.budget * 0.02), str(state.plan)
+
+
+def _short_in_text_encoder(case: PipelineCase, times: int) -> list[list[bool]]:
+    """Make ``case``'s T5 encoder run out of device memory at its first block ``times`` times;
+    each attempt's transformer blocks on the device."""
+    attempts: list[list[bool]] = []
+
+    def short(*_: object) -> None:
+        attempts.append([block.stager.loaded for block in _transformer_blocks(case)])
+        if len(attempts) <= times:
+            raise torch.OutOfMemoryError("short")
+
+    case.pipe.text_encoder_2.encoder.block[0].register_forward_pre_hook(short)
+    return attempts
+
+
+def test_a_text_encoder_short_of_memory_under_the_plan_made_at_enable_runs_again_with_the_rest_off_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    attempts = _short_in_text_encoder(case, times=1)
+    assert torch.equal(case.run(), case.reference)
+    assert any(attempts[0]) and not any(attempts[1]), "run again with the blocks loaded at enable off the device"
+    assert case.pipe.residency_plan().source == "measured"
+
+
+def test_a_first_call_short_of_memory_under_the_plan_made_at_enable_leaves_the_next_one_the_least_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    larger = pipeline_output(case.pipe, call_kwargs("flux", height=48, width=48))
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    # Where running it again could change its output (a stateful hook in it), nothing is run again.
+    monkeypatch.setattr(retry_with_room, "_why_not_run_again", lambda *_: "it holds a cache")
+    attempts = _short_in_text_encoder(case, times=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        case.run()
+    assert case.pipe.residency_plan().source == "" and not any(block.stager.loaded for block in _transformer_blocks(case))
+    assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", height=48, width=48)), larger)
+    assert any(attempts[0]) and not any(attempts[1]), "the next call's encoders ran with the least on the device"
