@@ -16,7 +16,7 @@ from diffusers_residency import _device, dry_runs, retry_with_room
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.dry_runs import ForwardDryRun
 from diffusers_residency.pipeline import pipeline_state
-from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
+from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN, PipelineResidency
 from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.policy import Policy
 
@@ -130,19 +130,25 @@ def _transformer_blocks(case: PipelineCase) -> list:
     return pipeline_state(case.pipe).group.units_of("transformer")[1:]
 
 
+def _enabled_with_the_plan_made_at_enable(case: PipelineCase, monkeypatch: pytest.MonkeyPatch) -> PipelineResidency:
+    """``case`` enabled with room for about half its transformer, its calls measured on the CPU
+    (see ``_measure_on_the_cpu``); its state, under the plan made at enable."""
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    assert state.plan.source == AT_ENABLE
+    _measure_on_the_cpu(case, monkeypatch)
+    return state
+
+
 def test_a_pipeline_enabled_with_no_profile_loads_what_the_default_calls_plan_keeps_resident(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     case = PipelineCase("flux")
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
-    state = pipeline_state(case.pipe)
-    assert state.plan.source == AT_ENABLE
+    state = _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     blocks = _transformer_blocks(case)
     resident = [block for block in blocks if block.policy is Policy.RESIDENT]
     assert resident and len(resident) < len(blocks)
     assert [block.stager.loaded for block in blocks] == [block.policy is Policy.RESIDENT for block in blocks]
-
-    _measure_on_the_cpu(case, monkeypatch)
     loaded_as_encoding: list[list[bool]] = []
     case.pipe.text_encoder.register_forward_pre_hook(
         lambda *_: loaded_as_encoding.append([block.stager.loaded for block in resident])
@@ -159,9 +165,7 @@ def test_a_first_call_no_dry_run_follows_measures_with_the_least_on_the_device(m
     kwargs = call_kwargs("flux")
     latents = case.pipe(**{**kwargs, "output_type": "latent"}, return_dict=False)[0]
     reference = pipeline_output(case.pipe, {**call_kwargs("flux"), "latents": latents})
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
-    assert pipeline_state(case.pipe).plan.source == AT_ENABLE
-    _measure_on_the_cpu(case, monkeypatch)
+    _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     loaded_as_encoding: list[bool] = []
     case.pipe.text_encoder.register_forward_pre_hook(
         lambda *_: loaded_as_encoding.extend(block.stager.loaded for block in _transformer_blocks(case))
@@ -176,10 +180,7 @@ def test_a_denoiser_with_no_estimate_under_the_plan_made_at_enable_is_measured_w
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     case = PipelineCase("flux")
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
-    state = pipeline_state(case.pipe)
-    assert state.plan.source == AT_ENABLE
-    _measure_on_the_cpu(case, monkeypatch)
+    state = _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     # As for a transformer with adapters loaded since: its tensors are not those its config builds.
     state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
     in_step: list[tuple[str, list[bool]]] = []
@@ -252,8 +253,7 @@ def test_a_text_encoder_short_of_memory_under_the_plan_made_at_enable_runs_again
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     case = PipelineCase("flux")
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
-    _measure_on_the_cpu(case, monkeypatch)
+    _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     attempts = _short_in_text_encoder(case, times=1)
     assert torch.equal(case.run(), case.reference)
     assert any(attempts[0]) and not any(attempts[1]), "run again with the blocks loaded at enable off the device"
@@ -265,8 +265,7 @@ def test_a_first_call_short_of_memory_under_the_plan_made_at_enable_leaves_the_n
 ) -> None:
     case = PipelineCase("flux")
     larger = pipeline_output(case.pipe, call_kwargs("flux", height=48, width=48))
-    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
-    _measure_on_the_cpu(case, monkeypatch)
+    _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     # Where running it again could change its output (a stateful hook in it), nothing is run again.
     monkeypatch.setattr(retry_with_room, "_why_not_run_again", lambda *_: "it holds a cache")
     attempts = _short_in_text_encoder(case, times=1)
