@@ -352,6 +352,9 @@ def _plan_default_call(state: PipelineResidency) -> None:
         return  # a first call measures with the least on the device, as without estimates
     apply_plan(state, replace(plan, source=AT_ENABLE))
     state.group.load_resident_ahead()
+    # A text encoder run outside a pipeline call (``pipe.encode_prompt``) that needs more than the
+    # reserve runs again with the rest off the device too (see begin_call).
+    state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
     logger.info("Planned at enable for a call of the default shape, estimated above the weights: %s. %s",
                 ", ".join(f"{name} {format_bytes(need)}" for name, need in needs.items()), plan.summary())  # fmt: skip
 

@@ -74,8 +74,10 @@ class BudgetWatch:
         # What each component of the measured call needed above the weights, so far.
         self._measured: dict[str, int] = {}
         # The component whose call is under way (resident ones included): the peak seen when
-        # another one starts is that one's.
+        # another one starts is that one's. Unless its measurement was closed before (see
+        # measure_running_until_here).
         self.running: str | None = None
+        self._closed: str | None = None
         self._call_start = call_start
         self._call_end = call_end
         self.retries_while_measuring = retries_while_measuring
@@ -128,7 +130,7 @@ class BudgetWatch:
     def abort_call(self) -> None:
         """The pipeline call raised: what it measured so far is dropped (a call measured from here
         starts over at its first component), and what it retried or overshot is not told."""
-        self.running = None
+        self.running = self._closed = None
         self._retried = {}
         self._measured = {}
         self._call_started = self._call_end_ran = False
@@ -142,6 +144,7 @@ class BudgetWatch:
         if peak is None:
             return False
         ran, self.running = self.running, component
+        closed, self._closed = self._closed, None
         retries, seen = _device.allocator_retries(self.device), self._retries_seen
         self._retries_seen = retries
         allocator_retried = retries is not None and seen is not None and retries > seen
@@ -183,7 +186,7 @@ class BudgetWatch:
             self._retried[ran or component] = None
         if component == ran:
             return False
-        if ran is not None:
+        if ran is not None and ran != closed:
             need = self._need_above_weights(peak)
             self._measured[ran] = max(self._measured.get(ran, 0), need)
         self._watch_first_call(component)
@@ -194,17 +197,17 @@ class BudgetWatch:
         one running included (what it needed until now)."""
         measured = dict(self._measured)
         peak = _device.peak_allocated(self.device)
-        if self.running is not None and peak is not None:
+        if self.running is not None and self.running != self._closed and peak is not None:
             measured[self.running] = max(measured.get(self.running, 0), self._need_above_weights(peak))
         return measured
 
     def measure_running_until_here(self) -> None:
-        """End the running component's measurement here, as the next component's start would, and
-        measure it on from here: a plan about to be applied (see ``dry_run_plans.estimate_at_start``)
-        may offload weights it ran beside, which its peak holds and the weights loaded would no
-        longer count, and its need would take them for its own."""
+        """End the running component's measurement here, as the next component's start would: a
+        plan about to be applied (see ``dry_run_plans.estimate_at_start``) may offload weights it
+        ran beside, which its peak holds (a reset of CUDA's peak keeps what is allocated) and the
+        weights loaded would no longer count, so that a later reading would take them for its need."""
         self._measured = self.measured_so_far()
-        _device.reset_peak_allocated(self.device)
+        self._closed = self.running
 
     def _need_above_weights(self, peak_allocated: int) -> int:
         # Reserved, not allocated: blocks the allocator holds but cannot reuse (fragmentation)

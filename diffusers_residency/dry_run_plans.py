@@ -124,9 +124,11 @@ def make_room_to_retry(state: PipelineResidency, component: str) -> None:
     call; its plan is made again from what it measured."""
     group = state.group
     group.make_room_to_retry = group.plan_from_timed_step = None
-    state.estimates_failed.add(state.shape)
-    logger.info("%r ran out of device memory under the dry runs' estimate for calls of %s; running it again "
-                "with the rest of the pipeline off the device", component, state.shape)  # fmt: skip
+    if state.plan.source != AT_ENABLE:
+        # Under the plan made at enable, what fell short is a text encoder's reserve, not a dry run.
+        state.estimates_failed.add(state.shape)
+    logger.info("%r ran out of device memory under the estimate %s; running it again with the rest of the "
+                "pipeline off the device", component, f"for calls of {state.shape}" if state.shape else "made at enable")  # fmt: skip
     apply_least_plan(state)
     for other in dict.fromkeys(unit.component for unit in group.units):
         if other != component:

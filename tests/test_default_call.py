@@ -228,7 +228,8 @@ def test_the_last_text_encoders_need_is_measured_before_the_denoisers_plan_offlo
             module.register_forward_pre_hook(record)
             module.register_forward_hook(record)
     monkeypatch.setattr(_device, "peak_allocated", lambda device: max(peak[0], group.loaded_bytes() + 1000))
-    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: peak.__setitem__(0, 0))
+    # A reset keeps what is allocated, the weights loaded among it.
+    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: peak.__setitem__(0, group.loaded_bytes()))
     # No estimate for the denoiser: the least plan from its start offloads the blocks loaded at enable.
     state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
     assert torch.equal(case.run(), case.reference)
@@ -274,3 +275,19 @@ def test_a_first_call_short_of_memory_under_the_plan_made_at_enable_leaves_the_n
     assert case.pipe.residency_plan().source == "" and not any(block.stager.loaded for block in _transformer_blocks(case))
     assert torch.equal(pipeline_output(case.pipe, call_kwargs("flux", height=48, width=48)), larger)
     assert any(attempts[0]) and not any(attempts[1]), "the next call's encoders ran with the least on the device"
+
+
+def test_a_text_encoder_short_of_memory_outside_a_call_under_the_plan_made_at_enable_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = PipelineCase("flux")
+    with torch.inference_mode():
+        expected = case.pipe.encode_prompt(prompt="a horse", prompt_2=None)
+    _enabled_with_the_plan_made_at_enable(case, monkeypatch)
+    attempts = _short_in_text_encoder(case, times=1)
+    with torch.inference_mode():
+        embeddings = case.pipe.encode_prompt(prompt="a horse", prompt_2=None)
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(embeddings, expected))
+    assert any(attempts[0]) and not any(attempts[1]), "run again with the blocks loaded at enable off the device"
+    assert case.pipe.residency_plan().source == ""
+    assert torch.equal(case.run(), case.reference)
