@@ -79,8 +79,10 @@ def _without_estimates(state: PipelineResidency) -> None:
     than under the plan made at enable, which estimated another call."""
     if state.plan.source == AT_ENABLE:
         apply_least_plan(state)
+        # As with no estimate from the call's start: nothing runs again with room (there is no
+        # estimate to fall short), and retries under the least plan are nobody's shortfall.
+        state.group.make_room_to_retry = None
         watch = state.group.budget_watch
-        # As with no estimate from the call's start: retries under the least plan are nobody's shortfall.
         watch.drop_retries()
         watch.retries_while_measuring = False
 
@@ -117,7 +119,7 @@ def make_room_to_retry(state: PipelineResidency, component: str) -> None:
     """``component`` ran out of device memory in its forward or a decode (see
     retry_with_room.retried_with_room) in a call planned from dry runs: their estimate fell short
     (of the denoiser's step, of the decoder's final decode, or of one a step-end callback made for
-    a preview). Make the most room the budget has for it to run again, once: the least plan, every
+    a preview); or under the plan made at enable, a text encoder's reserve did. Make the most room the budget has for it to run again, once: the least plan, every
     other component's units off the device (for the decoder, the denoiser's trunk and the blocks
     the plan kept), the allocator's cache given back, and its need measured from here. The call
     then returns what it would have, a little later, where it would otherwise fail on its first

@@ -183,14 +183,19 @@ def test_a_denoiser_with_no_estimate_under_the_plan_made_at_enable_is_measured_w
     state = _enabled_with_the_plan_made_at_enable(case, monkeypatch)
     # As for a transformer with adapters loaded since: its tensors are not those its config builds.
     state.dry_runs = replace(state.dry_runs, forward=ForwardDryRun(torch.nn.Linear(4, 4)))
-    in_step: list[tuple[str, list[bool]]] = []
+    in_step: list[tuple[str, list[bool], bool]] = []
     first_block = _transformer_blocks(case)[0].module
     first_block.register_forward_pre_hook(
-        lambda *_: in_step.append((state.plan.source, [b.policy is Policy.RESIDENT for b in _transformer_blocks(case)]))
+        lambda *_: in_step.append((
+            state.plan.source,
+            [b.policy is Policy.RESIDENT for b in _transformer_blocks(case)],
+            state.group.make_room_to_retry is None,
+        ))
     )
     assert torch.equal(case.run(), case.reference)
-    source, resident = in_step[0]
+    source, resident, no_room_to_make = in_step[0]
     assert source == "" and not any(resident), "the least plan from the denoiser's start"
+    assert no_room_to_make, "no estimate to fall short: nothing runs again with room"
     assert case.pipe.residency_plan().source == "measured"
 
 
