@@ -7,7 +7,8 @@ those come from the pipeline's own code: its latents' packing, its prompt embedd
 guidance batch differ from one pipeline class to the next. Running that code on meta copies of the
 components (tensors with shapes and no memory) makes them without knowing any of it, in a few
 hundred dispatched operations. A first call of that shape then finds its denoiser's estimate made,
-rather than holding the device idle while the host makes it (50 to 90 ms for SDXL's UNet).
+rather than holding the device idle while the host makes it (0.053 s for SDXL's UNet on the
+development machine's CPU, docs/benchmarks.md).
 
 The call is made on a stand-in pipeline object: the components' meta copies, the scheduler's copy
 (setting its timesteps changes it), the tokenizers and settings shared. Code that reads values

@@ -445,8 +445,8 @@ class ForwardDryRun:
         dtype = next((tensor.dtype for tensor in inputs if tensor.is_floating_point()), None)
         if self._cast_as_inputs and dtype is not None:
             _cast(self._twin, dtype)
-        need = self._needs[key] = dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
-        return need
+        self._needs[key] = dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
+        return self._needs[key]
 
     def need_at_defaults(self, pipe: DiffusionPipeline, name: str) -> int | None:
         """The need of the forward in a call of ``pipe``'s default shape, made now from the inputs
@@ -461,8 +461,7 @@ class ForwardDryRun:
                     twin = twins[component] = meta_twin(module)
                     if twin is None:
                         return None
-                    dtype = _computes_in(module)
-                    if holds_quantized(module) and dtype is not None:
+                    if holds_quantized(module) and (dtype := _computes_in(module)) is not None:
                         # Built in float32 (see meta_twin): what it makes, the denoiser's inputs,
                         # comes in the dtype it computes in.
                         _cast(twin, dtype)
