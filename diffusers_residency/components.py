@@ -164,9 +164,9 @@ def planner_for(
     budget: tuple[int, int | None] | None,
 ) -> Callable[..., ResidencyPlan]:
     """The plan for these components as a function of per-component activations, of policies to pin
-    besides the user's, of components that can only move whole, of ``least`` and of a plan ``chosen``
-    before (see :func:`~diffusers_residency.planner.plan_residency`): planned again when a call says
-    what its components need. Under a budget, the choices of resident blocks its timed plans weigh
+    besides the user's, of components that can only move whole, of ``least``, of a plan ``chosen``
+    before and of the plan in place (see :func:`~diffusers_residency.planner.plan_residency`):
+    planned again when a call says what its components need. Under a budget, the choices of resident blocks its timed plans weigh
     are listed here, at enable (see :func:`~.kept_blocks.prepare_block_choices`)."""
     sizes = component_sizes(pipe, modules)
     policies = component_policies(pipe, modules, components)
@@ -190,13 +190,15 @@ def planner_for(
         timings: Mapping[str, StepTiming] | None = None,
         least: bool = False,
         chosen: Sequence[ComponentPlan] | None = None,
+        incumbent: Sequence[ComponentPlan] = (),
     ) -> ResidencyPlan:
         # A component with no block hooks shows the planner no blocks: it cannot stream.
         planned = [replace(s, block_bytes=()) if s.name in whole else s for s in sizes]
         fixed_here = {**fixed, **pinned}
         return plan_residency(
-            planned, budget_bytes, reserve, fixed_here, activations, timings=timings, least=least, chosen=chosen
-        )
+            planned, budget_bytes, reserve, fixed_here, activations,
+            timings=timings, least=least, chosen=chosen, incumbent=incumbent,
+        )  # fmt: skip
 
     return plan
 

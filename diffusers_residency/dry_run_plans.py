@@ -107,7 +107,7 @@ def plan_from_timed_step(state: PipelineResidency, component: str) -> None:
     kept_as_planned = {name: state.plan[name].policy for name in whole}
     try:
         plan = state.replan(state.plan.activations, {**streaming, **kept_as_planned}, whole,
-                            {**state.plan.timings, component: timing})  # fmt: skip
+                            {**state.plan.timings, component: timing}, incumbent=state.plan.components)  # fmt: skip
     except BudgetTooSmallError:
         return  # the activations planned for fit no plan with these hooks: the plan in place stays
     apply_plan(state, replace(plan, source=state.plan.source, shape=state.shape))

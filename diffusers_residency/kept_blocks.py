@@ -242,13 +242,14 @@ def _step_seconds_of(
         if found is None:
             trial = replace(plan, resident_blocks=resident, prefetch_blocks=depth)
             staged = _staged(trial, sizes, room_left) if sizes.per_step else trial
-            found = room.steps[key] = _plan_step_seconds(staged, sizes, timing)
+            found = room.steps[key] = plan_step_seconds(staged, sizes, timing)
         return found
 
     return seconds
 
 
-def _plan_step_seconds(plan: ComponentPlan, sizes: ComponentSizes, timing: StepTiming) -> float:
+def plan_step_seconds(plan: ComponentPlan, sizes: ComponentSizes, timing: StepTiming) -> float:
+    """A streamed plan's simulated step (see :func:`~.step_timing.simulated_step_seconds`)."""
     return _simulated_step_seconds(
         sizes.block_bytes, plan.resident_blocks | plan.staged_blocks, plan.prefetch_blocks, timing
     )

@@ -177,13 +177,13 @@ def replan_in_place(
     """The plan for ``activations`` (and ``timings``, by default the plan's) on the hooks in place:
     components that stream keep streaming (their blocks have hooks of their own; with every block
     resident, one is as good as resident), the others may move between staged and resident, not to
-    streaming (they have no block hooks). ``chosen``: the plan made before for these figures (see
-    plan_residency).
+    streaming (they have no block hooks). ``chosen``: the plan made before for these figures; the
+    plan in place is the incumbent (see plan_residency).
 
     Raises :class:`BudgetTooSmallError` when nothing fits."""
     streaming, whole = hooked_policies(state)
     timings = state.plan.timings if timings is None else timings
-    plan = state.replan(activations, streaming, whole, timings, chosen=chosen)
+    plan = state.replan(activations, streaming, whole, timings, chosen=chosen, incumbent=state.plan.components)
     return replace(plan, source="measured", shape=state.shape)
 
 
