@@ -1170,6 +1170,45 @@ def test_a_plan_that_loads_one_block_ahead_is_followed_by_the_stream(flux: Pipel
     assert any(len(loaded_while_running[b.name]) == 2 for b in streamed), "the next one loads ahead"
 
 
+def test_a_plan_made_again_on_the_hooks_in_place_keeps_the_blocks_in_place_where_as_good(flux: PipelineCase) -> None:
+    """replan_in_place plans with the plan in place as the incumbent (see planner.plan_residency):
+    for a step timed 20 % longer, a fresh plan moves the transformer's resident blocks, the plan
+    made again on the pipeline keeps them, and the pipeline still computes what it did."""
+    sizes = component_sizes(flux.pipe, module_components(flux.pipe))
+    transformer = next(s for s in sizes if s.name == "transformer")
+
+    def timing(compute_per_byte: float) -> dict[str, StepTiming]:
+        return {"transformer": StepTiming(compute_per_byte=compute_per_byte, load_per_byte=1e-9)}
+
+    def case() -> tuple[int, float]:
+        # A budget and step the fresh plans of which move resident blocks (the tiny pipeline's
+        # blocks are of two sizes), searched as the pipeline enabled under it would plan.
+        for budget in range(streaming_budget(flux), 0, -max(transformer.block_bytes) // 8):
+            hooked = plan_residency(sizes, budget, RESERVE)
+            streaming = {p.name: Policy.STREAMED for p in hooked.components if p.policy is Policy.STREAMED}
+            as_hooked = [s if s.name in streaming else replace(s, block_bytes=()) for s in sizes]
+            for compute in (n * 1e-11 for n in range(1, 300, 7)):
+                before = plan_residency(as_hooked, budget, RESERVE, streaming, timings=timing(compute))
+                after = plan_residency(as_hooked, budget, RESERVE, streaming, timings=timing(compute * 1.2))
+                if before["transformer"].resident_blocks != after["transformer"].resident_blocks:
+                    kept = plan_residency(as_hooked, budget, RESERVE, streaming, timings=timing(compute * 1.2),
+                                          incumbent=before.components)  # fmt: skip
+                    if kept["transformer"].resident_blocks == before["transformer"].resident_blocks:
+                        return budget, compute
+        pytest.fail("no budget and step whose fresh plans move resident blocks within the tie")
+
+    budget, compute = case()
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=budget, activation_reserve=RESERVE)
+    state = pipeline_state(flux.pipe)
+    apply_plan(state, replan_in_place(state, {}, timing(compute)))
+    resident = state.plan["transformer"].resident_blocks
+    again = replan_in_place(state, {}, timing(compute * 1.2))
+    assert again["transformer"].resident_blocks == resident, str(again)
+    assert again.timings == timing(compute * 1.2)
+    apply_plan(state, again)
+    assert torch.equal(flux.run(), flux.reference)
+
+
 @pytest.mark.parametrize("true_cfg", [False, True], ids=["plain", "true-cfg"])
 def test_a_step_timed_again_under_the_plan_is_planned_for_once(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, true_cfg: bool
