@@ -166,8 +166,9 @@ def planner_for(
     """The plan for these components as a function of per-component activations, of policies to pin
     besides the user's, of components that can only move whole, of ``least``, of a plan ``chosen``
     before and of the plan in place (see :func:`~diffusers_residency.planner.plan_residency`):
-    planned again when a call says what its components need. Under a budget, the choices of resident blocks its timed plans weigh
-    are listed here, at enable (see :func:`~.kept_blocks.prepare_block_choices`)."""
+    planned again when a call says what its components need. Under a budget, the choices of
+    resident blocks its timed plans weigh are listed here, at enable (see
+    :func:`~.kept_blocks.prepare_block_choices`)."""
     sizes = component_sizes(pipe, modules)
     policies = component_policies(pipe, modules, components)
     if budget is None:
