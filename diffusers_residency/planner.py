@@ -222,34 +222,36 @@ def _in_place_if_as_good(
     timings: Mapping[str, StepTiming],
 ) -> dict[str, ComponentPlan] | None:
     """The plan in place, its staged blocks chosen again for the room of the new figures, if it fits
-    them and no timed streamed component's simulated step under it is longer than under the new
-    ``plans`` by more than STEP_TIE, nor keeps fewer resident bytes by more than its largest block;
-    else None. (Staged blocks load at every call: where every block is kept, resident or staged,
-    the steps tie whatever the split, and the new plan's more resident bytes load less per call,
-    as the tie within a search goes to the most resident bytes. SDXL's UNet at 8 GB: 13 blocks
-    resident or 18, 0.40 GB more loaded per call with 13.)
+    them, keeps resident all but at most one block's bytes of what the new ``plans`` keep, all
+    components together, and streams no timed component that they do not, each one that both
+    stream with a simulated step no longer than under ``plans`` by more than STEP_TIE; else None.
 
     Hysteresis: a step timed a few per cent apart (the whole call's median after the first step's
     timing, a step timed again) moves the shortest step among near-equal choices of resident
     blocks, and choices of nearby sizes spread their blocks over mostly different positions: for
     FLUX.1-dev at 16 GB, a step 10 % longer swaps some 2.5 GB of resident blocks, loaded while
-    the call waits, for a step no more than 2 % shorter."""
+    the call waits, for a step no more than 2 % shorter (and a text encoder's few blocks resident
+    in the room the transformer's left). Resident bytes are compared because what is not
+    resident loads at every call: where every block of a per-step component is kept, resident or
+    staged, the steps tie whatever the split (SDXL's UNet at 8 GB kept 13 resident blocks where
+    its new plan kept 18, 0.40 GB more loaded a call), and a plan made for larger figures keeps
+    less of the once-per-call components resident too."""
     kept = kept_blocks.stage_blocks(
         {p.name: replace(p, staged_blocks=frozenset()) for p in incumbent}, by_name, room
     )
     if kept == plans or not room.fits(kept):
         return None
+    block = max((nbytes for sizes in by_name.values() for nbytes in sizes.block_bytes), default=0)
+    resident = sum(kept[name].resident_bytes(sizes) for name, sizes in by_name.items())
+    if resident < sum(plans[name].resident_bytes(sizes) for name, sizes in by_name.items()) - block:
+        return None
     for name, timing in timings.items():
-        new, old = plans.get(name), kept[name]
-        if new is None or new.policy is not Policy.STREAMED:
+        if name not in plans or kept[name].policy is not Policy.STREAMED:
             continue
-        if old.policy is not Policy.STREAMED:
+        if plans[name].policy is not Policy.STREAMED:
             return None
-        sizes = by_name[name]
-        if old.resident_bytes(sizes) < new.resident_bytes(sizes) - max(sizes.block_bytes):
-            return None
-        step = kept_blocks.plan_step_seconds(new, sizes, timing)
-        if kept_blocks.plan_step_seconds(old, sizes, timing) > step * (1 + kept_blocks.STEP_TIE):
+        step = kept_blocks.plan_step_seconds(plans[name], by_name[name], timing)
+        if kept_blocks.plan_step_seconds(kept[name], by_name[name], timing) > step * (1 + kept_blocks.STEP_TIE):
             return None
     return kept
 

@@ -273,6 +273,46 @@ def test_the_plan_in_place_gives_way_to_more_resident_bytes_where_the_steps_tie(
     assert again == measured
 
 
+def test_the_plan_in_place_gives_way_where_the_others_keep_more_resident() -> None:
+    # At 11.25 GB, hooked as a pipeline enabled for an estimate, the UNet's step is the same under
+    # both plans; the plan for a VAE estimated 800 MB over what it measured keeps the first text
+    # encoder staged and less of the UNet and VAE resident: some 400 MB more loaded at every call.
+    budget, unet = 45 * GB // 4, SDXL[2]
+    timing = {"unet": StepTiming(compute_per_byte=0.061 / sum(unet.block_bytes), load_per_byte=1 / 54e9)}
+    estimated = {**SDXL_ACTIVATIONS, "vae": SDXL_ACTIVATIONS["vae"] + 800 * MB}
+    enabled = plan_residency(SDXL, budget, 3 * GB, None, estimated)
+    streaming = {p.name: Policy.STREAMED for p in enabled.components if p.policy is Policy.STREAMED}
+    hooked = [s if s.name in streaming else ComponentSizes(s.name, s.nbytes, ()) for s in SDXL]
+    before = plan_residency(hooked, budget, 3 * GB, streaming, estimated, timings=timing)
+    measured = plan_residency(hooked, budget, 3 * GB, streaming, SDXL_ACTIVATIONS, timings=timing)
+    assert measured.resident_weight_bytes > before.resident_weight_bytes + max(unet.block_bytes)
+    again = plan_residency(
+        hooked, budget, 3 * GB, streaming, SDXL_ACTIVATIONS, timings=timing, incumbent=before.components
+    )
+    assert again == measured
+
+
+def test_the_plan_in_place_gives_way_where_the_timed_component_fits_whole() -> None:
+    # Measured at a quarter of its estimate, the transformer fits resident at 29 GB: the plan in
+    # place would keep streaming 7 of its blocks at every step.
+    timing = _flux_timing(0.174)
+    estimated = {**FLUX_ACTIVATIONS, "transformer": 6 * GB}
+    before = plan_residency(FLUX, 29 * GB, 3 * GB, None, estimated, timings=timing)
+    measured = plan_residency(FLUX, 29 * GB, 3 * GB, None, FLUX_ACTIVATIONS, timings=timing)
+    assert before["transformer"].policy is Policy.STREAMED and measured["transformer"].policy is Policy.RESIDENT
+    again = plan_residency(FLUX, 29 * GB, 3 * GB, None, FLUX_ACTIVATIONS, timings=timing, incumbent=before.components)
+    assert again == measured
+
+
+def test_a_timing_of_no_component_is_ignored_with_a_plan_in_place() -> None:
+    # A residency profile edited by hand may time a component the pipeline does not have.
+    timing = _flux_timing(0.174)
+    before = plan_residency(FLUX, 16 * GB, 3 * GB, None, FLUX_ACTIVATIONS, timings=timing)
+    ghost = {**_flux_timing(0.174 * 1.1), "ghost": timing["transformer"]}
+    again = plan_residency(FLUX, 16 * GB, 3 * GB, None, FLUX_ACTIVATIONS, timings=ghost, incumbent=before.components)
+    assert again["transformer"].resident_blocks == before["transformer"].resident_blocks
+
+
 @pytest.mark.parametrize("budget", [16 * GB, 8 * GB])
 def test_a_bus_bound_step_loads_one_block_ahead_and_keeps_the_slot_it_frees(budget: int, monkeypatch) -> None:
     # FLUX.1-dev's double-stream block loads in 13 ms at 52.6 GB/s and computes in about 5 ms: the
