@@ -224,7 +224,9 @@ def _in_place_if_as_good(
     """The plan in place, its staged blocks chosen again for the room of the new figures, if it fits
     them, keeps resident all but at most one block's bytes of what the new ``plans`` keep, all
     components together, and streams no timed component that they do not, each one that both
-    stream with a simulated step no longer than under ``plans`` by more than STEP_TIE; else None.
+    stream with a simulated step no longer than under ``plans`` by more than STEP_TIE, and the new
+    plans move the resident blocks of one of those; else None (the new plans, then, change only
+    what loads once per call, and keeping the plan in place would save no load).
 
     Hysteresis: a step timed a few per cent apart (the whole call's median after the first step's
     timing, a step timed again) moves the shortest step among near-equal choices of resident
@@ -245,6 +247,7 @@ def _in_place_if_as_good(
     resident = sum(kept[name].resident_bytes(sizes) for name, sizes in by_name.items())
     if resident < sum(plans[name].resident_bytes(sizes) for name, sizes in by_name.items()) - block:
         return None
+    moved = False  # whether the new plans move a timed component's resident blocks: else none to keep
     for name, timing in timings.items():
         if name not in plans or kept[name].policy is not Policy.STREAMED:
             continue
@@ -253,7 +256,8 @@ def _in_place_if_as_good(
         step = kept_blocks.plan_step_seconds(plans[name], by_name[name], timing)
         if kept_blocks.plan_step_seconds(kept[name], by_name[name], timing) > step * (1 + kept_blocks.STEP_TIE):
             return None
-    return kept
+        moved = moved or kept[name].resident_blocks != plans[name].resident_blocks
+    return kept if moved else None
 
 
 def _with_depths(

@@ -304,6 +304,28 @@ def test_the_plan_in_place_gives_way_where_the_timed_component_fits_whole() -> N
     assert again == measured
 
 
+def test_the_plan_in_place_gives_way_where_no_timed_components_blocks_move() -> None:
+    # SD3-shaped at 14 GB: the transformer is resident under both plans, and the plan for needs
+    # estimated 400 MB high keeps one T5 block (390 MB) fewer resident, loaded at every call for
+    # nothing a swap would cost.
+    sd3 = (
+        ComponentSizes("text_encoder", 246 * MB, (16 * MB,) * 12),
+        ComponentSizes("text_encoder_2", 1389 * MB, (40 * MB,) * 32),
+        ComponentSizes("text_encoder_3", 263 * MB + 24 * 390 * MB, (390 * MB,) * 24),
+        ComponentSizes("transformer", 100 * MB + 24 * 170 * MB, (170 * MB,) * 24, True),
+        ComponentSizes("vae", 168 * MB, (20 * MB,) * 8),
+    )
+    needs = {"text_encoder": 400 * MB, "text_encoder_2": 500 * MB, "text_encoder_3": 623 * MB,
+             "transformer": 1000 * MB, "vae": 3400 * MB}  # fmt: skip
+    timing = {"transformer": StepTiming(compute_per_byte=0.06 / sum(sd3[3].block_bytes), load_per_byte=1 / 54.6e9)}
+    estimated = {name: need + 400 * MB for name, need in needs.items()}
+    before = plan_residency(sd3, 14 * GB, 3 * GB, None, estimated, timings=timing)
+    measured = plan_residency(sd3, 14 * GB, 3 * GB, None, needs, timings=timing)
+    assert before["transformer"].policy is measured["transformer"].policy is Policy.RESIDENT
+    assert len(measured["text_encoder_3"].resident_blocks) > len(before["text_encoder_3"].resident_blocks)
+    assert plan_residency(sd3, 14 * GB, 3 * GB, None, needs, timings=timing, incumbent=before.components) == measured
+
+
 def test_a_timing_of_no_component_is_ignored_with_a_plan_in_place() -> None:
     # A residency profile edited by hand may time a component the pipeline does not have.
     timing = _flux_timing(0.174)
