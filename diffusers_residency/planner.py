@@ -140,8 +140,8 @@ def plan_residency(
     for budgets within 256 MiB of one another: the plan kept may leave up to that much unused.)
 
     ``incumbent``: the plan in place, planned again for new figures. It stays, its staged blocks
-    chosen again, where it fits them and each timed component's step under it is within
-    :data:`~.kept_blocks.STEP_TIE` of the new plan's (see :func:`_in_place_if_as_good`).
+    chosen again, where it is as good for them as the new plan and the new plan would move a timed
+    component's resident blocks (see :func:`_in_place_if_as_good`).
 
     Raises :class:`BudgetTooSmallError` when even streaming everything streamable does not fit.
     """
