@@ -119,11 +119,12 @@ def make_room_to_retry(state: PipelineResidency, component: str) -> None:
     """``component`` ran out of device memory in its forward or a decode (see
     retry_with_room.retried_with_room) in a call planned from dry runs: their estimate fell short
     (of the denoiser's step, of the decoder's final decode, or of one a step-end callback made for
-    a preview); or under the plan made at enable, a text encoder's reserve did. Make the most room the budget has for it to run again, once: the least plan, every
-    other component's units off the device (for the decoder, the denoiser's trunk and the blocks
-    the plan kept), the allocator's cache given back, and its need measured from here. The call
-    then returns what it would have, a little later, where it would otherwise fail on its first
-    call; its plan is made again from what it measured."""
+    a preview); or under the plan made at enable, a text encoder's reserve did. Make the most room
+    the budget has for it to run again, once: the least plan, every other component's units off
+    the device (for the decoder, the denoiser's trunk and the blocks the plan kept), the
+    allocator's cache given back, and its need measured from here. The call then returns what it
+    would have, a little later, where it would otherwise fail on its first call; its plan is made
+    again from what it measured."""
     group = state.group
     group.make_room_to_retry = group.plan_from_timed_step = None
     if state.plan.source != AT_ENABLE:

@@ -50,7 +50,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from . import kept_blocks
-from .plans import PREFETCH_BLOCKS, BudgetTooSmallError, ComponentPlan, ComponentSizes, ResidencyPlan
+from .plans import (
+    PREFETCH_BLOCKS,
+    BudgetTooSmallError,
+    ComponentPlan,
+    ComponentSizes,
+    ResidencyPlan,
+    resident_bytes_of,
+)
 from .policy import Policy
 from .step_timing import StepTiming
 from .text import format_bytes
@@ -244,8 +251,7 @@ def _in_place_if_as_good(
     if kept == plans or not room.fits(kept):
         return None
     block = max((nbytes for sizes in by_name.values() for nbytes in sizes.block_bytes), default=0)
-    resident = sum(kept[name].resident_bytes(sizes) for name, sizes in by_name.items())
-    if resident < sum(plans[name].resident_bytes(sizes) for name, sizes in by_name.items()) - block:
+    if resident_bytes_of(kept.values(), by_name) < resident_bytes_of(plans.values(), by_name) - block:
         return None
     moved = False  # whether the new plans move a timed component's resident blocks: else none to keep
     for name, timing in timings.items():

@@ -132,7 +132,7 @@ class ResidencyPlan:
     @property
     def resident_weight_bytes(self) -> int:
         """Weight bytes the plan keeps on the device across calls."""
-        return _resident(self.components, self._sizes_by_name)
+        return resident_bytes_of(self.components, self._sizes_by_name)
 
     @property
     def transient_weight_bytes(self) -> int:
@@ -222,7 +222,8 @@ class BudgetTooSmallError(ValueError):
     pass
 
 
-def _resident(plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes]) -> int:
+def resident_bytes_of(plans: Sequence[ComponentPlan], by_name: Mapping[str, ComponentSizes]) -> int:
+    """Weight bytes ``plans`` keep on the device across calls, all components together."""
     return sum(p.resident_bytes(by_name[p.name]) for p in plans)
 
 
