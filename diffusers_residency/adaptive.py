@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from .block_timing import estimated_step
 from .budget_watch import BudgetWatch
 from .casts import lossless_round_trip, warm_casts
 from .dry_run_plans import estimate_at_start, make_room_to_retry
@@ -33,6 +34,7 @@ from .pipeline_residency import (
     replan_in_place,
 )
 from .plans import BudgetTooSmallError, ResidencyPlan
+from .policy import Policy
 from .profile import CallFigures, covering_shape, shape_parts, write_profile
 from .retiming import Retime, step_timings, steps_timed
 from .step_timing import StepTiming
@@ -338,7 +340,9 @@ def _plan_default_call(state: PipelineResidency) -> None:
     do not estimate (text encoders) given the reserve, and start loading what that plan keeps
     resident. A first call whose shape the dry runs follow keeps this plan until its denoiser
     starts (see begin_call); the blocks loaded here that the call's own plan keeps then cost it no
-    load, as a resident pipeline's weights loaded by ``.to(device)`` cost its first call none."""
+    load, as a resident pipeline's weights loaded by ``.to(device)`` cost its first call none.
+    Where the plan streams some of the denoiser's blocks, they are chosen for its step estimated
+    from blocks of it timed now (see ``block_timing``), as the call's timed step would choose them."""
     runs, budget = state.dry_runs, state.plan.budget
     if runs is None or budget is None or not state.measuring:
         return
@@ -346,8 +350,12 @@ def _plan_default_call(state: PipelineResidency) -> None:
     if None in needs.values():
         return
     margin = int(budget * RESERVE_MARGIN)
+    activations = {name: need + margin for name, need in needs.items()}
     try:
-        plan = replan_in_place(state, {name: need + margin for name, need in needs.items()})
+        plan = replan_in_place(state, activations)
+        step = _estimated_step(state, plan)
+        if step is not None:
+            plan = replan_in_place(state, activations, {**plan.timings, runs.denoiser: step})
     except BudgetTooSmallError:
         return  # a first call measures with the least on the device, as without estimates
     apply_plan(state, replace(plan, source=AT_ENABLE))
@@ -355,8 +363,25 @@ def _plan_default_call(state: PipelineResidency) -> None:
     # A text encoder run outside a pipeline call (``pipe.encode_prompt``) that needs more than the
     # reserve runs again with the rest off the device too (see begin_call).
     state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
+    estimates = ", ".join(f"{name} {format_bytes(need)}" for name, need in needs.items())
+    if step is not None:
+        block_bytes = sum(next(s for s in plan.sizes if s.name == runs.denoiser).block_bytes)
+        estimates += (f"; {runs.denoiser}'s step {step.compute_per_byte * block_bytes:.3f} s of compute, loads at "
+                      f"{format_bytes(int(1 / step.load_per_byte))}/s, from blocks of it timed")  # fmt: skip
     logger.info("Planned at enable for a call of the default shape, estimated above the weights: %s. %s",
-                ", ".join(f"{name} {format_bytes(need)}" for name, need in needs.items()), plan.summary())  # fmt: skip
+                estimates, plan.summary())  # fmt: skip
+
+
+def _estimated_step(state: PipelineResidency, plan: ResidencyPlan) -> StepTiming | None:
+    """The denoiser's step estimated from its blocks timed now (see ``block_timing``), where
+    ``plan`` streams some of them: the plan at enable is then chosen as a timed step would choose
+    it."""
+    denoiser = state.dry_runs.denoiser
+    sizes, planned = next(s for s in plan.sizes if s.name == denoiser), plan[denoiser]
+    streams = planned.policy is Policy.STREAMED and len(planned.resident_blocks) < len(sizes.block_bytes)
+    if not (sizes.per_step and streams):
+        return None
+    return estimated_step(state.group, sizes, state.dry_runs.forward.default_blocks)
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:
@@ -408,7 +433,9 @@ def end_call(state: PipelineResidency) -> None:
     casts = {**(known.casts if known is not None else {}), **{name: trip for name, trip in made.items() if trip}}
     figures = CallFigures(
         dict(state.plan.activations),
-        dict(state.plan.timings),
+        # A step estimated at enable (a call of fewer than three steps times none) is this process's
+        # device and load at the time: another process times its own.
+        {name: step for name, step in state.plan.timings.items() if not step.estimated},
         state.group.retention.confirmed_release_before(),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, Retime),
         plan=state.plan.components,

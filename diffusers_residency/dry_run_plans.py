@@ -53,9 +53,13 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     margin = int(state.plan.budget * RESERVE_MARGIN)
     estimates = {component: need, runs.decoder.name: decoder_need}
     needs = {**watch.measured_so_far(), **estimates}
+    # A step estimated at enable is for the default call's inputs (see block_timing): a call of
+    # another shape plans without it until its own step is timed.
+    same_inputs = runs.forward.gets_default_inputs(args, kwargs)
+    timings = {name: step for name, step in state.plan.timings.items() if same_inputs or not step.estimated}
     try:
         activations = {**state.plan.activations, **{name: bytes_ + margin for name, bytes_ in needs.items()}}
-        plan = replan_in_place(state, activations)
+        plan = replan_in_place(state, activations, timings)
     except BudgetTooSmallError:
         _without_estimates(state)
         return
@@ -63,7 +67,8 @@ def estimate_at_start(state: PipelineResidency, decoder_need: int, component: st
     # Under an estimate a retry is all that shows a component was short (see adaptive._watch).
     watch.retries_while_measuring = True
     state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
-    if component not in plan.timings and plan[component].policy is Policy.STREAMED:
+    timed = component in plan.timings and not plan.timings[component].estimated
+    if not timed and plan[component].policy is Policy.STREAMED:
         state.group.plan_from_timed_step = functools.partial(plan_from_timed_step, state)
     logger.info(
         "Dry runs estimate for calls of %s, above the weights: %s. Planned for them: %s",

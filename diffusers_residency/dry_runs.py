@@ -29,6 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .block_timing import BlockInputs
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
@@ -166,18 +167,19 @@ def _described(leaf: Any) -> Any:
     return (type(leaf), leaf) if isinstance(leaf, PLAIN_ARGUMENTS) else type(leaf)
 
 
-def _replaying_repeats(twin: nn.Module, counter: LiveBytes) -> Callable[[], None]:
+def _replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs | None = None) -> Callable[[], None]:
     """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time a
     block of its class and tensors' shapes sees inputs of their shapes; later ones return new
     tensors of the shapes it returned, and count the most it held above what was alive as it
     started, above what is alive as they start (a UNet's skip connections pile up along its down
     blocks). A denoiser's dozens of blocks would otherwise cost the host a second of dispatch. (A
     UNet's blocks of one class differ in their channels: their tensors' shapes tell them apart.)
-    Returns the undo."""
+    ``record``: told each block's inputs, by its position. Returns the undo."""
     seen: dict[tuple, tuple[Any, int]] = {}
     layouts = _block_layouts(twin)
-    for block, layout in layouts:
-        block.forward = functools.partial(_replayed, counter, seen, layout, block.forward)
+    for position, (block, layout) in enumerate(layouts):
+        told = None if record is None else functools.partial(record.record, position)
+        block.forward = functools.partial(_replayed, counter, seen, layout, told, block.forward)
     return lambda: [block.__dict__.pop("forward", None) for block, _ in layouts]
 
 
@@ -211,9 +213,17 @@ def _weights(twin: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 def _replayed(
-    counter: LiveBytes, seen: dict[tuple, tuple[Any, int]], layout: tuple, forward: Callable, *args: Any, **kwargs: Any
+    counter: LiveBytes,
+    seen: dict[tuple, tuple[Any, int]],
+    layout: tuple,
+    record: Callable[[tuple, tuple, dict], None] | None,
+    forward: Callable,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     key = (layout, _signature(args, kwargs))
+    if record is not None:
+        record(key, args, kwargs)
     entry = counter.live
     if key not in seen:
         peak_before, counter.peak = counter.peak, entry
@@ -235,16 +245,21 @@ def _is_spec(leaf: Any) -> bool:
     return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[0], torch.Size)
 
 
-def dry_run_need(twin: nn.Module, run: Callable[[nn.Module], Any], inputs: Sequence[torch.Tensor] = ()) -> int | None:
+def dry_run_need(
+    twin: nn.Module,
+    run: Callable[[nn.Module], Any],
+    inputs: Sequence[torch.Tensor] = (),
+    record: BlockInputs | None = None,
+) -> int | None:
     """What ``run(twin)`` would need on the device above its weights, ``inputs`` (meta tensors
     it reads, already on the device in a real call) counted: the most bytes of tensors alive at
     once, times :data:`ALLOCATOR_FACTOR`. None where the dry run fails (code that reads values, which
-    meta tensors do not have)."""
+    meta tensors do not have). ``record``: told what its repeated blocks were given."""
     undo = None
     try:
         counter = LiveBytes([*_weights(twin), *inputs])
         counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
-        undo = _replaying_repeats(twin, counter)
+        undo = _replaying_repeats(twin, counter, record)
         with torch.no_grad(), _FusedAttention(), counter:
             run(twin)
     except Exception as error:  # any failure means no estimate, never a failed call
@@ -430,8 +445,13 @@ class ForwardDryRun:
             _block_layouts(self._twin)
             _weights(self._twin)
         self._needs: dict[tuple, int | None] = {}
+        # The default call's inputs' signature, and what its dry run gave each repeated block (see
+        # need_at_defaults).
+        self._default: tuple | None = None
+        self.default_blocks = BlockInputs()
 
-    def need(self, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    def need(self, args: tuple, kwargs: Mapping[str, Any], record: BlockInputs | None = None) -> int | None:
+        """``record``: told what the repeated blocks were given, where the dry run is made now."""
         if self._twin is None:
             return None
         try:
@@ -445,13 +465,19 @@ class ForwardDryRun:
         dtype = next((tensor.dtype for tensor in inputs if tensor.is_floating_point()), None)
         if self._cast_as_inputs and dtype is not None:
             _cast(self._twin, dtype)
-        self._needs[key] = dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs)
+        self._needs[key] = dry_run_need(self._twin, lambda twin: twin(*meta_args, **meta_kwargs), inputs, record)
         return self._needs[key]
+
+    def gets_default_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+        """Whether inputs of ``args`` and ``kwargs``'s signature are those of the default call."""
+        return self._default is not None and _signature(args, kwargs) == self._default
 
     def need_at_defaults(self, pipe: DiffusionPipeline, name: str) -> int | None:
         """The need of the forward in a call of ``pipe``'s default shape, made now from the inputs
         its call makes on meta copies of its components (see ``default_call``), so that a first
-        call of that shape finds it made. None where that call cannot run on the meta device."""
+        call of that shape finds it made, and what its repeated blocks were given
+        (:attr:`default_blocks`, see ``block_timing``). None where that call cannot run on the meta
+        device."""
         if self._twin is None:
             return None
         twins, undos = {name: self._twin}, []
@@ -472,7 +498,10 @@ class ForwardDryRun:
         finally:
             for undo in undos:
                 undo()  # the blocks' forwards refer to the blocks: freed with their twins, not by a collection
-        return None if inputs is None else self.need(*inputs)
+        if inputs is None:
+            return None
+        self._default = _signature(*inputs)
+        return self.need(*inputs, record=self.default_blocks)
 
 
 @dataclass(frozen=True)

@@ -211,8 +211,12 @@ class ResidencyPlan:
             head += f", peak with activations {format_bytes(self.peak_bytes)}, " + (
                 "activations measured" if measured else f"activation reserve {format_bytes(self.reserve)} where not measured"
             )
-        if self.timings:
-            head += f", resident blocks of {', '.join(self.timings)} chosen from a timed step"
+        timed = [name for name, step in self.timings.items() if not step.estimated]
+        estimated = [name for name, step in self.timings.items() if step.estimated]
+        if timed:
+            head += f", resident blocks of {', '.join(timed)} chosen from a timed step"
+        if estimated:
+            head += f", resident blocks of {', '.join(estimated)} chosen from a step estimated from blocks timed"
         if self.source:
             head += f"; figures {self.source}" + (f" for calls of {self.shape}" if self.shape else "")
         return "\n".join([head, *table, *(self.host.lines() if self.host is not None else ())])

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepTiming:
     """Seconds per byte a streamed per-step component's blocks take to compute (the device time of a
-    step over its block bytes) and to load (host-to-device), as a call measured them."""
+    step over its block bytes) and to load (host-to-device), as a call measured them, or
+    (``estimated``) as blocks of it timed at enable did (see ``block_timing``)."""
 
     compute_per_byte: float
     load_per_byte: float
+    estimated: bool = False
 
 
 def simulated_step_seconds(

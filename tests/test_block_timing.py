@@ -1,0 +1,164 @@
+"""A streamed denoiser's step estimated at enable from one block of each layout timed on the device
+(here the CPU), with the inputs the default call's dry run gave it: the plan made at enable chosen
+from it, the blocks left as the plan wants them, the process's random numbers untouched, a call of
+another shape planned without it, and no estimate kept in a residency profile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from diffusers_residency import block_timing
+from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.pipeline import pipeline_state
+from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
+from diffusers_residency.plans import ResidencyPlan
+from diffusers_residency.policy import Policy
+
+from .helpers import PipelineCase
+from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
+from .test_profile import _measure_on_the_cpu
+
+
+def _block_input_shapes(case: PipelineCase, kwargs: dict) -> dict[int, list]:
+    """The shapes of the tensors each transformer block is given in a resident call of ``kwargs``, by position."""
+    shapes: dict[int, list] = {}
+    blocks = [*case.pipe.transformer.transformer_blocks, *case.pipe.transformer.single_transformer_blocks]
+
+    def told(position: int):
+        def hook(_module: torch.nn.Module, args: tuple, block_kwargs: dict) -> None:
+            leaves = torch.utils._pytree.tree_leaves((args, block_kwargs))
+            shapes.setdefault(position, [(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)])
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(told(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    try:
+        case.pipe(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shapes
+
+
+def test_the_default_calls_dry_run_records_what_each_block_is_given() -> None:
+    case = PipelineCase("flux")
+    kwargs = {**_default_call("flux"), "num_inference_steps": 1, "output_type": "latent"}
+    real = _block_input_shapes(case, kwargs)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    recorded = pipeline_state(case.pipe).dry_runs.forward.default_blocks
+    doubles = len(case.pipe.transformer.transformer_blocks)
+    assert sorted(recorded.keys) == sorted(real) == list(range(len(real)))
+    # One key for the double-stream blocks, one for the single-stream ones: one block of each is timed.
+    assert [position for position, _ in recorded.first.values()] == [0, doubles]
+    for position, specs in recorded.first.values():
+        leaves = torch.utils._pytree.tree_leaves(specs)
+        assert [(s.shape, s.dtype) for s in leaves if isinstance(s, block_timing.TensorSpec)] == real[position]
+
+
+def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = PipelineCase("flux")
+    timed: list[str] = []
+    real_timed = block_timing._timed
+    monkeypatch.setattr(block_timing, "_timed", lambda block, *rest: timed.append(block.name) or real_timed(block, *rest))
+    random_state = torch.get_rng_state()
+    caplog.set_level(logging.INFO, logger="diffusers_residency.adaptive")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    assert torch.equal(torch.get_rng_state(), random_state), "the user's random numbers are the user's"
+    assert timed == ["transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0"]
+    step = state.plan.timings["transformer"]
+    assert step.estimated and step.compute_per_byte > 0 and step.load_per_byte > 0
+    assert state.plan.source == AT_ENABLE and "chosen from a step estimated from blocks timed" in str(state.plan)
+    assert "transformer's step" in caplog.text and "from blocks of it timed" in caplog.text
+    # The timed blocks went back to their masters unless the plan keeps them: nothing else is loaded.
+    blocks = _transformer_blocks(case)
+    assert [block.stager.loaded for block in blocks] == [block.policy is Policy.RESIDENT for block in blocks]
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+
+
+def _plan_as_the_first_block_starts(case: PipelineCase) -> list[ResidencyPlan]:
+    state = pipeline_state(case.pipe)
+    plans: list[ResidencyPlan] = []
+    case.pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *_: plans.append(state.plan))
+    return plans
+
+
+@pytest.mark.parametrize("default_shape", [True, False])
+def test_a_call_plans_from_the_step_estimated_at_enable_only_if_it_is_of_the_default_shape(
+    default_shape: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = PipelineCase("flux")  # its tiny call is 32x32, its default 1024x1024
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    estimate = pipeline_state(case.pipe).plan.timings["transformer"]
+    plans = _plan_as_the_first_block_starts(case)
+    kwargs = {**_default_call("flux"), "num_inference_steps": 1} if default_shape else call_kwargs("flux")
+    pipeline_output(case.pipe, kwargs)
+    assert plans[0].source == DRY_RUN
+    assert plans[0].timings.get("transformer") == (estimate if default_shape else None)
+
+
+@pytest.mark.parametrize("default_shape", [True, False])
+def test_a_call_that_times_a_step_plans_its_other_steps_from_it(
+    default_shape: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = PipelineCase("flux")
+
+    def kwargs() -> dict:
+        # The default shape's call returns latents: a decode at 1024x1024 would take the CPU a while.
+        return {**_default_call("flux"), "output_type": "latent"} if default_shape else call_kwargs("flux")
+
+    reference = case.pipe(**{**kwargs(), "num_inference_steps": 4}, return_dict=False)[0]
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    plans = _plan_as_the_first_block_starts(case)
+    assert torch.equal(case.pipe(**{**kwargs(), "num_inference_steps": 4}, return_dict=False)[0], reference)
+    timings = [plan.timings.get("transformer") for plan in plans]
+    assert (timings[0] is not None and timings[0].estimated) if default_shape else timings[0] is None
+    assert not timings[-1].estimated, "its steps after the one timed are planned from that step"
+
+
+def test_a_step_estimated_at_enable_is_not_kept_in_the_residency_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    state = pipeline_state(case.pipe)
+    kwargs = {**_default_call("flux"), "num_inference_steps": 2}  # of the default shape; two steps time none
+    pipeline_output(case.pipe, kwargs)
+    assert state.plan.timings["transformer"].estimated, "the plan keeps what it was chosen from"
+    assert state.profile.shapes[state.shape].timings == {}, "another process times its own"
+
+
+def test_a_block_that_cannot_be_timed_leaves_the_plan_chosen_by_bytes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = PipelineCase("flux")
+
+    def out_of_memory(*_: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected: inputs for a block timed at enable)")
+
+    monkeypatch.setattr(block_timing, "_materialized", out_of_memory)
+    caplog.set_level(logging.INFO, logger="diffusers_residency.block_timing")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    assert "No step estimate for 'transformer'" in caplog.text
+    assert state.plan.source == AT_ENABLE and state.plan.timings == {}
+    blocks = _transformer_blocks(case)
+    assert [block.stager.loaded for block in blocks] == [block.policy is Policy.RESIDENT for block in blocks]
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_a_compiled_block_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase("flux")
+    case.pipe.transformer.single_transformer_blocks[0].compile()  # compiled lazily: nothing compiles here
+    timed: list[str] = []
+    monkeypatch.setattr(block_timing, "_timed", lambda block, *_: timed.append(block.name))
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    assert timed == [] and pipeline_state(case.pipe).plan.timings == {}
