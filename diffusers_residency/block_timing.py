@@ -51,7 +51,7 @@ def _spec(leaf: Any) -> Any:
 @dataclass
 class BlockInputs:
     """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
-    signature, see ``dry_runs._replayed``) by position, and for each key the first block given it,
+    signature, see ``replayed_blocks``) by position, and for each key the first block given it,
     with its inputs as :class:`TensorSpec`."""
 
     keys: dict[int, Hashable] = field(default_factory=dict)

@@ -13,7 +13,6 @@ component, and the plan is made again from what it measured (see ``adaptive``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import weakref
@@ -27,14 +26,14 @@ from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from .block_timing import BlockInputs
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
-from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
+from .live_bytes import LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
-from .streaming import repeated_blocks
+from .replayed_blocks import block_layouts, replaying_repeats, signature
 from .weights import module_tensors
 
 logger = logging.getLogger(__name__)
@@ -153,53 +152,6 @@ def holds_quantized(module: nn.Module, recurse: bool = True) -> bool:
     return any(type(tensor) not in plain for tensor in tensors)
 
 
-def _signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
-    """What a block's memory may depend on in its inputs: their structure (keyword names included),
-    tensors' shapes and dtypes, and the types and values of plain ones (a flag, a size, a dtype:
-    ``True``, ``1`` and ``1.0`` are equal, and promote a tensor they multiply to different dtypes)."""
-    leaves, spec = tree_flatten((args, dict(kwargs)))
-    return (str(spec), *(_described(leaf) for leaf in leaves))
-
-
-def _described(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return tuple(leaf.shape), leaf.dtype
-    return (type(leaf), leaf) if isinstance(leaf, PLAIN_ARGUMENTS) else type(leaf)
-
-
-def _replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs | None = None) -> Callable[[], None]:
-    """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time a
-    block of its class and tensors' shapes sees inputs of their shapes; later ones return new
-    tensors of the shapes it returned, and count the most it held above what was alive as it
-    started, above what is alive as they start (a UNet's skip connections pile up along its down
-    blocks). A denoiser's dozens of blocks would otherwise cost the host a second of dispatch. (A
-    UNet's blocks of one class differ in their channels: their tensors' shapes tell them apart.)
-    ``record``: told each block's inputs, by its position. Returns the undo."""
-    seen: dict[tuple, tuple[Any, int]] = {}
-    layouts = _block_layouts(twin)
-    for position, (block, layout) in enumerate(layouts):
-        told = None if record is None else functools.partial(record.record, position)
-        block.forward = functools.partial(_replayed, counter, seen, layout, told, block.forward)
-    return lambda: [block.__dict__.pop("forward", None) for block, _ in layouts]
-
-
-# Each twin's repeated blocks with their layouts (class, and tensors' names and shapes), worked out
-# once, as the twin is made (at enable), rather than from every block's state dict in each dry run,
-# which a first call waits for. A twin's tensors keep their shapes (a quantized one's ``to(dtype)``
-# changes only their dtype).
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, tuple]]] = weakref.WeakKeyDictionary()
-
-
-def _block_layouts(twin: nn.Module) -> list[tuple[nn.Module, tuple]]:
-    layouts = _LAYOUTS.get(twin)
-    if layouts is None:
-        layouts = _LAYOUTS[twin] = [
-            (block, (type(block), tuple((name, tensor.shape) for name, tensor in block.state_dict().items())))
-            for _, block in repeated_blocks(twin)
-        ]
-    return layouts
-
-
 # Each twin's weights, listed once (a walk of every submodule, 5 ms for SDXL's UNet) rather than in
 # each dry run, and again once cast (see _cast), which makes its buffers anew.
 _WEIGHTS: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
@@ -210,39 +162,6 @@ def _weights(twin: nn.Module) -> tuple[torch.Tensor, ...]:
     if weights is None:
         weights = _WEIGHTS[twin] = (*twin.parameters(), *twin.buffers())
     return weights
-
-
-def _replayed(
-    counter: LiveBytes,
-    seen: dict[tuple, tuple[Any, int]],
-    layout: tuple,
-    record: Callable[[tuple, tuple, dict], None] | None,
-    forward: Callable,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    key = (layout, _signature(args, kwargs))
-    if record is not None:
-        record(key, args, kwargs)
-    entry = counter.live
-    if key not in seen:
-        peak_before, counter.peak = counter.peak, entry
-        out = forward(*args, **kwargs)
-        shapes = tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
-        seen[key] = (shapes, counter.peak - entry)
-        counter.peak = max(counter.peak, peak_before)
-        return out
-    shapes, held = seen[key]
-    counter.peak = max(counter.peak, entry + held)
-    return tree_map(
-        lambda leaf: torch.empty(leaf[0], dtype=leaf[1], device="meta") if _is_spec(leaf) else leaf,
-        shapes,
-        is_leaf=_is_spec,
-    )
-
-
-def _is_spec(leaf: Any) -> bool:
-    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[0], torch.Size)
 
 
 def dry_run_need(
@@ -259,7 +178,7 @@ def dry_run_need(
     try:
         counter = LiveBytes([*_weights(twin), *inputs])
         counter.live = counter.peak = sum(tensor.untyped_storage().nbytes() for tensor in inputs)
-        undo = _replaying_repeats(twin, counter, record)
+        undo = replaying_repeats(twin, counter, record)
         with torch.no_grad(), _FusedAttention(), counter:
             run(twin)
     except Exception as error:  # any failure means no estimate, never a failed call
@@ -333,7 +252,7 @@ class DecoderDryRun:
             for blend in TILE_BLENDS:
                 if callable(getattr(self._twin, blend, None)):
                     setattr(self._twin, blend, _blended_as_is)
-            _block_layouts(self._twin)
+            block_layouts(self._twin)
             _weights(self._twin)
         self._needs: dict[tuple, int | None] = {}
 
@@ -434,7 +353,7 @@ def _is_setting(value: Any) -> bool:
 
 class ForwardDryRun:
     """The need of a component's forward for the inputs its hook was given (a denoiser's step),
-    remembered per inputs' :func:`_signature`."""
+    remembered per inputs' :func:`~.replayed_blocks.signature`."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
@@ -442,7 +361,7 @@ class ForwardDryRun:
         # A quantized module's copy computes in the dtype of the inputs it is given (see meta_twin).
         self._cast_as_inputs = self._twin is not None and holds_quantized(module)
         if self._twin is not None:
-            _block_layouts(self._twin)
+            block_layouts(self._twin)
             _weights(self._twin)
         self._needs: dict[tuple, int | None] = {}
         # The default call's inputs' signature, and what its dry run gave each repeated block (see
@@ -455,7 +374,7 @@ class ForwardDryRun:
         if self._twin is None:
             return None
         try:
-            key = _signature(args, kwargs)
+            key = signature(args, kwargs)
             if key in self._needs:
                 return self._needs[key]
             meta_args, meta_kwargs, inputs = _on_meta(args, kwargs)
@@ -470,7 +389,7 @@ class ForwardDryRun:
 
     def gets_default_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> bool:
         """Whether inputs of ``args`` and ``kwargs``'s signature are those of the default call."""
-        return self._default is not None and _signature(args, kwargs) == self._default
+        return self._default is not None and signature(args, kwargs) == self._default
 
     def need_at_defaults(self, pipe: DiffusionPipeline, name: str) -> int | None:
         """The need of the forward in a call of ``pipe``'s default shape, made now from the inputs
@@ -493,14 +412,14 @@ class ForwardDryRun:
                         _cast(twin, dtype)
                     # Only the shapes of what they make count here: each repeated block runs once
                     # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached).
-                    undos.append(_replaying_repeats(twin, LiveBytes(())))
+                    undos.append(replaying_repeats(twin, LiveBytes(())))
             inputs = denoiser_inputs(pipe, twins, name)
         finally:
             for undo in undos:
                 undo()  # the blocks' forwards refer to the blocks: freed with their twins, not by a collection
         if inputs is None:
             return None
-        self._default = _signature(*inputs)
+        self._default = signature(*inputs)
         return self.need(*inputs, record=self.default_blocks)
 
 

@@ -19,7 +19,16 @@ from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DMod
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
 from torch.overrides import TorchFunctionMode
 
-from diffusers_residency import BudgetTooSmallError, _device, adaptive, dry_run_plans, dry_runs, kept_blocks, live_bytes
+from diffusers_residency import (
+    BudgetTooSmallError,
+    _device,
+    adaptive,
+    dry_run_plans,
+    dry_runs,
+    kept_blocks,
+    live_bytes,
+    replayed_blocks,
+)
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.casts import guessed_casts
@@ -97,7 +106,7 @@ def test_replaying_repeated_blocks_changes_no_estimate(kind: str, monkeypatch: p
     with monkeypatch.context() as patch:
         patch.setattr(torch.nn.Module, "state_dict", lambda *a, **k: pytest.fail("a state dict read in a dry run"))
         replayed = forward.need(*inputs[0])
-    monkeypatch.setattr(dry_runs, "repeated_blocks", lambda module: [])
+    monkeypatch.setattr(replayed_blocks, "repeated_blocks", lambda module: [])
     every_block = ForwardDryRun(denoiser).need(*inputs[0])
     assert replayed == every_block > 0
 

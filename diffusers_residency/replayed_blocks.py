@@ -1,0 +1,101 @@
+"""A dry run's repeated blocks (see ``streaming.repeated_blocks``), each run for real only once per
+class, tensors' shapes and inputs' signature: the others of that key return tensors of the shapes
+it returned and count what it held, rather than dispatching the same operations again (see
+``dry_runs``). What each block was given can be recorded on the way, for blocks timed at enable
+(see ``block_timing``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .block_timing import BlockInputs
+from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
+from .streaming import repeated_blocks
+
+
+def signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    """What a block's memory may depend on in its inputs: their structure (keyword names included),
+    tensors' shapes and dtypes, and the types and values of plain ones (a flag, a size, a dtype:
+    ``True``, ``1`` and ``1.0`` are equal, and promote a tensor they multiply to different dtypes)."""
+    leaves, spec = tree_flatten((args, dict(kwargs)))
+    return (str(spec), *(_described(leaf) for leaf in leaves))
+
+
+def _described(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.dtype
+    return (type(leaf), leaf) if isinstance(leaf, PLAIN_ARGUMENTS) else type(leaf)
+
+
+def replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs | None = None) -> Callable[[], None]:
+    """Run each repeated block (see ``streaming.repeated_blocks``) for real only the first time a
+    block of its class and tensors' shapes sees inputs of their shapes; later ones return new
+    tensors of the shapes it returned, and count the most it held above what was alive as it
+    started, above what is alive as they start (a UNet's skip connections pile up along its down
+    blocks). A denoiser's dozens of blocks would otherwise cost the host a second of dispatch. (A
+    UNet's blocks of one class differ in their channels: their tensors' shapes tell them apart.)
+    ``record``: told each block's inputs, by its position. Returns the undo."""
+    seen: dict[tuple, tuple[Any, int]] = {}
+    layouts = block_layouts(twin)
+    for position, (block, layout) in enumerate(layouts):
+        told = None if record is None else functools.partial(record.record, position)
+        block.forward = functools.partial(_replayed, counter, seen, layout, told, block.forward)
+    return lambda: [block.__dict__.pop("forward", None) for block, _ in layouts]
+
+
+# Each twin's repeated blocks with their layouts (class, and tensors' names and shapes), worked out
+# once, as the twin is made (at enable), rather than from every block's state dict in each dry run,
+# which a first call waits for. A twin's tensors keep their shapes (a quantized one's ``to(dtype)``
+# changes only their dtype).
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, tuple]]] = weakref.WeakKeyDictionary()
+
+
+def block_layouts(twin: nn.Module) -> list[tuple[nn.Module, tuple]]:
+    layouts = _LAYOUTS.get(twin)
+    if layouts is None:
+        layouts = _LAYOUTS[twin] = [
+            (block, (type(block), tuple((name, tensor.shape) for name, tensor in block.state_dict().items())))
+            for _, block in repeated_blocks(twin)
+        ]
+    return layouts
+
+
+def _replayed(
+    counter: LiveBytes,
+    seen: dict[tuple, tuple[Any, int]],
+    layout: tuple,
+    record: Callable[[tuple, tuple, dict], None] | None,
+    forward: Callable,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    key = (layout, signature(args, kwargs))
+    if record is not None:
+        record(key, args, kwargs)
+    entry = counter.live
+    if key not in seen:
+        peak_before, counter.peak = counter.peak, entry
+        out = forward(*args, **kwargs)
+        shapes = tree_map(lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        seen[key] = (shapes, counter.peak - entry)
+        counter.peak = max(counter.peak, peak_before)
+        return out
+    shapes, held = seen[key]
+    counter.peak = max(counter.peak, entry + held)
+    return tree_map(
+        lambda leaf: torch.empty(leaf[0], dtype=leaf[1], device="meta") if _is_spec(leaf) else leaf,
+        shapes,
+        is_leaf=_is_spec,
+    )
+
+
+def _is_spec(leaf: Any) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[0], torch.Size)
