@@ -66,10 +66,10 @@ class BlockInputs:
 def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockInputs) -> StepTiming | None:
     """Streamed per-step component ``sizes``'s step, estimated from one block of each key in
     ``inputs`` timed on ``group``'s device: its blocks' compute seconds summed over the step's
-    blocks, and the load of the blocks timed (each loaded twice, the second load timed: the first
-    copy of a process starts slower). None where a block of it did not run in the dry run, a block
-    is compiled (timed eager, it would misstate the step), or the timing fails (short of memory
-    under a cap, say): the plan is then made as without it."""
+    blocks, and the load of the blocks timed (each loaded twice, the second load timed: a process's
+    first copies may include the copy path's own start). None where a block of it did not run in
+    the dry run, a block is compiled (timed eager, it would misstate the step), or the timing fails
+    (short of memory under a cap, say): the plan is then made as without it."""
     stream = next((unit.stream for unit in group.units_of(sizes.name) if unit.stream is not None), None)
     if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None

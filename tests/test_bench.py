@@ -40,6 +40,7 @@ from diffusers_residency.bench.tables import (
 )
 from diffusers_residency.bench.timing import calls_to_steady, host_cpu_ticks, steal_fraction
 from diffusers_residency.bench.trace import summarise, traced_call
+from diffusers_residency.text import parse_bytes
 
 from .helpers import PipelineCase
 
@@ -812,6 +813,15 @@ def test_components_given_badly_are_refused_with_the_form_expected(spec: str, sa
         main(["--components", spec])
 
 
+def test_a_plan_made_at_enable_from_a_step_estimated_within_a_tenth_is_the_one_a_timed_step_keeps() -> None:
+    from diffusers_residency.bench import planning
+
+    sizes = planning.meta_sizes(planning.meta_pipeline("flux"))
+    budget = parse_bytes("16GB")
+    assert planning.loaded_at_timed_step(sizes, budget, "flux", None) > 4 * 10**9, "with no step, blocks by bytes"
+    assert [planning.loaded_at_timed_step(sizes, budget, "flux", error) for error in (-0.1, 0.1)] == [0, 0]
+
+
 def test_the_planners_host_time_is_timed_on_sizes_counted_on_the_meta_device(capsys) -> None:
     from diffusers_residency.bench import planning
     from diffusers_residency.components import component_sizes, module_components
@@ -823,8 +833,9 @@ def test_the_planners_host_time_is_timed_on_sizes_counted_on_the_meta_device(cap
     assert planning.main(["--pipeline", "sdxl", "--budgets", "8GB,12GB"]) == 0
     out = capsys.readouterr().out
     assert "full sdxl, 6.94 GB of weights" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("8.00 GB", "12.00 GB"))]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("8.00 GB", "12.00 GB"))][:2]
     assert len(rows) == 2 and all(len(row) == 6 and all(float(s) > 0 for s in row[2:]) for row in rows), out
+    assert "timed step loads beyond the plan made at enable's" in out, out
     # The dry runs of the inputs made here estimate what those of the H200's 1024x1024 calls did.
     assert "vae        " in out and "6.61 GB" in out and "662.42 MB" in out, out
 
