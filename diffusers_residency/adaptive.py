@@ -351,11 +351,13 @@ def _plan_default_call(state: PipelineResidency) -> None:
         return
     margin = int(budget * RESERVE_MARGIN)
     activations = {name: need + margin for name, need in needs.items()}
+    # No plan is in place to keep (see plan_residency's incumbent): nothing is loaded before this one.
+    streaming, whole = hooked_policies(state)
     try:
-        plan = replan_in_place(state, activations)
+        plan = state.replan(activations, streaming, whole)
         step = _estimated_step(state, plan)
         if step is not None:
-            plan = replan_in_place(state, activations, {**plan.timings, runs.denoiser: step})
+            plan = state.replan(activations, streaming, whole, {runs.denoiser: step})
     except BudgetTooSmallError:
         return  # a first call measures with the least on the device, as without estimates
     apply_plan(state, replace(plan, source=AT_ENABLE))
@@ -433,9 +435,7 @@ def end_call(state: PipelineResidency) -> None:
     casts = {**(known.casts if known is not None else {}), **{name: trip for name, trip in made.items() if trip}}
     figures = CallFigures(
         dict(state.plan.activations),
-        # A step estimated at enable (a call of fewer than three steps times none) is this process's
-        # device and load at the time: another process times its own.
-        {name: step for name, step in state.plan.timings.items() if not step.estimated},
+        dict(state.plan.timings),
         state.group.retention.confirmed_release_before(),
         retimed=not isinstance(watch.on_call_start if watch is not None else None, Retime),
         plan=state.plan.components,

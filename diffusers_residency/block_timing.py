@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from . import _device
 from .plans import ComponentSizes
+from .replayed_blocks import BlockInputs, TensorSpec
 from .residency import ResidencyGroup, ResidencyUnit
 from .step_timing import StepTiming
 
@@ -35,34 +35,6 @@ WARMUP_RUNS = 2
 TIMED_RUNS = 3
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor's shape and dtype, where a dry run's tensor stood: kept instead of the meta tensor,
-    which the dry run's count of live bytes would see as still alive."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _spec(leaf: Any) -> Any:
-    return TensorSpec(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
-
-
-@dataclass
-class BlockInputs:
-    """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
-    signature, see ``replayed_blocks``) by position, and for each key the first block given it,
-    with its inputs as :class:`TensorSpec`."""
-
-    keys: dict[int, Hashable] = field(default_factory=dict)
-    first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
-
-    def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
-        self.keys[position] = key
-        if key not in self.first:
-            self.first[key] = (position, tree_map(_spec, (args, dict(kwargs))))
-
-
 def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockInputs) -> StepTiming | None:
     """Streamed per-step component ``sizes``'s step, estimated from one block of each key in
     ``inputs`` timed on ``group``'s device: its blocks' compute seconds summed over the step's
@@ -73,9 +45,10 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     stream = next((unit.stream for unit in group.units_of(sizes.name) if unit.stream is not None), None)
     if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None
-    blocks: list[ResidencyUnit] = list(stream.blocks)
-    if any(_is_compiled(block.module) for block in blocks):
+    # A compiled component (its trunk) runs its blocks compiled too: any unit compiled counts.
+    if any(_is_compiled(unit.module) for unit in group.units_of(sizes.name)):
         return None
+    blocks: list[ResidencyUnit] = list(stream.blocks)
     seconds: dict[Hashable, float] = {}
     loaded = load_seconds = 0.0
     for key, (position, specs) in inputs.first.items():
@@ -84,10 +57,8 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
             seconds[key], block_loaded, block_seconds = _timed(block, specs, group.device)
         except Exception as error:  # any failure means no estimate, never a failed enable
             logger.info("No step estimate for %r: timing its block %r failed (%s)", sizes.name, block.name, error)
-            _device.empty_cache(group.device)
             return None
         loaded, load_seconds = loaded + block_loaded, load_seconds + block_seconds
-    _device.empty_cache(group.device)  # the timed runs' activations: the plan's loads take their room
     if not loaded or load_seconds <= 0:
         return None
     step = sum(seconds[inputs.keys[position]] for position in range(len(blocks)))
@@ -109,8 +80,7 @@ def _timed(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device
     stager.offload()
     before = stager.loaded_bytes, stager.load_seconds
     try:
-        stager.load()
-        stager.ready()
+        stager.load()  # the compute stream waits for its copy
         args, kwargs = _materialized(specs, device)
         forward: Callable[..., Any] = getattr(block.module, "_old_forward", block.module.forward)
         on_accelerator = _device.is_accelerator(device)
@@ -131,7 +101,8 @@ def _timed(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device
 def _materialized(specs: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:
     """Tensors on ``device`` for the specs' shapes and dtypes: random normal ones for floating
     point (a generator of their own: the process's is the user's, and seeds their calls), zeros
-    for the rest."""
+    for the rest. (Zeros where a block reads integers or flags, an all-False mask or zero lengths,
+    could change its work: FLUX's, SD3's and SDXL's blocks take none.)"""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def made(leaf: Any) -> Any:

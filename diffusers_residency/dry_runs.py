@@ -28,12 +28,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .block_timing import BlockInputs
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
 from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
-from .replayed_blocks import block_layouts, replaying_repeats, signature
+from .replayed_blocks import BlockInputs, block_layouts, replaying_repeats, signature
 from .weights import module_tensors
 
 logger = logging.getLogger(__name__)

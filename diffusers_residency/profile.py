@@ -208,7 +208,11 @@ class CallFigures:
     def as_json(self) -> dict[str, Any]:
         return {
             "activations": dict(self.activations),
-            "timings": {name: [t.compute_per_byte, t.load_per_byte] for name, t in self.timings.items()},
+            # An estimated step (see block_timing) says so: a plan from it times its step again.
+            "timings": {
+                name: [t.compute_per_byte, t.load_per_byte, *(["estimated"] if t.estimated else [])]
+                for name, t in self.timings.items()
+            },
             "release_before": sorted(self.release_before),
             "retimed": self.retimed,
             "plan": [
@@ -221,7 +225,10 @@ class CallFigures:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
-        timings = {str(name): StepTiming(float(c), float(load)) for name, (c, load) in data["timings"].items()}
+        timings = {
+            str(name): StepTiming(float(c), float(load), estimated == ["estimated"])
+            for name, (c, load, *estimated) in data["timings"].items()
+        }
         if not all(0 <= nbytes <= _MOST_BYTES for nbytes in activations.values()):
             raise ValueError(f"an activation figure that is negative or over {_MOST_BYTES} bytes")
         per_byte = [f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte)]
@@ -235,6 +242,12 @@ class CallFigures:
         # Files of format 3 written before casts were kept have none.
         casts = {str(name): tuple(map(_dtype, dtypes)) for name, dtypes in data.get("casts", {}).items()}
         return cls(activations, timings, release_before, retimed, plan, casts)
+
+
+def _step_said(figures: CallFigures) -> str:
+    if not figures.timings:
+        return ""
+    return " (step estimated)" if all(t.estimated for t in figures.timings.values()) else " (step timed)"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -281,7 +294,7 @@ class ResidencyProfile:
         lines = [f"{head}, {len(self.shapes)} call shape(s)"]
         for shape, figures in self.shapes.items():
             needs = ", ".join(f"{name} {nbytes / 1e9:.2f} GB" for name, nbytes in figures.activations.items())
-            lines.append(f"  {shape or '(no arguments)'}: {needs}" + (" (step timed)" if figures.timings else ""))
+            lines.append(f"  {shape or '(no arguments)'}: {needs}" + _step_said(figures))
         return "\n".join(lines)
 
 

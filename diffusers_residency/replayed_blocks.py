@@ -9,16 +9,44 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .block_timing import BlockInputs
 from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
 from .streaming import repeated_blocks
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's shape and dtype, where a dry run's tensor stood: kept instead of the meta tensor,
+    which the dry run's count of live bytes would see as still alive."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(leaf: Any) -> Any:
+    return TensorSpec(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+
+
+@dataclass
+class BlockInputs:
+    """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
+    signature, see :func:`_replayed`) by position, and for each key the first block given it,
+    with its inputs as :class:`TensorSpec`."""
+
+    keys: dict[int, Hashable] = field(default_factory=dict)
+    first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
+
+    def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
+        self.keys[position] = key
+        if key not in self.first:
+            self.first[key] = (position, tree_map(_spec, (args, dict(kwargs))))
 
 
 def signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:

@@ -57,7 +57,8 @@ class Retime:
         if not all(timed_so_far.get(name, 0) > self.steps_timed.get(name, 0) for name in planned):
             return False
         timed = {name: timing for name, timing in step_timings(state.group, state.plan).items() if name in planned}
-        moved = [name for name, timing in timed.items() if _moved(timing, planned[name])]
+        # A step estimated at enable (see block_timing) gives way to the one timed, however close.
+        moved = [name for name, timing in timed.items() if planned[name].estimated or _moved(timing, planned[name])]
         if moved:
             new_plan = self.replan({**planned, **timed})
             logger.info("%s timed again under the plan; planned again: %s", moved, new_plan.summary())

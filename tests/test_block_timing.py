@@ -16,6 +16,8 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
 from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.policy import Policy
+from diffusers_residency.profile import CallFigures
+from diffusers_residency.replayed_blocks import BlockInputs, TensorSpec
 
 from .helpers import PipelineCase
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
@@ -55,7 +57,7 @@ def test_the_default_calls_dry_run_records_what_each_block_is_given() -> None:
     assert [position for position, _ in recorded.first.values()] == [0, doubles]
     for position, specs in recorded.first.values():
         leaves = torch.utils._pytree.tree_leaves(specs)
-        assert [(s.shape, s.dtype) for s in leaves if isinstance(s, block_timing.TensorSpec)] == real[position]
+        assert [(s.shape, s.dtype) for s in leaves if isinstance(s, TensorSpec)] == real[position]
 
 
 def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
@@ -78,8 +80,31 @@ def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
     # The timed blocks went back to their masters unless the plan keeps them: nothing else is loaded.
     blocks = _transformer_blocks(case)
     assert [block.stager.loaded for block in blocks] == [block.policy is Policy.RESIDENT for block in blocks]
+    assert state.group.units_of("transformer")[1].stream._recording == [], "run under no hook: no pass recorded"
     _measure_on_the_cpu(case, monkeypatch)
     assert torch.equal(case.run(), case.reference)
+
+
+def test_a_timed_block_is_left_on_its_masters() -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    position, specs = next(iter(state.dry_runs.forward.default_blocks.first.values()))
+    block = _transformer_blocks(case)[position]
+    block.stager.offload()
+    block_timing._timed(block, specs, state.group.device)
+    assert not block.stager.loaded
+
+
+def test_no_step_is_estimated_where_a_block_did_not_run_in_the_dry_run() -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    recorded = state.dry_runs.forward.default_blocks
+    skipped = BlockInputs(dict(list(recorded.keys.items())[1:]), recorded.first)  # the first block skipped
+    sizes = next(s for s in state.plan.sizes if s.name == "transformer")
+    assert block_timing.estimated_step(state.group, sizes, skipped) is None
+    assert block_timing.estimated_step(state.group, sizes, recorded) is not None
 
 
 def _plan_as_the_first_block_starts(case: PipelineCase) -> list[ResidencyPlan]:
@@ -124,7 +149,7 @@ def test_a_call_that_times_a_step_plans_its_other_steps_from_it(
     assert not timings[-1].estimated, "its steps after the one timed are planned from that step"
 
 
-def test_a_step_estimated_at_enable_is_not_kept_in_the_residency_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_estimated_at_enable_is_kept_as_estimated_until_a_step_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     case = PipelineCase("flux")
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
     _measure_on_the_cpu(case, monkeypatch)
@@ -132,7 +157,14 @@ def test_a_step_estimated_at_enable_is_not_kept_in_the_residency_profile(monkeyp
     kwargs = {**_default_call("flux"), "num_inference_steps": 2}  # of the default shape; two steps time none
     pipeline_output(case.pipe, kwargs)
     assert state.plan.timings["transformer"].estimated, "the plan keeps what it was chosen from"
-    assert state.profile.shapes[state.shape].timings == {}, "another process times its own"
+    figures = state.profile.shapes[state.shape]
+    # Saved as estimated, so that a process planning from it times its step, as this one does next.
+    assert figures.timings["transformer"].estimated and not figures.retimed
+    assert CallFigures.from_json(figures.as_json()) == figures
+    # Timed under the plan, however close to the estimate, the step timed replaces it.
+    monkeypatch.setattr("diffusers_residency.retiming._moved", lambda *_: False)
+    case.pipe(**{**kwargs, "num_inference_steps": 4, "output_type": "latent"})
+    assert not state.plan.timings["transformer"].estimated
 
 
 def test_a_block_that_cannot_be_timed_leaves_the_plan_chosen_by_bytes(
