@@ -40,8 +40,9 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     ``inputs`` timed on ``group``'s device: its blocks' compute seconds summed over the step's
     blocks, and the load of the blocks timed (each loaded twice, the second load timed: a process's
     first copies may include the copy path's own start). None where a block of it did not run in
-    the dry run, a block is compiled (timed eager, it would misstate the step), or the timing fails
-    (short of memory under a cap, say): the plan is then made as without it."""
+    the dry run, the component is compiled (timed eager, it would misstate the step), or the timing
+    fails (short of memory under a cap, say): the plan is then made as without it. The trunk's work
+    between blocks, which a timed step counts, is left out (see docs/vram-budget.md)."""
     stream = next((unit.stream for unit in group.units_of(sizes.name) if unit.stream is not None), None)
     if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None
