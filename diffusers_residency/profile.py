@@ -225,10 +225,12 @@ class CallFigures:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
-        timings = {
-            str(name): StepTiming(float(c), float(load), estimated == ["estimated"])
-            for name, (c, load, *estimated) in data["timings"].items()
-        }
+        timings = {}
+        for name, timing in data["timings"].items():
+            # [c, load], or [c, load, "estimated"] for a step estimated at enable (see block_timing).
+            if not isinstance(timing, list) or len(timing) not in (2, 3) or timing[2:] not in ([], ["estimated"]):
+                raise ValueError(f"timing {timing!r} of {name!r} is not [c, load] or [c, load, \"estimated\"]")
+            timings[str(name)] = StepTiming(float(timing[0]), float(timing[1]), len(timing) == 3)
         if not all(0 <= nbytes <= _MOST_BYTES for nbytes in activations.values()):
             raise ValueError(f"an activation figure that is negative or over {_MOST_BYTES} bytes")
         per_byte = [f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte)]

@@ -194,3 +194,12 @@ def test_a_compiled_block_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(block_timing, "_timed", lambda block, *_: timed.append(block.name))
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
     assert timed == [] and pipeline_state(case.pipe).plan.timings == {}
+
+
+def test_a_compiled_trunk_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = PipelineCase("flux")
+    case.pipe.transformer.compile()  # compiled lazily: nothing compiles here
+    timed: list[str] = []
+    monkeypatch.setattr(block_timing, "_timed", lambda block, *_: timed.append(block.name))
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    assert timed == [] and pipeline_state(case.pipe).plan.timings == {}

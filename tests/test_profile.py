@@ -632,9 +632,13 @@ def _with_figures(activation: str = "1000", timing: str = "[1.0, 1.0]") -> bytes
         _with_figures(timing="[0.0, 1.7e308]"),  # finite, but a step simulated from it is not
         _with_figures(activation=str(10**400)),  # an int, too large to plan with
         b"[" * 100_000,  # deeper than the JSON decoder's stack
+        _with_figures(timing='[1e-9, 1e-9, "estimatd"]'),
+        _with_figures(timing='[1e-9, 1e-9, "estimated", 1]'),
+        _with_figures(timing='"10"'),
+        _with_figures(timing="1e-9"),
     ],
     ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "huge timing",
-         "huge activation", "deep"],  # fmt: skip
+         "huge activation", "deep", "misspelt mark", "four items", "a string", "a number"],  # fmt: skip
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
