@@ -65,7 +65,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
                 return original(self, *args, **kwargs)
             state.in_call = True
             try:
-                begin_call(state, call_shape(signature(), args, kwargs))
+                begin_call(state, call_shape(signature(), args, kwargs, state.default_size))
                 result = original(self, *args, **kwargs)
             except BaseException as error:
                 abort_call(state, error)

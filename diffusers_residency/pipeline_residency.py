@@ -82,6 +82,12 @@ class PipelineResidency:
     enable_again: Callable[[DiffusionPipeline], None] = lambda pipe: None
     staged_names: Mapping[str, int] = field(default_factory=dict)
 
+    @property
+    def default_size(self) -> int | None:
+        """The height and width of a call that gives neither, where the dry runs know it: the key of
+        such a call's shape (see ``profile.call_shape``)."""
+        return self.dry_runs.decoder.default_size if self.dry_runs is not None else None
+
     def active_in(self, pipe: DiffusionPipeline) -> bool:
         """Whether pinned offload is still on for ``pipe``: a component of it is staged here, or none
         of the modules staged as enabled is a component now (each replaced or set to None: enabled

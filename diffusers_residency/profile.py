@@ -41,8 +41,9 @@ CACHE_VARIABLE = "DIFFUSERS_RESIDENCY_CACHE"
 NO_PROFILES_VARIABLE = "DIFFUSERS_RESIDENCY_NO_PROFILES"
 # Bumped when what a profile holds changes meaning: an older file is then refused as stale.
 # 2: plans kept with their figures, and the policies given keyed. 3: videos per prompt and the
-# prompt embeddings' shape in call shapes (a shape may stand for a smaller one's calls).
-FORMAT = 3
+# prompt embeddings' shape in call shapes (a shape may stand for a smaller one's calls). 4: a call
+# leaving its size to the pipeline's default keyed by that size (see call_shape).
+FORMAT = 4
 
 # Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
 # that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
@@ -104,10 +105,15 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
-def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, Any]) -> str:
+def call_shape(
+    signature: inspect.Signature, args: tuple, kwargs: Mapping[str, Any], default_size: int | None = None
+) -> str:
     """The shape signature of one pipeline call: its arguments that change what the call needs on
     the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
-    does not take are left out; one left to its default counts as ``None``."""
+    does not take are left out; one left to its default counts as ``None``, except a height and a
+    width both left out of a call given no image and no output size: those count as
+    ``default_size``, the side the pipeline then makes (see ``dry_runs.DecoderDryRun``), so that
+    ``pipe(prompt)`` and ``pipe(prompt, height=1024, width=1024)`` are planned for once, not twice."""
     try:
         binding = signature.bind(None, *args, **kwargs)
         binding.apply_defaults()  # a default and the same value given are one shape
@@ -118,6 +124,8 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # a subclass's __call__(self, *args, **kwargs)
             bound.update(bound.pop(parameter.name, {}))
     taken = set(signature.parameters) | set(bound)
+    if default_size is not None and _left_to_default_size(bound, taken):
+        bound["height"] = bound["width"] = default_size
     parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in taken}
     batch = next((bound[name] for name in _BATCH_ARGUMENTS if bound.get(name) is not None), None)
     parts["batch"] = len(batch) if isinstance(batch, (list, tuple)) else batch.shape[0] if isinstance(batch, torch.Tensor) else 1
@@ -130,6 +138,20 @@ def call_shape(signature: inspect.Signature, args: tuple, kwargs: Mapping[str, A
         if bound.get(name) is not None:
             parts[name] = _describe(bound[name])
     return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
+
+
+def _left_to_default_size(bound: Mapping[str, Any], taken: Collection[str]) -> bool:
+    """Whether a call's arguments leave its size to the pipeline's default. Only both sides at
+    once: pipelines fill in one side left out differently (SD 1.5's takes its default for both,
+    FLUX's the default for the missing one). An image given sets the size in some pipelines
+    (FLUX Kontext's, Qwen-Image Edit's), and an output size in others."""
+    return (
+        {"height", "width"} <= set(taken)
+        and bound.get("height") is None
+        and bound.get("width") is None
+        and not any(bound.get(name) is not None for name in IMAGE_ARGUMENTS)
+        and not any(bound.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
+    )
 
 
 def shape_parts(shape: str) -> dict[str, Any] | None:

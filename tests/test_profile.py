@@ -812,6 +812,48 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
     assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
 
 
+@pytest.mark.parametrize(
+    ("given", "keyed_at_default"),
+    [
+        ({}, True),
+        ({"height": None, "width": None}, True),
+        ({"height": 1024}, False),  # one side given: pipelines fill in the other differently
+        ({"width": 1024}, False),
+        ({"latents": torch.zeros(1, 4, 128, 128)}, False),  # the latents given set the size
+    ],
+)
+def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_size(
+    given: dict, keyed_at_default: bool
+) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    from diffusers_residency.profile import call_shape
+
+    signature = inspect.signature(StableDiffusionXLPipeline.__call__)
+    explicit = call_shape(signature, (), {**given, "height": 1024, "width": 1024})
+    assert (call_shape(signature, (), given, 1024) == explicit) == keyed_at_default
+    assert call_shape(signature, (), given) != explicit, "with no default size known, left as given"
+
+
+def test_a_call_given_no_size_and_one_given_the_default_size_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SD 1.5's tiny pipeline makes 32x32 images when given no size: its UNet's sample size times
+    # its VAE's scale factor.
+    case = PipelineCase("sd15")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    _measure_on_the_cpu(case, monkeypatch)
+    measuring = _measured_calls(case)
+    assert call_kwargs("sd15")["height"] == call_kwargs("sd15")["width"] == 32
+    for size_given in (False, True, False):
+        kwargs = call_kwargs("sd15")  # a generator of its own for each call
+        if not size_given:
+            del kwargs["height"], kwargs["width"]
+        assert torch.equal(pipeline_output(case.pipe, kwargs), case.reference)
+    # Its text encoder runs twice a call: the prompt, then the negative one.
+    assert measuring == [True, True, False, False, False, False], "one shape, measured once"
+    assert "height=32 width=32" in case.pipe.residency_plan().shape
+    assert set(residency_profile(case.pipe).shapes) == {case.pipe.residency_plan().shape}
+
+
 def test_a_binned_call_is_a_shape_of_its_own_whose_decode_is_not_estimated_from_its_size(flux: PipelineCase) -> None:
     # PixArt bins by default: a 32x32 call makes the latents of the nearest of its model's sizes.
     from diffusers import PixArtSigmaPipeline
