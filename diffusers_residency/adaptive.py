@@ -229,7 +229,7 @@ def learn_first_step(state: PipelineResidency, component: str, need: int) -> Non
     needed ``need`` bytes above the weights. For the call's other steps it keeps the blocks its own
     moment has room for: staged, so that they leave the device to the components after it, whose
     needs are not known yet."""
-    sizes = next(s for s in state.plan.sizes if s.name == component)
+    sizes = state.plan.sizes_of(component)
     if not sizes.per_step or component in state.plan.activations:
         return
     streaming, whole = hooked_policies(state)
@@ -367,7 +367,7 @@ def _plan_default_call(state: PipelineResidency) -> None:
     state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)
     estimates = ", ".join(f"{name} {format_bytes(need)}" for name, need in needs.items())
     if step is not None:
-        block_bytes = sum(next(s for s in plan.sizes if s.name == runs.denoiser).block_bytes)
+        block_bytes = sum(plan.sizes_of(runs.denoiser).block_bytes)
         estimates += (f"; {runs.denoiser}'s step {step.compute_per_byte * block_bytes:.3f} s of compute, loads at "
                       f"{format_bytes(int(1 / step.load_per_byte))}/s, from blocks of it timed")  # fmt: skip
     logger.info("Planned at enable for a call of the default shape, estimated above the weights: %s. %s",
@@ -379,7 +379,7 @@ def _estimated_step(state: PipelineResidency, plan: ResidencyPlan) -> StepTiming
     ``plan`` streams some of them: the plan at enable is then chosen as a timed step would choose
     it."""
     denoiser = state.dry_runs.denoiser
-    sizes, planned = next(s for s in plan.sizes if s.name == denoiser), plan[denoiser]
+    sizes, planned = plan.sizes_of(denoiser), plan[denoiser]
     streams = planned.policy is Policy.STREAMED and len(planned.resident_blocks) < len(sizes.block_bytes)
     if not (sizes.per_step and streams):
         return None

@@ -101,7 +101,7 @@ def plan_from_timed_step(state: PipelineResidency, component: str) -> None:
     for it."""
     if state.dry_runs is None or component != state.dry_runs.denoiser:
         return
-    sizes = next(s for s in state.plan.sizes if s.name == component)
+    sizes = state.plan.sizes_of(component)
     timing = timing_so_far(state.group, sizes)
     if timing is None:
         return

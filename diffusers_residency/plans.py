@@ -139,6 +139,10 @@ class ResidencyPlan:
         """The most weight bytes any one component adds while it runs."""
         return _transient(self.components, self._sizes_by_name)
 
+    def sizes_of(self, name: str) -> ComponentSizes:
+        """The sizes component ``name``'s plan was made for."""
+        return self._sizes_by_name[name]
+
     def transient_bytes_of(self, name: str) -> int:
         """The weight bytes component ``name`` adds while it runs."""
         return self[name].transient_bytes(self._sizes_by_name[name])
