@@ -15,6 +15,11 @@ The call is made on a stand-in pipeline object: the components' meta copies, the
 (``.item()`` on a mask, as transformers' T5 attention does for Wan's UMT5) cannot run on the meta
 device: such a pipeline gets no inputs here, and its first call estimates as it reaches its
 denoiser, as before.
+
+The same call tells the size the pipeline makes when given none: the height and width its code
+hands ``check_inputs`` once it has filled them in. Pipelines work that out differently
+(``default_sample_size`` in latent units times ``vae_scale_factor`` for most, in pixels for PRX's),
+so it is read from the pipeline's own code rather than worked out here.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from diffusers import DiffusionPipeline
@@ -51,9 +57,17 @@ def _raise_reached(module: nn.Module, args: tuple, kwargs: dict) -> None:
     raise _DenoiserReached(args, kwargs)
 
 
-def denoiser_inputs(
-    pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], denoiser: str
-) -> tuple[tuple, dict] | None:
+@dataclass(frozen=True)
+class DefaultCall:
+    """What ``pipe(prompt="")`` gave its denoiser's first step, and the ``(height, width)`` it made
+    its output's size (None where its ``check_inputs`` was not given two ints)."""
+
+    args: tuple
+    kwargs: dict
+    size: tuple[int, int] | None
+
+
+def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], denoiser: str) -> DefaultCall | None:
     """The inputs of ``denoiser``'s first step in ``pipe(prompt="")`` (every other argument its
     default), made by ``pipe``'s class's own call on ``twins``: a meta copy of each of its module
     components by name. None where that call fails before the denoiser (it reads values, or needs
@@ -66,13 +80,18 @@ def denoiser_inputs(
     state.update(twins)
     vars(stand_in).update(state)
     stand_in.set_progress_bar_config(disable=True)
+    sizes: dict[str, Any] = {}
+    if callable(getattr(stand_in, "check_inputs", None)):
+        stand_in.check_inputs = _telling_sizes(stand_in.check_inputs, sizes)
     handle = twins[denoiser].register_forward_pre_hook(_raise_reached, with_kwargs=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the pipeline's own, about arguments left to defaults
             stand_in(prompt="", output_type="latent")
     except _DenoiserReached as reached:
-        return reached.inputs
+        height, width = sizes.get("height"), sizes.get("width")
+        size = (height, width) if all(type(side) is int and side > 0 for side in (height, width)) else None
+        return DefaultCall(*reached.inputs, size)
     except Exception as error:  # any failure means no inputs, never a failed enable
         logger.debug("%s's call cannot run on the meta device: %s", type(pipe).__name__, error)
         return None
@@ -80,6 +99,22 @@ def denoiser_inputs(
         handle.remove()
     logger.debug("%s's call never reached %r", type(pipe).__name__, denoiser)
     return None
+
+
+def _telling_sizes(check_inputs: Any, sizes: dict[str, Any]) -> Any:
+    """``check_inputs`` that also writes the ``height`` and ``width`` it is given into ``sizes``."""
+    signature = inspect.signature(check_inputs)
+
+    @functools.wraps(check_inputs)
+    def telling(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            given = {}  # the pipeline's own check raises for these
+        sizes.update((name, given[name]) for name in ("height", "width") if name in given)
+        return check_inputs(*args, **kwargs)
+
+    return telling
 
 
 def _scheduler_on_host(scheduler: Any) -> Any:

@@ -367,6 +367,8 @@ class ForwardDryRun:
         # need_at_defaults).
         self._default: tuple | None = None
         self.default_blocks = BlockInputs()
+        # The (height, width) of the default call's output, as its code told them (see default_call).
+        self.default_size: tuple[int, int] | None = None
 
     def need(self, args: tuple, kwargs: Mapping[str, Any], record: BlockInputs | None = None) -> int | None:
         """``record``: told what the repeated blocks were given, where the dry run is made now."""
@@ -412,14 +414,14 @@ class ForwardDryRun:
                     # Only the shapes of what they make count here: each repeated block runs once
                     # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached).
                     undos.append(replaying_repeats(twin, LiveBytes(())))
-            inputs = denoiser_inputs(pipe, twins, name)
+            call = denoiser_inputs(pipe, twins, name)
         finally:
             for undo in undos:
                 undo()  # the blocks' forwards refer to the blocks: freed with their twins, not by a collection
-        if inputs is None:
+        if call is None:
             return None
-        self._default = signature(*inputs)
-        return self.need(*inputs, record=self.default_blocks)
+        self._default, self.default_size = signature(call.args, call.kwargs), call.size
+        return self.need(call.args, call.kwargs, record=self.default_blocks)
 
 
 @dataclass(frozen=True)
@@ -450,9 +452,20 @@ class CallDryRuns:
         decoder = DecoderDryRun.of(pipe, casts, modules[denoiser])
         if decoder is None or sequence[-1] != decoder.name or denoiser == decoder.name:
             return None
+        forward = ForwardDryRun(modules[denoiser])
+        default_step_need = forward.need_at_defaults(pipe, denoiser)  # made now, as the decode's below
+        if forward.default_size is not None:
+            # The size the pipeline's own code makes when given none, where the default call told
+            # it, rather than the one worked out from its attributes (PRX's are in pixels).
+            decoder.default_size = max(forward.default_size)
         # The decode of the pipeline's default size, estimated now rather than as a first call of
         # that size starts, while the device waits (a call of another size, or with the VAE tiled
         # or sliced since, is estimated as it starts).
         decoder.need({})
-        forward = ForwardDryRun(modules[denoiser])
-        return cls(denoiser, forward, decoder, forward.need_at_defaults(pipe, denoiser))  # likewise
+        return cls(denoiser, forward, decoder, default_step_need)
+
+    @property
+    def default_size(self) -> tuple[int, int] | None:
+        """The (height, width) of a call given neither, where the default call told it: the key of
+        such a call's shape (see ``profile.call_shape``)."""
+        return self.forward.default_size

@@ -83,10 +83,10 @@ class PipelineResidency:
     staged_names: Mapping[str, int] = field(default_factory=dict)
 
     @property
-    def default_size(self) -> int | None:
-        """The height and width of a call that gives neither, where the dry runs know it: the key of
-        such a call's shape (see ``profile.call_shape``)."""
-        return self.dry_runs.decoder.default_size if self.dry_runs is not None else None
+    def default_size(self) -> tuple[int, int] | None:
+        """The (height, width) of a call that gives neither, where the dry runs know it (see
+        ``dry_runs.CallDryRuns.default_size``)."""
+        return self.dry_runs.default_size if self.dry_runs is not None else None
 
     def active_in(self, pipe: DiffusionPipeline) -> bool:
         """Whether pinned offload is still on for ``pipe``: a component of it is staged here, or none

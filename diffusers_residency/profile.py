@@ -51,17 +51,21 @@ FORMAT = 4
 # size where ``height`` and ``width`` give only its aspect, or nothing; ``layers`` how many images a
 # Qwen-Image Layered call makes; ``decode_chunk_size`` and ``vae_batch_size`` (video pipelines) how
 # many frames the VAE decodes at once. ``use_resolution_binning`` (PixArt, Sana: on by default)
-# makes the latents those of the nearest of the model's sizes, the image resized after decoding.
-OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution", "use_resolution_binning")
+# makes the latents those of the nearest of the model's sizes, the image resized after decoding;
+# ``use_input_image_size_as_output`` (OmniGen) makes the output the size of the image given.
+OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution", "use_resolution_binning", "use_input_image_size_as_output")
 _SHAPE_ARGUMENTS = (
     "height", "width", *OUTPUT_SIZE_ARGUMENTS, "num_frames", "layers", "num_images_per_prompt",
     "num_videos_per_prompt", "max_sequence_length", "decode_chunk_size", "vae_batch_size",
 )  # fmt: skip
 _BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
 # Images, videos and latents given to a call, by their size (a call given one encodes or conditions
-# on it); and the tensors counted in a call's shape: those, and prompt embeddings (whose sequence
-# length, not ``max_sequence_length``, is what the denoiser then attends over).
-IMAGE_ARGUMENTS = ("image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image")
+# on it; OmniGen's ``input_images`` by their number and the first one's size); and the tensors
+# counted in a call's shape: those, and prompt embeddings (whose sequence length, not
+# ``max_sequence_length``, is what the denoiser then attends over).
+IMAGE_ARGUMENTS = (
+    "image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image", "input_images",
+)  # fmt: skip
 _TENSOR_ARGUMENTS = (*IMAGE_ARGUMENTS, "prompt_embeds")
 _GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
 # The arguments of a shape signature that measure a call's size: a call smaller in these (and the
@@ -106,14 +110,18 @@ def _describe(value: Any) -> Any:
 
 
 def call_shape(
-    signature: inspect.Signature, args: tuple, kwargs: Mapping[str, Any], default_size: int | None = None
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    default_size: tuple[int, int] | None = None,
 ) -> str:
     """The shape signature of one pipeline call: its arguments that change what the call needs on
     the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
     does not take are left out; one left to its default counts as ``None``, except a height and a
-    width both left out of a call given no image and no output size: those count as
-    ``default_size``, the side the pipeline then makes (see ``dry_runs.DecoderDryRun``), so that
-    ``pipe(prompt)`` and ``pipe(prompt, height=1024, width=1024)`` are planned for once, not twice."""
+    width both left out of a call given no image and every output size argument at its default:
+    those count as ``default_size``, the (height, width) the pipeline's default call makes (see
+    ``default_call``), so that ``pipe(prompt)`` and ``pipe(prompt, height=1024, width=1024)`` are
+    planned for once, not twice."""
     try:
         binding = signature.bind(None, *args, **kwargs)
         binding.apply_defaults()  # a default and the same value given are one shape
@@ -124,8 +132,8 @@ def call_shape(
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # a subclass's __call__(self, *args, **kwargs)
             bound.update(bound.pop(parameter.name, {}))
     taken = set(signature.parameters) | set(bound)
-    if default_size is not None and _left_to_default_size(bound, taken):
-        bound["height"] = bound["width"] = default_size
+    if default_size is not None and _left_to_default_size(signature, bound, taken):
+        bound["height"], bound["width"] = default_size
     parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in taken}
     batch = next((bound[name] for name in _BATCH_ARGUMENTS if bound.get(name) is not None), None)
     parts["batch"] = len(batch) if isinstance(batch, (list, tuple)) else batch.shape[0] if isinstance(batch, torch.Tensor) else 1
@@ -140,17 +148,19 @@ def call_shape(
     return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
 
 
-def _left_to_default_size(bound: Mapping[str, Any], taken: Collection[str]) -> bool:
-    """Whether a call's arguments leave its size to the pipeline's default. Only both sides at
-    once: pipelines fill in one side left out differently (SD 1.5's takes its default for both,
-    FLUX's the default for the missing one). An image given sets the size in some pipelines
-    (FLUX Kontext's, Qwen-Image Edit's), and an output size in others."""
+def _left_to_default_size(signature: inspect.Signature, bound: Mapping[str, Any], taken: Collection[str]) -> bool:
+    """Whether a call's arguments leave its size to what the pipeline's default call makes. Only
+    both sides at once: pipelines fill in one side left out differently (SD 1.5's takes its
+    default for both, FLUX's the default for the missing one). An image given sets the size in
+    some pipelines (FLUX Kontext's, Qwen-Image Edit's), and an output size argument in others,
+    whichever value it is given other than its default (PixArt's binning turned off)."""
+    defaults = {name: parameter.default for name, parameter in signature.parameters.items()}
     return (
         {"height", "width"} <= set(taken)
         and bound.get("height") is None
         and bound.get("width") is None
         and not any(bound.get(name) is not None for name in IMAGE_ARGUMENTS)
-        and not any(bound.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
+        and all(bound.get(name) == defaults.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
     )
 
 

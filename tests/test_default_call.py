@@ -66,6 +66,10 @@ def test_a_first_call_of_the_default_shape_finds_its_denoisers_estimate_made_at_
     assert type(denoiser).__name__ not in made, "its denoiser's dry run was made at enable"
     # The estimate made at enable is the one the inputs the call gave make.
     assert state.dry_runs.forward.need(*inputs[0]) == ForwardDryRun(denoiser).need(*inputs[0]) is not None
+    # The size the default call told is the one the call made, and the call's shape is keyed by it.
+    height, width = state.dry_runs.default_size
+    assert tuple(reference.shape[-2:]) == (height, width)
+    assert f"height={height} width={width}" in case.pipe.residency_plan().shape
 
 
 def test_a_call_of_another_shape_makes_its_denoisers_dry_run_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:

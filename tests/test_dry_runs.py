@@ -362,6 +362,23 @@ def test_a_first_call_of_sd15_at_its_default_size_is_planned_from_dry_runs(monke
     assert case.pipe.residency_plan().source == "measured"
 
 
+def test_the_default_size_is_the_one_the_pipelines_call_makes_not_one_worked_out_from_its_attributes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # PRX's default_sample_size is in pixels where FLUX's and SDXL's are in latents: times its
+    # vae_scale_factor, as for those, it would be that many times too large. SD 1.5's call ignores
+    # the attribute (its UNet's sample size sets its default): given one, its call still tells.
+    case = PipelineCase("sd15")
+    case.pipe.default_sample_size = 64
+    state = _measured(case, monkeypatch)
+    assert state.dry_runs.default_size == (32, 32), "what check_inputs was given in the default call"
+    assert state.dry_runs.decoder.default_size == 32, "not 64 x the VAE's factor"
+    kwargs = call_kwargs("sd15")
+    del kwargs["height"], kwargs["width"]
+    assert torch.equal(pipeline_output(case.pipe, kwargs), case.reference), "the reference call's 32x32"
+    assert "height=32 width=32" in case.pipe.residency_plan().shape
+
+
 def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -813,25 +813,28 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
 
 
 @pytest.mark.parametrize(
-    ("given", "keyed_at_default"),
+    ("pipeline", "given", "keyed_at_default"),
     [
-        ({}, True),
-        ({"height": None, "width": None}, True),
-        ({"height": 1024}, False),  # one side given: pipelines fill in the other differently
-        ({"width": 1024}, False),
-        ({"latents": torch.zeros(1, 4, 128, 128)}, False),  # the latents given set the size
+        ("StableDiffusionXLPipeline", {}, True),
+        ("StableDiffusionXLPipeline", {"height": None, "width": None}, True),
+        ("StableDiffusionXLPipeline", {"height": 1024}, False),  # one side given: filled in differently
+        ("StableDiffusionXLPipeline", {"width": 1024}, False),
+        ("StableDiffusionXLPipeline", {"latents": torch.zeros(1, 4, 128, 96)}, False),  # they set the size
+        ("PixArtSigmaPipeline", {"use_resolution_binning": True}, True),  # its default
+        ("PixArtSigmaPipeline", {"use_resolution_binning": False}, False),  # not the default call's
+        ("OmniGenPipeline", {"use_input_image_size_as_output": True}, False),
     ],
 )
-def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_size(
-    given: dict, keyed_at_default: bool
+def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_calls_size(
+    pipeline: str, given: dict, keyed_at_default: bool
 ) -> None:
-    from diffusers import StableDiffusionXLPipeline
+    import diffusers
 
     from diffusers_residency.profile import call_shape
 
-    signature = inspect.signature(StableDiffusionXLPipeline.__call__)
-    explicit = call_shape(signature, (), {**given, "height": 1024, "width": 1024})
-    assert (call_shape(signature, (), given, 1024) == explicit) == keyed_at_default
+    signature = inspect.signature(getattr(diffusers, pipeline).__call__)
+    explicit = call_shape(signature, (), {**given, "height": 1024, "width": 768})
+    assert (call_shape(signature, (), given, (1024, 768)) == explicit) == keyed_at_default
     assert call_shape(signature, (), given) != explicit, "with no default size known, left as given"
 
 
