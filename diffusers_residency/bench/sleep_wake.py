@@ -13,6 +13,7 @@ against the reference design, in one process.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -43,12 +44,15 @@ def _timed(device: torch.device, action: Callable[[], object]) -> float:
 
 def pinned_rate(device: torch.device, nbytes: int = 2**32) -> float:
     """Bytes per second of one large pinned host-to-device copy (best of three)."""
+    best = _best_copy_seconds(device, nbytes)
+    _device.empty_cache(device)  # the copy's buffers went with the frame that made them
+    return nbytes / best
+
+
+def _best_copy_seconds(device: torch.device, nbytes: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_device.is_accelerator(device))
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = min(_timed(device, lambda: target.copy_(host, non_blocking=True)) for _ in range(3))
-    del host, target
-    _device.empty_cache(device)
-    return nbytes / best
+    return min(_timed(device, lambda: target.copy_(host, non_blocking=True)) for _ in range(3))
 
 
 def weight_bytes(pipe: DiffusionPipeline) -> int:
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     # Where a switch to SDXL spends its time: the steps of rotation.use("sdxl"), timed one by one.
     steps = (
         ("flux's sleep, its memory left in the cache", lambda: sleep(flux, release_cache=False), None),
-        ("sdxl's wake into that cache", lambda: wake_up(sdxl), sdxl_bytes / rate),
+        ("sdxl's wake into that cache", functools.partial(wake_up, sdxl), sdxl_bytes / rate),
         ("releasing the rest of the cache", lambda: pipeline_state(flux).group.retention.release(reason="switch"), None),
     )
     for label, step, step_bound in steps:
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     rotation.awake = "sdxl"  # what the steps did by hand
     rotation.use("flux")  # as the switches left them, for what follows
     sleep(sdxl)
-    sdxl_wake = _timed(device, lambda: wake_up(sdxl))
+    sdxl_wake = _timed(device, functools.partial(wake_up, sdxl))
     note("  sdxl's wake alone", sdxl_wake, sdxl_bytes / rate, f"{sdxl_bytes / GB:.1f} GB")
     sleep(sdxl)
     # The same switches keeping the cache (keep_cache=True): each wakes into memory already held.
