@@ -103,7 +103,10 @@ def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], den
 
 def _telling_sizes(check_inputs: Any, sizes: dict[str, Any]) -> Any:
     """``check_inputs`` that also writes the ``height`` and ``width`` it is given into ``sizes``."""
-    signature = inspect.signature(check_inputs)
+    try:
+        signature = inspect.signature(check_inputs)
+    except (TypeError, ValueError):  # no signature to read (a builtin): left as it is, nothing told
+        return check_inputs
 
     @functools.wraps(check_inputs)
     def telling(*args: Any, **kwargs: Any) -> Any:

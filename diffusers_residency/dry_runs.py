@@ -465,7 +465,9 @@ class CallDryRuns:
         return cls(denoiser, forward, decoder, default_step_need)
 
     @property
-    def default_size(self) -> tuple[int, int] | None:
-        """The (height, width) of a call given neither, where the default call told it: the key of
-        such a call's shape (see ``profile.call_shape``)."""
-        return self.forward.default_size
+    def default_size(self) -> tuple[int, int]:
+        """The (height, width) of a call given neither: the key of such a call's shape (see
+        ``profile.call_shape``). The one the default call told, else (its call ran no
+        ``check_inputs`` with them filled in, as FLUX.2's, or could not run on the meta device) the
+        decoder's, worked out from the pipeline's attributes."""
+        return self.forward.default_size or (self.decoder.default_size, self.decoder.default_size)

@@ -94,8 +94,8 @@ def cache_folder() -> Path | None:
 
 
 def _describe(value: Any) -> Any:
-    """A call argument as far as memory goes: a tensor or image by its size, a list by its length,
-    a number as a number (a numpy or 0-d tensor one too)."""
+    """A call argument as far as memory goes: a tensor or image by its size, a list by its length
+    and its items', a number as a number (a numpy or 0-d tensor one too)."""
     if isinstance(value, numbers.Number) or (isinstance(value, torch.Tensor) and value.dim() == 0):
         return value.item() if hasattr(value, "item") else value
     if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):  # numpy too
@@ -103,7 +103,13 @@ def _describe(value: Any) -> Any:
     if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
         return list(value.size)
     if isinstance(value, (list, tuple)):
-        return [len(value), _describe(value[0]) if value else None]
+        # Its length and each description once: a list of one size reads as it always has, and
+        # one of several sizes (OmniGen's input images) gives them all, not the first one's.
+        described: list[Any] = []
+        for item in value:
+            if (description := _describe(item)) not in described:
+                described.append(description)
+        return [len(value), *described] if value else [0, None]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return type(value).__name__

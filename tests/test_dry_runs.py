@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -377,6 +378,23 @@ def test_the_default_size_is_the_one_the_pipelines_call_makes_not_one_worked_out
     del kwargs["height"], kwargs["width"]
     assert torch.equal(pipeline_output(case.pipe, kwargs), case.reference), "the reference call's 32x32"
     assert "height=32 width=32" in case.pipe.residency_plan().shape
+
+
+@pytest.mark.parametrize(
+    "check_inputs",
+    [lambda *args, **kwargs: None, operator.itemgetter(0)],  # given no size by name; no signature to read
+    ids=["told-nothing", "no-signature"],
+)
+def test_a_default_call_that_tells_no_size_leaves_the_one_worked_out_from_the_attributes(
+    check_inputs: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FLUX.2's call hands check_inputs its height and width before filling them in; a call that
+    # cannot run on the meta device tells nothing either. Enabling never fails for it.
+    case = PipelineCase("sd15")
+    case.pipe.check_inputs = check_inputs
+    state = _measured(case, monkeypatch)
+    assert state.dry_runs.forward.default_size is None
+    assert state.dry_runs.default_size == (32, 32) == (state.dry_runs.decoder.default_size,) * 2
 
 
 def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(

@@ -801,6 +801,13 @@ def test_a_call_within_a_call_is_planned_as_the_outer_one(flux: PipelineCase, mo
         ({"prompt": "a"}, {"prompt": ["a", "b"]}, False),
         ({"guidance_scale": 1.0}, {"guidance_scale": 5.0}, False),
         ({"latents": torch.zeros(1, 4, 8, 8)}, {"latents": torch.zeros(1, 4, 16, 16)}, False),
+        # Lists of images by every size in them, not the first one's.
+        ({"ip_adapter_image": [np.zeros((8, 8, 3))] * 2}, {"ip_adapter_image": [np.zeros((8, 8, 3))] * 2}, True),
+        (
+            {"ip_adapter_image": [np.zeros((8, 8, 3)), np.zeros((4, 4, 3))]},
+            {"ip_adapter_image": [np.zeros((8, 8, 3)), np.zeros((16, 16, 3))]},
+            False,
+        ),
     ],
 )
 def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, other: dict, same: bool) -> None:
@@ -823,6 +830,7 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
         ("PixArtSigmaPipeline", {"use_resolution_binning": True}, True),  # its default
         ("PixArtSigmaPipeline", {"use_resolution_binning": False}, False),  # not the default call's
         ("OmniGenPipeline", {"use_input_image_size_as_output": True}, False),
+        ("OmniGenPipeline", {"input_images": [[np.zeros((8, 8, 3))]]}, False),  # images given: not the default call
     ],
 )
 def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_calls_size(
