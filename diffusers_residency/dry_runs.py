@@ -13,6 +13,7 @@ component, and the plan is made again from what it measured (see ``adaptive``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
 import weakref
@@ -231,6 +232,7 @@ class DecoderDryRun:
         dtype: torch.dtype,
         *,
         cast_whole: bool = False,
+        default_outputs: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = name
         self._module = module
@@ -238,6 +240,10 @@ class DecoderDryRun:
         self.scale_factor = scale_factor
         self.default_size = default_size
         self.dtype = dtype
+        # The pipeline's output size arguments as its call's defaults have them (PixArt's binning
+        # on, FLUX Kontext's max_area of 1024²): a call leaving them so at the default size is
+        # the default call, whose decode is of that size.
+        self.default_outputs = dict(default_outputs or {})
         # Cast whole, the VAE holds its weights wider while it decodes than the plan counts them (as
         # stored): room the decode takes above the planned weights, which a measured call's need
         # has in it (read once the VAE is cast back, off the device). Counted for all of them, as
@@ -276,7 +282,12 @@ class DecoderDryRun:
         dtype = casts.get("vae", (_computes_in(vae),))[0]
         if dtype is None:
             return None
-        return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts)
+        try:
+            parameters = inspect.signature(type(pipe).__call__).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        outputs = {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
+        return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts, default_outputs=outputs)
 
     def need(self, parts: Mapping[str, Any]) -> int | None:
         """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
@@ -285,9 +296,12 @@ class DecoderDryRun:
         # a ControlNet), or decodes latents of another size.
         if "num_frames" in parts or any(parts.get(name) is not None for name in IMAGE_ARGUMENTS):
             return None
-        if any(parts.get(name) for name in OUTPUT_SIZE_ARGUMENTS):
-            return None  # the output's size is not height x width (FLUX Kontext's max_area, binning)
         height, width = (parts.get(name) for name in ("height", "width"))
+        if any(parts.get(name) for name in OUTPUT_SIZE_ARGUMENTS) and not (
+            height == width == self.default_size
+            and all(parts.get(name) == self.default_outputs.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
+        ):
+            return None  # the output's size is not height x width (FLUX Kontext's max_area, binning)
         if not height or not width:
             # Pipelines fill in a side not given differently: SD 1.5's takes its default for both,
             # FLUX's, SDXL's, SD3's and CogView4's for the missing one only. The larger of the

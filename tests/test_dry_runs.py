@@ -397,6 +397,23 @@ def test_a_default_call_that_tells_no_size_leaves_the_one_worked_out_from_the_at
     assert state.dry_runs.default_size == (32, 32) == (state.dry_runs.decoder.default_size,) * 2
 
 
+def test_a_decode_of_the_default_call_is_estimated_with_its_output_size_arguments_at_their_defaults(
+    flux: PipelineCase,
+) -> None:
+    # FLUX Kontext's max_area (1024x1024 by default) sets its output's size from its height and
+    # width's aspect: left at its default with the default size given, the call is the default one.
+    from diffusers import FluxKontextPipeline
+
+    kontext = FluxKontextPipeline.from_pipe(flux.pipe)
+    decoder = DecoderDryRun.of(kontext, {}, kontext.transformer)
+    assert decoder.default_outputs == {"max_area": 1024**2}
+    side = decoder.default_size
+    at_default = {"height": side, "width": side, "max_area": 1024**2}
+    assert decoder.need(at_default) == decoder.need({}) is not None
+    assert decoder.need({**at_default, "max_area": 512**2}) is None, "its size is not its height and width"
+    assert decoder.need({**at_default, "height": side // 2, "width": side // 2}) is None
+
+
 def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
