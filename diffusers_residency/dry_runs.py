@@ -232,7 +232,6 @@ class DecoderDryRun:
         dtype: torch.dtype,
         *,
         cast_whole: bool = False,
-        default_outputs: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = name
         self._module = module
@@ -241,9 +240,10 @@ class DecoderDryRun:
         self.default_size = default_size
         self.dtype = dtype
         # The pipeline's output size arguments as its call's defaults have them (PixArt's binning
-        # on, FLUX Kontext's max_area of 1024²): a call leaving them so at the default size is
-        # the default call, whose decode is of that size.
-        self.default_outputs = dict(default_outputs or {})
+        # on, FLUX Kontext's max_area of 1024²), where the default call told the size they make
+        # (see CallDryRuns.of): a call leaving them so at that size is the default call, whose
+        # decode is of that size. Empty, a call given any of them is not followed.
+        self.default_outputs: dict[str, Any] = {}
         # Cast whole, the VAE holds its weights wider while it decodes than the plan counts them (as
         # stored): room the decode takes above the planned weights, which a measured call's need
         # has in it (read once the VAE is cast back, off the device). Counted for all of them, as
@@ -282,12 +282,7 @@ class DecoderDryRun:
         dtype = casts.get("vae", (_computes_in(vae),))[0]
         if dtype is None:
             return None
-        try:
-            parameters = inspect.signature(type(pipe).__call__).parameters
-        except (TypeError, ValueError):
-            parameters = {}
-        outputs = {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
-        return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts, default_outputs=outputs)
+        return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts)
 
     def need(self, parts: Mapping[str, Any]) -> int | None:
         """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
@@ -438,6 +433,15 @@ class ForwardDryRun:
         return self.need(call.args, call.kwargs, record=self.default_blocks)
 
 
+def _output_size_defaults(pipe: object) -> dict[str, Any]:
+    """The defaults of the output size arguments ``pipe``'s call takes."""
+    try:
+        parameters = inspect.signature(type(pipe).__call__).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
+
+
 @dataclass(frozen=True)
 class CallDryRuns:
     """The dry runs that estimate a text-to-image call's needs before they are measured: its
@@ -470,8 +474,10 @@ class CallDryRuns:
         default_step_need = forward.need_at_defaults(pipe, denoiser)  # made now, as the decode's below
         if forward.default_size is not None:
             # The size the pipeline's own code makes when given none, where the default call told
-            # it, rather than the one worked out from its attributes (PRX's are in pixels).
+            # it, rather than the one worked out from its attributes (PRX's are in pixels, and
+            # FLUX Kontext's max_area overrides them), with the output size arguments that made it.
             decoder.default_size = max(forward.default_size)
+            decoder.default_outputs = _output_size_defaults(pipe)
         # The decode of the pipeline's default size, estimated now rather than as a first call of
         # that size starts, while the device waits (a call of another size, or with the VAE tiled
         # or sliced since, is estimated as it starts).

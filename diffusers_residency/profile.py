@@ -52,8 +52,11 @@ FORMAT = 4
 # Qwen-Image Layered call makes; ``decode_chunk_size`` and ``vae_batch_size`` (video pipelines) how
 # many frames the VAE decodes at once. ``use_resolution_binning`` (PixArt, Sana: on by default)
 # makes the latents those of the nearest of the model's sizes, the image resized after decoding;
-# ``use_input_image_size_as_output`` (OmniGen) makes the output the size of the image given.
-OUTPUT_SIZE_ARGUMENTS = ("max_area", "resolution", "use_resolution_binning", "use_input_image_size_as_output")
+# ``use_input_image_size_as_output`` (OmniGen) makes the output the size of the image given;
+# ``output_resolution`` (Qwen-Image 2.1) is the side of a call given no height or width.
+OUTPUT_SIZE_ARGUMENTS = (
+    "max_area", "resolution", "use_resolution_binning", "use_input_image_size_as_output", "output_resolution",
+)  # fmt: skip
 _SHAPE_ARGUMENTS = (
     "height", "width", *OUTPUT_SIZE_ARGUMENTS, "num_frames", "layers", "num_images_per_prompt",
     "num_videos_per_prompt", "max_sequence_length", "decode_chunk_size", "vae_batch_size",
@@ -96,20 +99,19 @@ def cache_folder() -> Path | None:
 def _describe(value: Any) -> Any:
     """A call argument as far as memory goes: a tensor or image by its size, a list by its length
     and its items', a number as a number (a numpy or 0-d tensor one too)."""
-    if isinstance(value, numbers.Number) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-        return value.item() if hasattr(value, "item") else value
+    if isinstance(value, numbers.Number) or (getattr(value, "ndim", None) == 0 and hasattr(value, "item")):
+        return value.item() if hasattr(value, "item") else value  # numpy's bool too, which is no Number
     if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):  # numpy too
         return list(value.shape)
     if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
         return list(value.size)
     if isinstance(value, (list, tuple)):
-        # Its length and each description once: a list of one size reads as it always has, and
-        # one of several sizes (OmniGen's input images) gives them all, not the first one's.
-        described: list[Any] = []
-        for item in value:
-            if (description := _describe(item)) not in described:
-                described.append(description)
-        return [len(value), *described] if value else [0, None]
+        # Its length and its items' one description where they share it, else every item's (the
+        # sizes of OmniGen's input images, how many of each counting).
+        described = [_describe(item) for item in value]
+        if all(description == described[0] for description in described):
+            return [len(value), described[0] if described else None]
+        return [len(value), *described]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return type(value).__name__

@@ -397,21 +397,31 @@ def test_a_default_call_that_tells_no_size_leaves_the_one_worked_out_from_the_at
     assert state.dry_runs.default_size == (32, 32) == (state.dry_runs.decoder.default_size,) * 2
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["size-told", "told-nothing"])
 def test_a_decode_of_the_default_call_is_estimated_with_its_output_size_arguments_at_their_defaults(
-    flux: PipelineCase,
+    flux: PipelineCase, told: bool
 ) -> None:
     # FLUX Kontext's max_area (1024x1024 by default) sets its output's size from its height and
-    # width's aspect: left at its default with the default size given, the call is the default one.
+    # width's aspect: left at its default, a call of the size its default call told is that call.
+    # Where the default call told nothing, the size worked out from the attributes is not the one
+    # max_area makes, and such a call is not followed.
     from diffusers import FluxKontextPipeline
 
     kontext = FluxKontextPipeline.from_pipe(flux.pipe)
-    decoder = DecoderDryRun.of(kontext, {}, kontext.transformer)
-    assert decoder.default_outputs == {"max_area": 1024**2}
+    if not told:
+        kontext.check_inputs = lambda *args, **kwargs: None
+    runs = CallDryRuns.of(kontext, module_components(kontext), offload_sequence(kontext), {})
+    decoder = runs.decoder
     side = decoder.default_size
     at_default = {"height": side, "width": side, "max_area": 1024**2}
-    assert decoder.need(at_default) == decoder.need({}) is not None
-    assert decoder.need({**at_default, "max_area": 512**2}) is None, "its size is not its height and width"
-    assert decoder.need({**at_default, "height": side // 2, "width": side // 2}) is None
+    if told:
+        assert runs.default_size == (1024, 1024) and side == 1024, "max_area's, not the attributes' 256"
+        assert decoder.default_outputs == {"max_area": 1024**2}
+        assert decoder.need(at_default) == decoder.need({}) is not None
+        assert decoder.need({**at_default, "max_area": 512**2}) is None, "its size is not its height and width"
+        assert decoder.need({**at_default, "height": side // 2, "width": side // 2}) is None
+    else:
+        assert decoder.default_outputs == {} and decoder.need(at_default) is None
 
 
 def test_a_denoiser_no_dry_run_can_copy_is_measured_as_before(

@@ -808,6 +808,12 @@ def test_a_call_within_a_call_is_planned_as_the_outer_one(flux: PipelineCase, mo
             {"ip_adapter_image": [np.zeros((8, 8, 3)), np.zeros((16, 16, 3))]},
             False,
         ),
+        (  # how many of each size
+            {"ip_adapter_image": [np.zeros((8, 8, 3)), np.zeros((4, 4, 3)), np.zeros((4, 4, 3))]},
+            {"ip_adapter_image": [np.zeros((8, 8, 3)), np.zeros((8, 8, 3)), np.zeros((4, 4, 3))]},
+            False,
+        ),
+        ({"guidance_scale": np.float64(7.0)}, {"guidance_scale": 7.0}, True),
     ],
 )
 def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, other: dict, same: bool) -> None:
@@ -829,6 +835,7 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
         ("StableDiffusionXLPipeline", {"latents": torch.zeros(1, 4, 128, 96)}, False),  # they set the size
         ("PixArtSigmaPipeline", {"use_resolution_binning": True}, True),  # its default
         ("PixArtSigmaPipeline", {"use_resolution_binning": False}, False),  # not the default call's
+        ("PixArtSigmaPipeline", {"use_resolution_binning": np.True_}, True),  # numpy's bool read as one
         ("OmniGenPipeline", {"use_input_image_size_as_output": True}, False),
         ("OmniGenPipeline", {"input_images": [[np.zeros((8, 8, 3))]]}, False),  # images given: not the default call
     ],
@@ -876,6 +883,8 @@ def test_a_binned_call_is_a_shape_of_its_own_whose_decode_is_not_estimated_from_
     assert binned != call_shape(signature, (), {"height": 32, "width": 32, "use_resolution_binning": False})
     decoder = CallDryRuns.of(flux.pipe, module_components(flux.pipe), offload_sequence(flux.pipe), {}).decoder
     assert decoder.need(shape_parts(binned)) is None
+    numpy_true = call_shape(signature, (), {"height": 32, "width": 32, "use_resolution_binning": np.True_})
+    assert numpy_true == binned and decoder.need(shape_parts(numpy_true)) is None, "numpy's True is True"
     unbinned = {**shape_parts(binned), "use_resolution_binning": False}
     assert decoder.need(unbinned) == decoder.need({**unbinned, "use_resolution_binning": None}) is not None
 
