@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
-from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS
+from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, output_size_defaults
 from .replayed_blocks import BlockInputs, block_layouts, replaying_repeats, signature
 from .weights import module_tensors
 
@@ -434,12 +434,10 @@ class ForwardDryRun:
 
 
 def _output_size_defaults(pipe: object) -> dict[str, Any]:
-    """The defaults of the output size arguments ``pipe``'s call takes."""
     try:
-        parameters = inspect.signature(type(pipe).__call__).parameters
-    except (TypeError, ValueError):
+        return output_size_defaults(inspect.signature(type(pipe).__call__))
+    except (TypeError, ValueError):  # no signature to read: no argument at a default
         return {}
-    return {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
 
 
 @dataclass(frozen=True)

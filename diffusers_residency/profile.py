@@ -156,13 +156,20 @@ def call_shape(
     return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
 
 
+def output_size_defaults(signature: inspect.Signature) -> dict[str, Any]:
+    """The defaults of the output size arguments (see :data:`OUTPUT_SIZE_ARGUMENTS`) a pipeline's
+    call of ``signature`` takes."""
+    parameters = signature.parameters
+    return {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
+
+
 def _left_to_default_size(signature: inspect.Signature, bound: Mapping[str, Any], taken: Collection[str]) -> bool:
     """Whether a call's arguments leave its size to what the pipeline's default call makes. Only
     both sides at once: pipelines fill in one side left out differently (SD 1.5's takes its
     default for both, FLUX's the default for the missing one). An image given sets the size in
     some pipelines (FLUX Kontext's, Qwen-Image Edit's), and an output size argument in others,
     whichever value it is given other than its default (PixArt's binning turned off)."""
-    defaults = {name: parameter.default for name, parameter in signature.parameters.items()}
+    defaults = output_size_defaults(signature)
     return (
         {"height", "width"} <= set(taken)
         and bound.get("height") is None
