@@ -325,6 +325,7 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
     its resident weights loaded; one of another shape plans for itself as it starts (see
     begin_call), and the loads made here are partly undone. Without a profile, make the
     ``guessed_casts``, those the pipeline's code is expected to make (see casts.guessed_casts)."""
+    _expect_block_orders(state)
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is None:
         warm_casts(state.group, guessed_casts, guessed=True)
@@ -332,6 +333,24 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
     else:
         warm_casts(state.group, state.profile.shapes[shape].casts)
         begin_call(state, shape)
+
+
+def _expect_block_orders(state: PipelineResidency) -> None:
+    """Have the streamed denoiser and decoder load their blocks ahead in the order the dry runs of
+    the default call ran them (see ``BlockStream.expect_order``), so that a process's first call
+    loads them in turn, with a profile or without."""
+    runs = state.dry_runs
+    if runs is None or runs.default_step_need is None:
+        # The default call did not reach its denoiser on the meta device (an image to encode
+        # first, or code that reads values), or its dry run stopped part way: not a call's order.
+        return
+    orders = {runs.denoiser: runs.forward.default_blocks}
+    if runs.decoder.need({}) is not None:  # made at enable: the record of a decode run whole
+        orders[runs.decoder.name] = runs.decoder.default_blocks
+    for name, blocks_run in orders.items():
+        stream = next((unit.stream for unit in state.group.units_of(name) if unit.stream is not None), None)
+        if stream is not None:
+            stream.expect_order(blocks_run.run_order, blocks_run.blocks)
 
 
 def _plan_default_call(state: PipelineResidency) -> None:

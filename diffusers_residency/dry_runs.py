@@ -252,6 +252,9 @@ class DecoderDryRun:
         # cap, its first decode made the allocator retry.)
         self._widened = _widened_bytes(module, dtype) if cast_whole else 0
         self._twin = meta_twin(module)
+        # What the dry run of the default decode (``need({})``, made at enable) gave the repeated
+        # blocks: the order a decode runs them in (see ``streaming.BlockStream.expect_order``).
+        self.default_blocks = BlockInputs()
         if self._twin is not None:
             _cast(self._twin, dtype)
             for blend in TILE_BLENDS:
@@ -313,7 +316,8 @@ class DecoderDryRun:
             vars(self._twin).update(settings)
             latents = torch.empty(shape, dtype=self.dtype, device="meta")
             decode = lambda twin: twin.decode(latents, return_dict=False)  # noqa: E731
-            self._needs[key] = dry_run_need(self._twin, decode, [latents])
+            record = self.default_blocks if not parts and not self.default_blocks.keys else None
+            self._needs[key] = dry_run_need(self._twin, decode, [latents], record)
         need = self._needs.get(key)
         return None if need is None else need + self._widened
 

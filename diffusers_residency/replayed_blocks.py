@@ -37,16 +37,24 @@ def _spec(leaf: Any) -> Any:
 @dataclass
 class BlockInputs:
     """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
-    signature, see :func:`_replayed`) by position, and for each key the first block given it,
-    with its inputs as :class:`TensorSpec`."""
+    signature, see :func:`_replayed`) by position, in the order they first ran, and for each key
+    the first block given it, with its inputs as :class:`TensorSpec`."""
 
     keys: dict[int, Hashable] = field(default_factory=dict)
     first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
+    # How many repeated blocks the module has, run or not.
+    blocks: int = 0
 
     def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
         self.keys[position] = key
         if key not in self.first:
             self.first[key] = (position, tree_map(_spec, (args, dict(kwargs))))
+
+    @property
+    def run_order(self) -> tuple[tuple[int, type], ...]:
+        """The blocks that ran, each as its position and class (a key's layout's first item, see
+        :func:`replaying_repeats`), in the order each first ran."""
+        return tuple((position, key[0][0]) for position, key in self.keys.items())
 
 
 def signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
@@ -73,6 +81,8 @@ def replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs |
     ``record``: told each block's inputs, by its position. Returns the undo."""
     seen: dict[tuple, tuple[Any, int]] = {}
     layouts = block_layouts(twin)
+    if record is not None:
+        record.blocks = len(layouts)
     for position, (block, layout) in enumerate(layouts):
         told = None if record is None else functools.partial(record.record, position)
         block.forward = functools.partial(_replayed, counter, seen, layout, told, block.forward)

@@ -97,9 +97,10 @@ def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 class BlockStream:
     """The loading order of one component's blocks, and the window of blocks loaded ahead.
 
-    The order is the one the forward really takes: definition order at first, then, from the
-    second pass on, the blocks entered during the first pass, in that order (a pass ends when a
-    block is entered again). A block entered out of that order (a cache hook skipping blocks, a
+    The order is the one the forward really takes: definition order at first (or the order a dry
+    run of the pipeline's default call took, see :meth:`expect_order`), then, from the second pass
+    on, the blocks entered during the first pass, in that order (a pass ends when a block is
+    entered again). A block entered out of that order (a cache hook skipping blocks, a
     branch not taken in the first pass) is loaded on the spot if it is not already there; nothing
     is ever read from a block that is not loaded, so skipping cannot corrupt the stream, only cost a
     wait.
@@ -157,6 +158,25 @@ class BlockStream:
     @property
     def order(self) -> tuple[str, ...]:
         return tuple(unit.name for unit in self._order)
+
+    def expect_order(self, run_order: Sequence[tuple[int, type]], blocks: int) -> None:
+        """Load ahead in ``run_order`` (positions of the blocks and their classes, as a whole dry
+        run of the pipeline's default call ran them on a module of ``blocks`` repeated blocks, see
+        ``replayed_blocks.BlockInputs``) until a pass of a real call records its own. Definition
+        order is not the order every model runs: SDXL's UNet defines its mid block after its up
+        blocks, and a VAE decoding runs its decoder's blocks alone; a first pass in definition
+        order loads each block out of turn on the spot, its copy in front of its compute. Ignored
+        where the blocks are not the dry run's (another count, or a class that differs), or once a
+        pass recorded an order."""
+        stream_blocks = self.blocks
+        if self._recording is None or not run_order or blocks != len(stream_blocks):
+            return
+        if any(not 0 <= at < blocks or type(stream_blocks[at].module) is not cls for at, cls in run_order):
+            return
+        order = tuple(stream_blocks[position] for position, _ in run_order)
+        if order != self._order:
+            self._order = order
+            self._compute_windows()
 
     def _compute_windows(self) -> None:
         """For each block, the streamed blocks that follow it in order, wrapping around: the next

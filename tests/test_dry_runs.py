@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, FirstBlockCacheConfig, FluxTransformer2DModel, UNet2DConditionModel
 from diffusers.utils import scale_lora_layers, unscale_lora_layers
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from diffusers_residency import (
@@ -754,6 +755,87 @@ def test_a_preview_decoded_again_under_dry_run_estimates_is_exact_and_the_steps_
     steps = [staged for what, _, staged in ran[3:] if what == "step"]
     # The step after the preview streams every block, as a first step; the steps after it keep blocks.
     assert steps[0] == steps[1] == 0 and all(steps[2:]) and len(steps) == 4, ran
+
+
+@pytest.mark.parametrize("with_profile", [False, True])
+def test_a_first_call_loads_blocks_ahead_in_the_order_the_default_calls_dry_runs_ran_them(
+    with_profile: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDXL's UNet defines its mid block after its up blocks, and its VAE decodes with its decoder's
+    blocks alone: from enable on, each streams in the order a call runs it, the first pass of a
+    process with a profile or without."""
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path))
+    if with_profile:  # an earlier process measured the call and saved its figures
+        earlier = PipelineCase("sdxl")
+        _measured(earlier, monkeypatch, components={"unet": "streamed", "vae": "streamed"})
+        assert torch.equal(earlier.run(), earlier.reference)
+        assert pipeline_state(earlier.pipe).profile.shapes, "saved"
+    case = PipelineCase("sdxl")
+    state = _measured(case, monkeypatch, components={"unet": "streamed", "vae": "streamed"})
+    assert (state.profile.first_shape() is not None) == with_profile
+    streams = {name: state.group.units_of(name)[1].stream for name in ("unet", "vae")}
+    at_enable = {name: stream.order for name, stream in streams.items()}
+    definition = {name: tuple(block.name for block in stream.blocks) for name, stream in streams.items()}
+    assert all(at_enable[name] != definition[name] for name in streams), "the run order is not definition order"
+    ran: dict[str, list[str]] = {name: [] for name in streams}
+    for name, stream in streams.items():
+        for block in stream.blocks:
+            block.module.register_forward_pre_hook(lambda *_, name=name, block=block: ran[name].append(block.name))
+    with caplog.at_level(logging.INFO, logger="diffusers_residency.streaming"):
+        for _ in range(2):
+            assert torch.equal(case.run(), case.reference)
+    assert "in an order of its own" not in caplog.text, "the first pass ran in the order expected"
+    for name, stream in streams.items():
+        assert stream.order == at_enable[name]
+        assert tuple(dict.fromkeys(ran[name])) == at_enable[name], name
+
+
+def test_a_decode_whose_dry_run_stopped_part_way_streams_in_definition_order_until_a_pass_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blocks recorded before a dry run failed are no call's order: the decoder's stays
+    definition order at enable (the UNet's, run whole, is still the one run), and its first decode
+    learns the order as before."""
+    twin_of = dry_runs.meta_twin
+
+    def failing_in_the_decoder(module: nn.Module) -> nn.Module | None:
+        twin = twin_of(module)
+        if isinstance(module, AutoencoderKL):
+            twin.decoder.up_blocks[1].register_forward_pre_hook(lambda *_: operator.truediv(1, 0))
+        return twin
+
+    monkeypatch.setattr(dry_runs, "meta_twin", failing_in_the_decoder)
+    case = PipelineCase("sdxl")
+    state = _measured(case, monkeypatch, components={"unet": "streamed", "vae": "streamed"})
+    assert state.dry_runs.decoder.need({}) is None and state.dry_runs.decoder.default_blocks.keys, "stopped part way"
+    unet, vae = (state.group.units_of(name)[1].stream for name in ("unet", "vae"))
+    assert vae.order == tuple(block.name for block in vae.blocks)
+    assert unet.order != tuple(block.name for block in unet.blocks)
+    for _ in range(2):
+        assert torch.equal(case.run(), case.reference)
+    assert all(".decoder." in name for name in vae.order), vae.order
+
+
+def test_an_expected_order_is_ignored_where_it_is_not_of_the_streams_blocks_or_a_pass_was_recorded(
+    flux: PipelineCase,
+) -> None:
+    """An order from a module of other blocks (another count, a position beyond them, another class
+    at a position) leaves definition order; a pass recorded leaves its own."""
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    stream = pipeline_state(flux.pipe).group.units_of("transformer")[1].stream
+    definition, count = stream.order, len(stream.blocks)
+    backwards = tuple((at, type(stream.blocks[at].module)) for at in range(count - 1, -1, -1))
+    for foreign, blocks in (
+        (backwards, count + 1),
+        (((count, type(stream.blocks[0].module)),), count),
+        (((0, nn.Linear),), count),
+    ):
+        stream.expect_order(foreign, blocks)
+        assert stream.order == definition, foreign
+    assert torch.equal(flux.run(), flux.reference)
+    stream.expect_order(backwards, count)  # the first pass recorded its own
+    assert stream.order == definition
+    assert torch.equal(flux.run(), flux.reference)
 
 
 def test_a_streamed_decoder_decoding_again_learns_the_order_of_a_whole_pass(
