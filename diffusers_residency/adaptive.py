@@ -20,6 +20,7 @@ import torch
 
 from .block_timing import estimated_step
 from .budget_watch import BudgetWatch
+from .call_shapes import covering_shape, shape_parts
 from .casts import lossless_round_trip, warm_casts
 from .dry_run_plans import estimate_at_start, make_room_to_retry
 from .pipeline_residency import (
@@ -35,7 +36,7 @@ from .pipeline_residency import (
 )
 from .plans import BudgetTooSmallError, ResidencyPlan
 from .policy import Policy
-from .profile import CallFigures, covering_shape, shape_parts, write_profile
+from .profile import CallFigures, write_profile
 from .retiming import Retime, step_timings, steps_timed
 from .step_timing import StepTiming
 from .text import format_bytes
@@ -246,7 +247,7 @@ def learn_first_step(state: PipelineResidency, component: str, need: int) -> Non
 def begin_call(state: PipelineResidency, shape: str) -> None:
     """A pipeline call of ``shape`` starts. A shape measured before (in this process, or in the
     profile) gets the plan for its figures, and nothing is measured. A new one smaller than one
-    measured before (see ``profile.covering_shape``) gets the plan for the larger one's figures,
+    measured before (see ``call_shapes.covering_shape``) gets the plan for the larger one's figures,
     which fit it, and is measured under that plan; any other new one is measured as the first call
     was, with the least on the device. A call of the shape in place changes nothing.
 

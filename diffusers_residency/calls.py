@@ -17,10 +17,10 @@ from typing import Any
 from diffusers import DiffusionPipeline
 
 from .adaptive import abort_call, begin_call, end_call
+from .call_shapes import call_shape
 from .guards import guard_other_offloads
 from .hooks import StagingHook
 from .pipeline_residency import STATE_ATTR
-from .profile import call_shape
 from .residency import ResidencyGroup
 
 

@@ -29,10 +29,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from .call_shapes import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, output_size_defaults
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
-from .profile import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, output_size_defaults
 from .replayed_blocks import BlockInputs, block_layouts, replaying_repeats, signature
 from .weights import module_tensors
 
@@ -288,7 +288,7 @@ class DecoderDryRun:
         return cls("vae", vae, factor, default * factor, dtype, cast_whole="vae" in casts)
 
     def need(self, parts: Mapping[str, Any]) -> int | None:
-        """The estimate for a call whose shape signature has ``parts`` (see ``profile.shape_parts``);
+        """The estimate for a call whose shape signature has ``parts`` (see ``call_shapes.shape_parts``);
         None for calls this does not follow (images or latents given, frames, sizes it cannot read)."""
         # A call given an image, a video or latents runs what this does not follow (``vae.encode``,
         # a ControlNet), or decodes latents of another size.
@@ -489,7 +489,7 @@ class CallDryRuns:
     @property
     def default_size(self) -> tuple[int, int]:
         """The (height, width) of a call given neither: the key of such a call's shape (see
-        ``profile.call_shape``). The one the default call told, else (its call ran no
+        ``call_shapes.call_shape``). The one the default call told, else (its call ran no
         ``check_inputs`` with them filled in, as FLUX.2's, or could not run on the meta device) the
         decoder's, worked out from the pipeline's attributes."""
         return self.forward.default_size or (self.decoder.default_size, self.decoder.default_size)

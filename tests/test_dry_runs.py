@@ -33,6 +33,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.architectures import ARCHITECTURES
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
+from diffusers_residency.call_shapes import shape_parts
 from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns, DecoderDryRun, ForwardDryRun, dry_run_need, meta_twin
@@ -40,7 +41,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.pipeline_residency import DRY_RUN, PipelineResidency, replan_in_place
 from diffusers_residency.planner import PREFETCH_CHOICES
 from diffusers_residency.plans import ResidencyPlan
-from diffusers_residency.profile import CACHE_VARIABLE, shape_parts
+from diffusers_residency.profile import CACHE_VARIABLE
 
 from .helpers import PipelineCase, sdxl_in_float16
 from .test_changing_weights import lora_state_dict

@@ -30,6 +30,7 @@ from diffusers_residency import (
 )
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.bench.first_calls import PROFILE_SOURCE, PROFILED_PLAN_SAYS
+from diffusers_residency.call_shapes import covering_shape
 from diffusers_residency.casts import guessed_casts
 from diffusers_residency.components import component_sizes, default_reserve_for, module_components, offload_sequence
 from diffusers_residency.dry_runs import CallDryRuns
@@ -41,7 +42,6 @@ from diffusers_residency.profile import (
     FORMAT,
     CallFigures,
     ResidencyProfile,
-    covering_shape,
     profile_path,
     read_profile,
     write_profile,
@@ -819,7 +819,7 @@ def test_a_call_within_a_call_is_planned_as_the_outer_one(flux: PipelineCase, mo
 def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, other: dict, same: bool) -> None:
     from diffusers import StableDiffusionXLPipeline
 
-    from diffusers_residency.profile import call_shape
+    from diffusers_residency.call_shapes import call_shape
 
     signature = inspect.signature(StableDiffusionXLPipeline.__call__)
     assert (call_shape(signature, (), one) == call_shape(signature, (), other)) == same
@@ -845,7 +845,7 @@ def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_calls_s
 ) -> None:
     import diffusers
 
-    from diffusers_residency.profile import call_shape
+    from diffusers_residency.call_shapes import call_shape
 
     signature = inspect.signature(getattr(diffusers, pipeline).__call__)
     explicit = call_shape(signature, (), {**given, "height": 1024, "width": 768})
@@ -876,7 +876,7 @@ def test_a_binned_call_is_a_shape_of_its_own_whose_decode_is_not_estimated_from_
     # PixArt bins by default: a 32x32 call makes the latents of the nearest of its model's sizes.
     from diffusers import PixArtSigmaPipeline
 
-    from diffusers_residency.profile import call_shape, shape_parts
+    from diffusers_residency.call_shapes import call_shape, shape_parts
 
     signature = inspect.signature(PixArtSigmaPipeline.__call__)
     binned = call_shape(signature, (), {"height": 32, "width": 32})
@@ -914,7 +914,7 @@ def test_a_binned_call_is_a_shape_of_its_own_whose_decode_is_not_estimated_from_
 def test_a_shape_is_covered_by_a_larger_one_alike_in_everything_else(known: dict, new: dict, covering: bool) -> None:
     from diffusers import FluxPipeline, StableDiffusionXLPipeline, WanPipeline
 
-    from diffusers_residency.profile import call_shape, covering_shape, shape_parts
+    from diffusers_residency.call_shapes import call_shape, shape_parts
 
     pipeline = WanPipeline if "num_videos_per_prompt" in known else FluxPipeline if "max_sequence_length" in known else StableDiffusionXLPipeline
     signature = inspect.signature(pipeline.__call__)
@@ -926,8 +926,6 @@ def test_a_shape_is_covered_by_a_larger_one_alike_in_everything_else(known: dict
 
 
 def test_the_smallest_covering_shape_is_taken_and_strings_that_are_no_shapes_are_skipped() -> None:
-    from diffusers_residency.profile import covering_shape
-
     shapes = ["height=1280 width=1280 batch=1", "not a shape", "height=1024 width=1024 batch=1", 'height="x" width=1 batch=1']
     assert covering_shape(shapes, "height=768 width=768 batch=1") == "height=1024 width=1024 batch=1"
     assert covering_shape(shapes, "height=768 width=768 batch=true") is None, "a flag is no size"

@@ -1,0 +1,184 @@
+"""Call shapes: what of a pipeline call's arguments changes what it needs on the device, as a short
+string (``height=1024 width=1024 batch=1 ...``) that plans and residency profiles are kept by, and
+how two shapes compare (a smaller call is planned from a larger one's figures).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import numbers
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+
+# Call arguments that change how much memory a call needs (the latents' size, the batch, guidance
+# that doubles it), by the names diffusers' pipelines use. Steps, seeds and prompts' words do not.
+# ``max_area`` (FLUX Kontext) and ``resolution`` (Qwen-Image Layered, VisualCloze) set the output's
+# size where ``height`` and ``width`` give only its aspect, or nothing; ``layers`` how many images a
+# Qwen-Image Layered call makes; ``decode_chunk_size`` and ``vae_batch_size`` (video pipelines) how
+# many frames the VAE decodes at once. ``use_resolution_binning`` (PixArt, Sana: on by default)
+# makes the latents those of the nearest of the model's sizes, the image resized after decoding;
+# ``use_input_image_size_as_output`` (OmniGen) makes the output the size of the image given;
+# ``output_resolution`` (Qwen-Image 2.1) is the side of a call given no height or width.
+OUTPUT_SIZE_ARGUMENTS = (
+    "max_area", "resolution", "use_resolution_binning", "use_input_image_size_as_output", "output_resolution",
+)  # fmt: skip
+_SHAPE_ARGUMENTS = (
+    "height", "width", *OUTPUT_SIZE_ARGUMENTS, "num_frames", "layers", "num_images_per_prompt",
+    "num_videos_per_prompt", "max_sequence_length", "decode_chunk_size", "vae_batch_size",
+)  # fmt: skip
+_BATCH_ARGUMENTS = ("prompt", "prompt_embeds")
+# Images, videos and latents given to a call, by their size (a call given one encodes or conditions
+# on it; OmniGen's ``input_images`` by their number and the first one's size); and the tensors
+# counted in a call's shape: those, and prompt embeddings (whose sequence length, not
+# ``max_sequence_length``, is what the denoiser then attends over).
+IMAGE_ARGUMENTS = (
+    "image", "mask_image", "control_image", "last_image", "video", "latents", "ip_adapter_image", "input_images",
+)  # fmt: skip
+_TENSOR_ARGUMENTS = (*IMAGE_ARGUMENTS, "prompt_embeds")
+_GUIDANCE_ARGUMENTS = ("guidance_scale", "true_cfg_scale")
+# The arguments of a shape signature that measure a call's size: a call smaller in these (and the
+# same in the others) needs no more room than the larger one (see covering_shape).
+SIZE_ARGUMENTS = (
+    "height", "width", "max_area", "resolution", "num_frames", "layers", "max_sequence_length",
+    "num_images_per_prompt", "num_videos_per_prompt", "decode_chunk_size", "vae_batch_size", "batch",
+)  # fmt: skip
+
+
+def _describe(value: Any) -> Any:
+    """A call argument as far as memory goes: a tensor or image by its size, a list by its length
+    and its items', a number as a number (a numpy or 0-d tensor one too)."""
+    if isinstance(value, numbers.Number) or (getattr(value, "ndim", None) == 0 and hasattr(value, "item")):
+        return value.item() if hasattr(value, "item") else value  # numpy's bool too, which is no Number
+    if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):  # numpy too
+        return list(value.shape)
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return list(value.size)
+    if isinstance(value, (list, tuple)):
+        # Its length and its items' one description where they share it, else every item's (the
+        # sizes of OmniGen's input images, how many of each counting).
+        described = [_describe(item) for item in value]
+        if all(description == described[0] for description in described):
+            return [len(value), described[0] if described else None]
+        return [len(value), *described]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def call_shape(
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    default_size: tuple[int, int] | None = None,
+) -> str:
+    """The shape signature of one pipeline call: its arguments that change what the call needs on
+    the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
+    does not take are left out; one left to its default counts as ``None``, except a height and a
+    width both left out of a call given no image and every output size argument at its default:
+    those count as ``default_size``, the (height, width) the pipeline's default call makes (see
+    ``default_call``), so that ``pipe(prompt)`` and ``pipe(prompt, height=1024, width=1024)`` are
+    planned for once, not twice."""
+    try:
+        binding = signature.bind(None, *args, **kwargs)
+        binding.apply_defaults()  # a default and the same value given are one shape
+        bound = dict(binding.arguments)
+    except TypeError:
+        bound = dict(kwargs)  # the pipeline raises its own error for these
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # a subclass's __call__(self, *args, **kwargs)
+            bound.update(bound.pop(parameter.name, {}))
+    taken = set(signature.parameters) | set(bound)
+    if default_size is not None and _left_to_default_size(signature, bound, taken):
+        bound["height"], bound["width"] = default_size
+    parts = {name: _describe(bound.get(name)) for name in _SHAPE_ARGUMENTS if name in taken}
+    batch = next((bound[name] for name in _BATCH_ARGUMENTS if bound.get(name) is not None), None)
+    parts["batch"] = len(batch) if isinstance(batch, (list, tuple)) else batch.shape[0] if isinstance(batch, torch.Tensor) else 1
+    for name in _GUIDANCE_ARGUMENTS:
+        if bound.get(name) is not None:
+            parts[f"{name}>1"] = bool(_describe(bound[name]) > 1)
+    if bound.get("negative_prompt") is not None or bound.get("negative_prompt_embeds") is not None:
+        parts["negative"] = True
+    for name in _TENSOR_ARGUMENTS:
+        if bound.get(name) is not None:
+            parts[name] = _describe(bound[name])
+    return " ".join(f"{name}={json.dumps(value, separators=(',', ':'))}" for name, value in parts.items())
+
+
+def output_size_defaults(signature: inspect.Signature) -> dict[str, Any]:
+    """The defaults of the output size arguments (see :data:`OUTPUT_SIZE_ARGUMENTS`) a pipeline's
+    call of ``signature`` takes."""
+    parameters = signature.parameters
+    return {name: parameters[name].default for name in OUTPUT_SIZE_ARGUMENTS if name in parameters}
+
+
+def _left_to_default_size(signature: inspect.Signature, bound: Mapping[str, Any], taken: Collection[str]) -> bool:
+    """Whether a call's arguments leave its size to what the pipeline's default call makes. Only
+    both sides at once: pipelines fill in one side left out differently (SD 1.5's takes its
+    default for both, FLUX's the default for the missing one). An image given sets the size in
+    some pipelines (FLUX Kontext's, Qwen-Image Edit's), and an output size argument in others,
+    whichever value it is given other than its default (PixArt's binning turned off)."""
+    defaults = output_size_defaults(signature)
+    return (
+        {"height", "width"} <= set(taken)
+        and bound.get("height") is None
+        and bound.get("width") is None
+        and not any(bound.get(name) is not None for name in IMAGE_ARGUMENTS)
+        and all(bound.get(name) == defaults.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
+    )
+
+
+def shape_parts(shape: str) -> dict[str, Any] | None:
+    """The arguments of a shape signature (see :func:`call_shape`) as data, or None for a string
+    that is not one (a profile written by hand, say)."""
+    parts: dict[str, Any] = {}
+    decoder = json.JSONDecoder()
+    position = 0
+    try:
+        while position < len(shape):
+            equals = shape.index("=", position)
+            parts[shape[position:equals]], end = decoder.raw_decode(shape, equals + 1)
+            if end < len(shape) and shape[end] != " ":
+                return None
+            position = end + 1
+    except ValueError:
+        return None
+    return parts
+
+
+def covering_shape(shapes: Collection[str], shape: str) -> str | None:
+    """Among ``shapes``, the smallest one whose calls are at least as large as calls of ``shape`` in
+    every size (:data:`SIZE_ARGUMENTS`) and the same in every other argument; None if none is.
+
+    What a call needs above the weights does not grow as its latents, its prompt or its batch
+    shrink, so the figures measured for such a shape are an upper bound for ``shape``'s: a plan
+    made from them fits its calls."""
+    wanted = shape_parts(shape)
+    if wanted is None:
+        return None
+    covering = []
+    for known in shapes:
+        parts = shape_parts(known)
+        if known == shape or parts is None or parts.keys() != wanted.keys():
+            continue
+        if all(_covers(name, parts[name], wanted[name]) for name in wanted):
+            volume = 1.0
+            for name in SIZE_ARGUMENTS:
+                volume *= parts[name] if _is_size(parts.get(name)) else 1
+            covering.append((volume, known))
+    return min(covering)[1] if covering else None
+
+
+def _covers(name: str, known: Any, wanted: Any) -> bool:
+    """Whether ``known``, a value of argument ``name``, makes calls at least as large as ``wanted``."""
+    # Of another type (True == 1 to Python), or None (left to the default): not comparable as sizes.
+    if name in SIZE_ARGUMENTS and type(known) is type(wanted) and _is_size(known):
+        return known >= wanted
+    return type(known) is type(wanted) and known == wanted
+
+
+def _is_size(value: Any) -> bool:
+    # Booleans are numbers to Python, not sizes.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
