@@ -68,6 +68,24 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
+def call_signature(cls: type) -> inspect.Signature:
+    """The arguments calls of pipeline class ``cls`` take: its ``__call__``'s, or, where that takes
+    only ``*args, **kwargs`` (a subclass passing them on to its parent's), the nearest parent's that
+    names them, whose defaults then count (see :func:`call_shape`). Raises as ``inspect.signature``
+    does where there is none to read."""
+    passing_on = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    signature = None
+    for owner in cls.__mro__:
+        if "__call__" not in owner.__dict__:
+            continue
+        signature = inspect.signature(owner.__dict__["__call__"])
+        if any(parameter.kind not in passing_on for parameter in list(signature.parameters.values())[1:]):
+            return signature
+    if signature is None:
+        raise ValueError(f"{cls.__name__} defines no __call__")
+    return signature
+
+
 def call_shape(
     signature: inspect.Signature,
     args: tuple,
@@ -77,10 +95,11 @@ def call_shape(
     """The shape signature of one pipeline call: its arguments that change what the call needs on
     the device, as a short string (``height=1024 width=1024 batch=1 ...``). Arguments a pipeline
     does not take are left out; one left to its default counts as ``None``, except a height and a
-    width both left out of a call given no image and every output size argument at its default:
-    those count as ``default_size``, the (height, width) the pipeline's default call makes (see
-    ``default_call``), so that ``pipe(prompt)`` and ``pipe(prompt, height=1024, width=1024)`` are
-    planned for once, not twice."""
+    width both left out (or 0, see :func:`_unset`) of a call given no image and every output size
+    argument at its default: those count as ``default_size``, the (height, width) the pipeline's
+    default call makes (see ``default_call``), so that ``pipe(prompt)`` and ``pipe(prompt,
+    height=1024, width=1024)`` are planned for once, not twice. ``signature`` is the one
+    :func:`call_signature` reads."""
     try:
         binding = signature.bind(None, *args, **kwargs)
         binding.apply_defaults()  # a default and the same value given are one shape
@@ -123,11 +142,19 @@ def _left_to_default_size(signature: inspect.Signature, bound: Mapping[str, Any]
     defaults = output_size_defaults(signature)
     return (
         {"height", "width"} <= set(taken)
-        and bound.get("height") is None
-        and bound.get("width") is None
+        and _unset(signature, bound, "height")
+        and _unset(signature, bound, "width")
         and not any(bound.get(name) is not None for name in IMAGE_ARGUMENTS)
         and all(bound.get(name) == defaults.get(name) for name in OUTPUT_SIZE_ARGUMENTS)
     )
+
+
+def _unset(signature: inspect.Signature, bound: Mapping[str, Any], side: str) -> bool:
+    """Whether a call leaves ``side`` (height or width) to the pipeline: not given, or 0 where it
+    defaults to None (diffusers' pipelines read those as ``height or default``; one defaulting to a
+    size, Wan's, would make a call of none)."""
+    value, parameter = bound.get(side), signature.parameters.get(side)
+    return value is None or (_describe(value) == 0 and parameter is not None and parameter.default is None)
 
 
 def shape_parts(shape: str) -> dict[str, Any] | None:

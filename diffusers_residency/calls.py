@@ -17,7 +17,7 @@ from typing import Any
 from diffusers import DiffusionPipeline
 
 from .adaptive import abort_call, begin_call, end_call
-from .call_shapes import call_shape
+from .call_shapes import call_shape, call_signature
 from .guards import guard_other_offloads
 from .hooks import StagingHook
 from .pipeline_residency import STATE_ATTR
@@ -44,7 +44,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
         or inspect.isasyncgenfunction(plain)
     ):
         return
-    signature = functools.cache(lambda: inspect.signature(original))
+    signature = functools.cache(lambda: call_signature(cls))
 
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,6 @@ component, and the plan is made again from what it measured (see ``adaptive``).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import numbers
 import weakref
@@ -29,7 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .call_shapes import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, output_size_defaults
+from .call_shapes import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, call_signature, output_size_defaults
 from .default_call import denoiser_inputs
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
@@ -439,7 +438,7 @@ class ForwardDryRun:
 
 def _output_size_defaults(pipe: object) -> dict[str, Any]:
     try:
-        return output_size_defaults(inspect.signature(type(pipe).__call__))
+        return output_size_defaults(call_signature(type(pipe)))
     except (TypeError, ValueError):  # no signature to read: no argument at a default
         return {}
 

@@ -832,6 +832,9 @@ def test_call_shapes_tell_apart_what_changes_memory_and_nothing_else(one: dict, 
         ("StableDiffusionXLPipeline", {"height": None, "width": None}, True),
         ("StableDiffusionXLPipeline", {"height": 1024}, False),  # one side given: filled in differently
         ("StableDiffusionXLPipeline", {"width": 1024}, False),
+        ("StableDiffusionXLPipeline", {"height": 0, "width": 0}, True),  # read as `height or default`
+        ("StableDiffusionXLPipeline", {"height": np.int64(0), "width": 0}, True),
+        ("WanPipeline", {"height": 0, "width": 0}, False),  # defaults to 480x832: 0 is a size asked for
         ("StableDiffusionXLPipeline", {"latents": torch.zeros(1, 4, 128, 96)}, False),  # they set the size
         ("PixArtSigmaPipeline", {"use_resolution_binning": True}, True),  # its default
         ("PixArtSigmaPipeline", {"use_resolution_binning": False}, False),  # not the default call's
@@ -851,6 +854,27 @@ def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_calls_s
     explicit = call_shape(signature, (), {**given, "height": 1024, "width": 768})
     assert (call_shape(signature, (), given, (1024, 768)) == explicit) == keyed_at_default
     assert call_shape(signature, (), given) != explicit, "with no default size known, left as given"
+
+
+def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments() -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    from diffusers_residency.call_shapes import call_shape, call_signature
+
+    class PassingOn(StableDiffusionXLPipeline):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    class Naming(StableDiffusionXLPipeline):
+        def __call__(self, prompt=None, strength=0.5, **kwargs):
+            return super().__call__(prompt, **kwargs)
+
+    assert call_signature(PassingOn) == inspect.signature(StableDiffusionXLPipeline.__call__)
+    assert call_signature(Naming) == inspect.signature(Naming.__call__), "its own arguments named: its own"
+    signature = call_signature(PassingOn)
+    explicit = call_shape(signature, (), {"height": 1024, "width": 768})
+    assert call_shape(signature, (), {}, (1024, 768)) == explicit, "left to the default size, as its parent's calls"
+    assert call_shape(signature, ("a", None, 1024, 768), {}) == explicit, "positional arguments by the parent's names"
 
 
 def test_a_call_given_no_size_and_one_given_the_default_size_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
