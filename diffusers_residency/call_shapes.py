@@ -68,22 +68,47 @@ def _describe(value: Any) -> Any:
     return type(value).__name__
 
 
+_PASSING_ON = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
 def call_signature(cls: type) -> inspect.Signature:
     """The arguments calls of pipeline class ``cls`` take: its ``__call__``'s, or, where that takes
     only ``*args, **kwargs`` (a subclass passing them on to its parent's), the nearest parent's that
-    names them, whose defaults then count (see :func:`call_shape`). Raises as ``inspect.signature``
-    does where there is none to read."""
-    passing_on = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    signature = None
+    names them, each defaulting to None (see :func:`_defaults_unknown`). A parent's ``__call__``
+    that is no plain function, or has no signature to read, names nothing: the class's own is
+    kept. Raises as ``inspect.signature`` does where the class's own has none to read."""
+    own: inspect.Signature | None = None
     for owner in cls.__mro__:
-        if "__call__" not in owner.__dict__:
+        function = owner.__dict__.get("__call__")
+        if function is None:
             continue
-        signature = inspect.signature(owner.__dict__["__call__"])
-        if any(parameter.kind not in passing_on for parameter in list(signature.parameters.values())[1:]):
-            return signature
-    if signature is None:
+        if own is not None and not inspect.isfunction(function):
+            return own  # a staticmethod's or a callable object's first parameter need not be self
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            if own is None:
+                raise
+            return own
+        if own is None:
+            own = signature
+        parameters = list(signature.parameters.values())[1:]
+        if not parameters or any(parameter.kind not in _PASSING_ON for parameter in parameters):
+            return signature if signature is own else _defaults_unknown(signature)
+    if own is None:
         raise ValueError(f"{cls.__name__} defines no __call__")
-    return signature
+    return own
+
+
+def _defaults_unknown(signature: inspect.Signature) -> inspect.Signature:
+    """A parent's ``signature`` with every argument defaulting to None: a subclass passing its
+    arguments on may set defaults of its own first (``kwargs.setdefault("guidance_scale", 0.0)``),
+    so an argument its call leaves out counts as None, as under a signature of its own, not as
+    the parent's default. (Its height and width left out are still keyed by the size its own
+    default call makes, see ``default_call``.)"""
+    first, *rest = signature.parameters.values()
+    rest = [parameter if parameter.kind in _PASSING_ON else parameter.replace(default=None) for parameter in rest]
+    return signature.replace(parameters=[first, *rest])
 
 
 def call_shape(
@@ -151,8 +176,9 @@ def _left_to_default_size(signature: inspect.Signature, bound: Mapping[str, Any]
 
 def _unset(signature: inspect.Signature, bound: Mapping[str, Any], side: str) -> bool:
     """Whether a call leaves ``side`` (height or width) to the pipeline: not given, or 0 where it
-    defaults to None (diffusers' pipelines read those as ``height or default``; one defaulting to a
-    size, Wan's, would make a call of none)."""
+    defaults to None (most of diffusers' pipelines read those as ``height or default``; the few
+    that test ``height is None`` fail on 0, and a failed call keeps no figures; one defaulting to
+    a size, Wan's, would make a call of none)."""
     value, parameter = bound.get(side), signature.parameters.get(side)
     return value is None or (_describe(value) == 0 and parameter is not None and parameter.default is None)
 

@@ -788,6 +788,12 @@ def test_a_call_within_a_call_is_planned_as_the_outer_one(flux: PipelineCase, mo
         assert torch.equal(flux.run(), flux.reference)
     assert measuring == [True, False, False]
     assert "height=32 width=32" in flux.pipe.residency_plan().shape, "read from the outer call's keyword arguments"
+    # Given no size, by its parent's arguments: the size its default call makes.
+    kwargs = {**call_kwargs("flux", height=32, width=32), "output_type": "latent"}
+    del kwargs["height"], kwargs["width"]
+    flux.pipe(**kwargs)
+    height, width = pipeline_state(flux.pipe).default_size
+    assert f"height={height} width={width}" in flux.pipe.residency_plan().shape
 
 
 @pytest.mark.parametrize(
@@ -857,24 +863,52 @@ def test_a_call_leaving_its_size_to_the_pipeline_is_keyed_by_the_default_calls_s
 
 
 def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments() -> None:
+    import functools
+
     from diffusers import StableDiffusionXLPipeline
 
     from diffusers_residency.call_shapes import call_shape, call_signature
 
     class PassingOn(StableDiffusionXLPipeline):
         def __call__(self, *args, **kwargs):
+            kwargs.setdefault("guidance_scale", 0.0)  # a distilled model's: no guidance unless asked
             return super().__call__(*args, **kwargs)
 
     class Naming(StableDiffusionXLPipeline):
         def __call__(self, prompt=None, strength=0.5, **kwargs):
             return super().__call__(prompt, **kwargs)
 
-    assert call_signature(PassingOn) == inspect.signature(StableDiffusionXLPipeline.__call__)
+    class Taking(StableDiffusionXLPipeline):
+        def __call__(self):
+            return super().__call__("a cat")
+
+    class Partial(StableDiffusionXLPipeline):
+        __call__ = functools.partialmethod(StableDiffusionXLPipeline.__call__, guidance_scale=2.0)
+
+    class PassingOnToPartial(Partial):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    class Static(StableDiffusionXLPipeline):
+        __call__ = staticmethod(lambda prompt=None, height=None, width=None: None)
+
+    class PassingOnToStatic(Static):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    parents = inspect.signature(StableDiffusionXLPipeline.__call__).parameters
+    assert call_signature(PassingOn).parameters.keys() == parents.keys(), "the parent's names"
+    assert all(p.default in (None, inspect.Parameter.empty) for p in call_signature(PassingOn).parameters.values())
     assert call_signature(Naming) == inspect.signature(Naming.__call__), "its own arguments named: its own"
+    assert call_signature(Taking) == inspect.signature(Taking.__call__), "taking nothing is passing nothing on"
+    for no_function in (PassingOnToPartial, PassingOnToStatic):
+        assert call_signature(no_function) == inspect.signature(no_function.__call__), "no function: no names read"
     signature = call_signature(PassingOn)
     explicit = call_shape(signature, (), {"height": 1024, "width": 768})
     assert call_shape(signature, (), {}, (1024, 768)) == explicit, "left to the default size, as its parent's calls"
     assert call_shape(signature, ("a", None, 1024, 768), {}) == explicit, "positional arguments by the parent's names"
+    # Its own default is not its parent's: a call asking for guidance is another shape (twice the batch).
+    assert call_shape(signature, (), {}, (1024, 768)) != call_shape(signature, (), {"guidance_scale": 7.0}, (1024, 768))
 
 
 def test_a_call_given_no_size_and_one_given_the_default_size_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
