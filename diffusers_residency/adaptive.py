@@ -349,7 +349,7 @@ def _expect_block_orders(state: PipelineResidency) -> None:
     if runs.decoder.need({}) is not None:  # made at enable: the record of a decode run whole
         orders[runs.decoder.name] = runs.decoder.default_blocks
     for name, blocks_run in orders.items():
-        stream = next((unit.stream for unit in state.group.units_of(name) if unit.stream is not None), None)
+        stream = state.group.stream_of(name)
         if stream is not None:
             stream.expect_order(blocks_run.run_order, blocks_run.blocks)
 

@@ -43,7 +43,7 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     the dry run, the component is compiled (timed eager, it would misstate the step), or the timing
     fails (short of memory under a cap, say): the plan is then made as without it. The trunk's work
     between blocks, which a timed step counts, is left out (see docs/vram-budget.md)."""
-    stream = next((unit.stream for unit in group.units_of(sizes.name) if unit.stream is not None), None)
+    stream = group.stream_of(sizes.name)
     if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None
     # A compiled component (its trunk) runs its blocks compiled too: any unit compiled counts.

@@ -341,6 +341,10 @@ class ResidencyGroup:
     def units_of(self, component: str) -> list[ResidencyUnit]:
         return [unit for unit in self.units if unit.component == component]
 
+    def stream_of(self, component: str) -> BlockStream | None:
+        """The stream of ``component``'s blocks, if it streams them."""
+        return next((unit.stream for unit in self.units_of(component) if unit.stream is not None), None)
+
     def activate(self, unit: ResidencyUnit) -> None:
         """Make sure ``unit`` is on the device, evicting other components' units when its component
         takes over. Runs in every ``pre_forward``, so the common case returns at once (timed: two

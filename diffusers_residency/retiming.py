@@ -100,7 +100,7 @@ def timing_so_far(group: ResidencyGroup, sizes: ComponentSizes) -> StepTiming | 
     and its loads done (a load still copying is left out, with its bytes). For a plan made in the
     middle of a call (see ``dry_run_plans.plan_from_timed_step``)."""
     units = group.units_of(sizes.name)
-    stream = next((unit.stream for unit in units if unit.stream is not None), None)
+    stream = group.stream_of(sizes.name)
     compute = None if stream is None else stream.step_seconds_so_far()
     if compute is None:
         return None
