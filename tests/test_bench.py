@@ -28,6 +28,7 @@ from diffusers_residency.bench.modes import (
     mmgp_budgets,
     run_mode,
 )
+from diffusers_residency.bench.phases import stamped_call
 from diffusers_residency.bench.tables import (
     format_calls,
     format_compile_table,
@@ -582,6 +583,35 @@ def test_a_traced_call_is_summed_per_component_and_its_ranges_come_off(tmp_path,
         assert f"one more call traced, resident @ unlimited (round {round_})" in out
         assert f"one more call traced, pinned @ unlimited (round {round_})" in out
     assert all(r["trace"] for r in json.loads((tmp_path / "results.json").read_text())["results"])
+
+
+def test_a_stamped_call_times_each_entry_and_its_stamps_come_off(tmp_path, capsys) -> None:
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=None)
+    hooked_forward = case.pipe.transformer.__dict__["forward"]  # accelerate's, on the instance
+
+    phases = stamped_call(case.pipe, case.run, torch.device("cpu"))
+
+    steps = len(case.pipe.scheduler.timesteps)
+    names = [entry.component for entry in phases.entries]
+    assert names == ["text_encoder", "text_encoder_2", *["transformer"] * steps, "vae"], names
+    assert all(entry.device_ms > 0 and entry.host_ms > 0 for entry in phases.entries)
+    assert sum(entry.device_ms for entry in phases.entries) <= phases.device_ms <= phases.wall_ms
+    text = str(phases)
+    assert "one call stamped" in text and "transformer, each entry on the device: " in text
+    assert "text_encoder, each entry" not in text, "entries listed only for a component entered more than once"
+    assert case.pipe.transformer.__dict__["forward"] is hooked_forward, "the stamps were for that call only"
+    assert torch.equal(case.run(), case.reference)
+    # An entry made inside another's (the VAE's forward encodes, then decodes) is part of that one.
+    image = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        nested = stamped_call(case.pipe, lambda: case.pipe.vae(image), torch.device("cpu"))
+    assert [entry.component for entry in nested.entries] == ["vae"]
+
+    assert main(["--modes", "resident,pinned", "--calls", "1", "--trace", "phases", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "one more call stamped, resident @ unlimited" in out and "one more call stamped, pinned @ unlimited" in out
+    assert "one more call traced" not in out
 
 
 def test_the_first_call_can_be_the_traced_one(tmp_path, capsys) -> None:

@@ -133,14 +133,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--trace",
         nargs="?",
         const="after",
-        choices=("after", *FIRST_CALL_TRACES),
+        choices=("after", "phases", *FIRST_CALL_TRACES),
         default=None,
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
         "time went and how long the device waited for it, per component; '--trace first' runs the first call "
         "under it instead (a warm-up call), Python traced too: where a first call's excess goes; what that call "
         "measures for a plan, its time and the host-memory peak then carry the profiler's cost too; "
         "'--trace first-device' traces the first call without Python, so that the host's waits are its own "
-        "(a kernel's first launch, a synchronisation)",
+        "(a kernel's first launch, a synchronisation); '--trace phases' runs one more call with no profiler, "
+        "stamped at each entry into a component, and prints each entry's time on the device and the host "
+        "(a profiled host is slower: a call whose pace the host sets is timed as it runs)",
     )
     parser.add_argument(
         "--fresh-process",
@@ -453,8 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for result in results:  # every round's: each is a call of its own
         if result.trace:
             where = run_label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
-            which = "the first call" if args.trace in FIRST_CALL_TRACES else "one more call"
-            print(f"\n{which} traced, {where}:\n\n```\n{result.trace}\n```")
+            which = (
+                "the first call traced"
+                if args.trace in FIRST_CALL_TRACES
+                else "one more call stamped"
+                if args.trace == "phases"
+                else "one more call traced"
+            )
+            print(f"\n{which}, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":

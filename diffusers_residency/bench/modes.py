@@ -28,8 +28,9 @@ from ..planner import default_reserve
 from ..text import first_line
 from .compiling import CompileSettings, compile_denoiser, cuda_graphs_recorded, graphs_compiled, uncompile
 from .host_memory import PeakAnonymous, anonymous_bytes, drop_page_cache, process_memory
+from .phases import stamped_call
 from .timing import calls_to_steady, host_cpu_ticks, steal_fraction, timed_calls
-from .trace import FIRST_CALL_TRACES, summary_or_reason, traced_first_call
+from .trace import FIRST_CALL_TRACES, summary_or_reason, traced_call, traced_first_call
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ def _resident(pipe: DiffusionPipeline, device: torch.device, budget: int | None)
 
 def _to_host(pipe: DiffusionPipeline) -> None:
     pipe.to("cpu")
+
+
+# The ways of running one more call after the timed ones (``--trace``): under the profiler, and
+# stamped at each component's entries with no profiler.
+AFTER_TIMED_CALLS = {"after": traced_call, "phases": stamped_call}
 
 
 # The pinned modes: all masters in RAM; masters beyond --host-budget served from the checkpoint
@@ -271,7 +277,8 @@ class ModeResult:
     # the residency profile" in a process that started from one); the plan above is the last one,
     # which a replan since may have made from what the calls measured.
     first_plan_source: str | None = None
-    # With --trace: one more call under the profiler, summed up per component (see .trace).
+    # With --trace: one more call under the profiler, or stamped, summed up per component (see
+    # .trace, .phases); or the first call under the profiler.
     trace: str | None = None
     error: str | None = None
     # The largest elementwise difference from the resident output (0.0 when exact), and, for a
@@ -338,6 +345,7 @@ def run_mode(
     """Cap the device at ``budget``, set the mode up (and compile its denoiser, as ``compile``
     says), run ``warmup`` then ``calls`` calls, every one timed, the steady figures taken over the
     last ``calls`` (with ``trace="after"``, one more under the profiler, see :mod:`.trace`; with
+    ``"phases"``, one more stamped at each component's entries, see :mod:`.phases`; with
     ``"first"`` or ``"first-device"``, the first one under it, a warm-up call, Python traced with the
     former), tear it down; return the figures and the
     first output (the reference for the modes after it when this is the resident mode)."""
@@ -386,7 +394,7 @@ def run_mode(
         peak_anonymous = sampler.stop()
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
-        traced = summary_or_reason(pipe, call, device) if trace == "after" else traced
+        traced = summary_or_reason(AFTER_TIMED_CALLS[trace], pipe, call, device) if trace in AFTER_TIMED_CALLS else traced
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)

@@ -170,7 +170,7 @@ def traced_call(
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with _component_ranges(pipe), profile(activities=activities, with_stack=python_functions) as profiler:
+    with component_entries(pipe, _ranged), profile(activities=activities, with_stack=python_functions) as profiler:
         started = time.perf_counter()
         with record_function(_CALL):
             call()
@@ -183,10 +183,16 @@ def traced_call(
     return summarise(events, wall_ms, with_device=device.type == "cuda")
 
 
-def summary_or_reason(pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device) -> str:
-    """The traced call's summary, or why there is none: a failed trace leaves the timed figures be."""
+def summary_or_reason(
+    describe: Callable[[DiffusionPipeline, Callable[[], object], torch.device], object],
+    pipe: DiffusionPipeline,
+    call: Callable[[], object],
+    device: torch.device,
+) -> str:
+    """One more call as ``describe`` runs and sums it up (:func:`traced_call`, or
+    :func:`~.phases.stamped_call`), or why there is none: a failure leaves the timed figures be."""
     try:
-        return str(traced_call(pipe, call, device))
+        return str(describe(pipe, call, device))
     except Exception as exc:
         logger.warning("tracing a call failed", exc_info=True)
         return f"no trace: {first_line(exc)}"
@@ -212,8 +218,10 @@ def traced_first_call(
 
 
 @contextmanager
-def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
-    """A profiler range around each entry into each component, for as long as the context lasts.
+def component_entries(pipe: DiffusionPipeline, wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+    """Each entry into each component (its ``forward``, ``encode``, ``decode``) goes through
+    ``wrap(method, component_name)`` for as long as the context lasts: a profiler range around it
+    here, device stamps in :mod:`.phases`.
 
     The bound methods are wrapped on the instance (where accelerate's hooks put their own forward),
     and the instance attribute is put back, or removed, afterwards. The forward of a component
@@ -230,7 +238,7 @@ def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
             original = getattr(component, method, None)
             if original is None:
                 continue
-            wrapper = _ranged(original, _PREFIX + name)
+            wrapper = wrap(original, name)
             replaced.append((component, method, component.__dict__.get(method), wrapper))
             setattr(component, method, wrapper)
     try:
@@ -245,7 +253,9 @@ def _component_ranges(pipe: DiffusionPipeline) -> Iterator[None]:
                 setattr(component, method, own)
 
 
-def _ranged(method: Callable, label: str) -> Callable:
+def _ranged(method: Callable, component: str) -> Callable:
+    label = _PREFIX + component
+
     def entered(*args, **kwargs):
         with record_function(label):
             return method(*args, **kwargs)
