@@ -20,6 +20,7 @@ from diffusers_residency.bench import first_calls, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.builders import build_pipeline
 from diffusers_residency.bench.modes import (
+    AFTER_TIMED_CALLS,
     MMGP_INSTALL,
     MODES,
     Mode,
@@ -773,17 +774,24 @@ def test_a_component_compiled_whole_is_not_ranged_and_not_compiled_again() -> No
     assert {c.name for c in trace.components} == {"text_encoder", "text_encoder_2", "vae"}
     assert counters["stats"]["unique_graphs"] == compiled, "the traced call compiled nothing new"
     assert "forward" not in case.pipe.transformer.__dict__
+    # Stamped, its steps fall outside any component's entries, and the summary says so.
+    phases = stamped_call(case.pipe, case.run, torch.device("cpu"))
+    assert [e.component for e in phases.entries] == ["text_encoder", "text_encoder_2", "vae"]
+    assert phases.unstamped == ("transformer",)
+    assert "compiled whole, so not stamped (counted outside): transformer" in str(phases)
+    assert counters["stats"]["unique_graphs"] == compiled
 
 
-def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch) -> None:
+@pytest.mark.parametrize("trace", sorted(AFTER_TIMED_CALLS))
+def test_a_trace_that_fails_leaves_the_timed_figures_be(monkeypatch, trace) -> None:
     case = PipelineCase("flux")
 
     def failing(*args, **kwargs):
         raise RuntimeError("profiler unavailable")
 
-    monkeypatch.setattr("diffusers_residency.bench.trace.traced_call", failing)
+    monkeypatch.setitem(AFTER_TIMED_CALLS, trace, failing)
     result, output = run_mode(
-        case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace="after"
+        case.pipe, MODES["resident"], torch.device("cpu"), case.run, warmup=0, calls=1, reference=None, trace=trace
     )
     assert result.error is None and result.seconds_per_call > 0 and output is not None
     assert result.trace == "no trace: RuntimeError: profiler unavailable"

@@ -46,7 +46,7 @@ from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .compiling import DENOISERS, CompileSettings
 from .first_calls import FIRST_CALL_CRITERIA, FRESH_PROCESSES, format_first_calls
-from .modes import MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
+from .modes import AFTER_TIMED_CALLS, MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
 from .quantizing import quantize_nf4
@@ -133,7 +133,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--trace",
         nargs="?",
         const="after",
-        choices=("after", "phases", *FIRST_CALL_TRACES),
+        choices=(*AFTER_TIMED_CALLS, *FIRST_CALL_TRACES),
         default=None,
         help="after its timed calls, run each mode once more under torch.profiler and print where the host's "
         "time went and how long the device waited for it, per component; '--trace first' runs the first call "
@@ -141,8 +141,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "measures for a plan, its time and the host-memory peak then carry the profiler's cost too; "
         "'--trace first-device' traces the first call without Python, so that the host's waits are its own "
         "(a kernel's first launch, a synchronisation); '--trace phases' runs one more call with no profiler, "
-        "stamped at each entry into a component, and prints each entry's time on the device and the host "
-        "(a profiled host is slower: a call whose pace the host sets is timed as it runs)",
+        "stamped at each entry into a component, and prints each component's time on the device and the host "
+        "and each denoising step's on the device (a profiled host is slower: a call whose pace the host sets "
+        "is timed here as it runs)",
     )
     parser.add_argument(
         "--fresh-process",
@@ -455,14 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for result in results:  # every round's: each is a call of its own
         if result.trace:
             where = run_label(result.mode, result.budget_bytes, result.round if args.rounds > 1 else None)
-            which = (
-                "the first call traced"
-                if args.trace in FIRST_CALL_TRACES
-                else "one more call stamped"
-                if args.trace == "phases"
-                else "one more call traced"
-            )
-            print(f"\n{which}, {where}:\n\n```\n{result.trace}\n```")
+            print(f"\n{_traced_call_title(args.trace)}, {where}:\n\n```\n{result.trace}\n```")
     _write(args.out, setting, environment, results, plot=speed)
     inexact = list(dict.fromkeys(r.mode for r in results if r.exact is False))
     if inexact and device.type == "cpu":
@@ -476,6 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         r.mode in PINNED_MODES and (r.error or r.matches_resident is False or r.within_budget is False) for r in results
     )
     return 1 if failed else 0
+
+
+def _traced_call_title(trace: str) -> str:
+    """What the call whose summary follows was: the first traced, or one more traced or stamped."""
+    if trace in FIRST_CALL_TRACES:
+        return "the first call traced"
+    return "one more call stamped" if trace == "phases" else "one more call traced"
 
 
 def _write(out: Path, setting: str, environment: str, results: list[ModeResult], *, plot: bool) -> None:

@@ -346,8 +346,8 @@ def run_mode(
     says), run ``warmup`` then ``calls`` calls, every one timed, the steady figures taken over the
     last ``calls`` (with ``trace="after"``, one more under the profiler, see :mod:`.trace`; with
     ``"phases"``, one more stamped at each component's entries, see :mod:`.phases`; with
-    ``"first"`` or ``"first-device"``, the first one under it, a warm-up call, Python traced with the
-    former), tear it down; return the figures and the
+    ``"first"`` or ``"first-device"``, the first call under the profiler, a warm-up call, Python
+    traced with the former), tear it down; return the figures and the
     first output (the reference for the modes after it when this is the resident mode)."""
     if mode.needs_accelerator and not _device.is_accelerator(device):
         return ModeResult(mode.name, float("nan"), None, float("nan"), None, budget, error="needs an accelerator"), None
@@ -394,7 +394,8 @@ def run_mode(
         peak_anonymous = sampler.stop()
         report = str(residency_report(pipe)) if pinned else None
         plan = str(residency_plan(pipe)) if pinned else None
-        traced = summary_or_reason(AFTER_TIMED_CALLS[trace], pipe, call, device) if trace in AFTER_TIMED_CALLS else traced
+        if trace in AFTER_TIMED_CALLS:
+            traced = summary_or_reason(AFTER_TIMED_CALLS[trace], pipe, call, device)
     except Exception as exc:  # a mode that fails is a result too (diffusers' modes fail on some paths)
         oom = isinstance(exc, torch.OutOfMemoryError)
         unavailable = isinstance(exc, ModeUnavailable)

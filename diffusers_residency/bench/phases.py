@@ -26,7 +26,9 @@ from .trace import component_entries
 
 @dataclass(frozen=True)
 class StampedEntry:
-    """One entry into a component, not counting entries made inside another's."""
+    """One entry into a component, not counting entries made inside another's. ``device_ms`` is
+    the span between its two stamps on the device's timeline, time the device waited for the host
+    (or a copy) in it included: not the time it was busy."""
 
     component: str
     device_ms: float
@@ -35,37 +37,46 @@ class StampedEntry:
 
 @dataclass(frozen=True)
 class CallPhases:
-    """A stamped call: its length on the device and the host's clock, and its entries in order."""
+    """A stamped call: its length on the device and the host's clock, its entries in order, and
+    the components whose forward was not stamped (compiled whole; see ``component_entries``)."""
 
     wall_ms: float
     device_ms: float
     entries: tuple[StampedEntry, ...]
+    unstamped: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        names = list(dict.fromkeys(entry.component for entry in self.entries))
-        rows = []
-        for name in names:
-            mine = [entry for entry in self.entries if entry.component == name]
-            device, host = sum(e.device_ms for e in mine), sum(e.host_ms for e in mine)
-            rows.append((name, str(len(mine)), f"{device:.1f}", f"{host:.1f}"))
+        by_component: dict[str, list[StampedEntry]] = {}
+        for entry in self.entries:
+            by_component.setdefault(entry.component, []).append(entry)
         outside = self.device_ms - sum(entry.device_ms for entry in self.entries)
         lines = [
-            f"one call stamped: {self.wall_ms:.1f} ms wall, {self.device_ms:.1f} ms on the device, "
-            f"{outside:.1f} ms of it outside any component",
-            *text_table((("component", "entries", "device ms", "host ms"), *rows)),
+            (
+                f"one call stamped: {self.wall_ms:.1f} ms wall, {self.device_ms:.1f} ms on the device, "
+                f"{outside:.1f} ms of it outside any component's entries"
+            ),
+            *text_table((("component", "entries", "device ms", "host ms"), *_rows(by_component))),
         ]
-        for name in names:
-            mine = [entry for entry in self.entries if entry.component == name]
-            if len(mine) > 1:
-                each = ", ".join(f"{entry.device_ms:.1f}" for entry in mine)
+        for name, entries in by_component.items():
+            if len(entries) > 1:
+                each = ", ".join(f"{entry.device_ms:.1f}" for entry in entries)
                 lines.append(f"{name}, each entry on the device: {each} ms")
+        if self.unstamped:
+            lines.append(f"compiled whole, so not stamped (counted outside): {', '.join(self.unstamped)}")
         return "\n".join(lines)
+
+
+def _rows(by_component: dict[str, list[StampedEntry]]) -> list[tuple[str, ...]]:
+    return [
+        (name, str(len(entries)), f"{sum(e.device_ms for e in entries):.1f}", f"{sum(e.host_ms for e in entries):.1f}")
+        for name, entries in by_component.items()
+    ]
 
 
 def stamped_call(pipe: DiffusionPipeline, call: Callable[[], object], device: torch.device) -> CallPhases:
     """Run ``call`` once with a device stamp and a clock reading at each entry into and exit from a
     component (an entry made while another is open counts as part of that one)."""
-    stamps: list[tuple[str, object, object, float, float]] = []
+    stamps: list[tuple[str, torch.Event | float, torch.Event | float, float, float]] = []
     open_entries = 0
 
     def stamped(method: Callable, name: str) -> Callable:
@@ -84,7 +95,7 @@ def stamped_call(pipe: DiffusionPipeline, call: Callable[[], object], device: to
 
         return entered
 
-    with component_entries(pipe, stamped):
+    with component_entries(pipe, stamped) as unstamped:
         _device.synchronize(device)
         began, started = _device.compute_timestamp(device), time.perf_counter()
         call()
@@ -95,4 +106,4 @@ def stamped_call(pipe: DiffusionPipeline, call: Callable[[], object], device: to
         StampedEntry(name, _device.seconds_between(start, end) * 1000, (host_end - host_start) * 1000)
         for name, start, end, host_start, host_end in stamps
     )
-    return CallPhases(wall_ms, _device.seconds_between(began, ended) * 1000, entries)
+    return CallPhases(wall_ms, _device.seconds_between(began, ended) * 1000, entries, unstamped)

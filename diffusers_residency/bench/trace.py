@@ -194,7 +194,7 @@ def summary_or_reason(
     try:
         return str(describe(pipe, call, device))
     except Exception as exc:
-        logger.warning("tracing a call failed", exc_info=True)
+        logger.warning("%s failed", getattr(describe, "__name__", "describing a call"), exc_info=True)
         return f"no trace: {first_line(exc)}"
 
 
@@ -218,22 +218,26 @@ def traced_first_call(
 
 
 @contextmanager
-def component_entries(pipe: DiffusionPipeline, wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+def component_entries(
+    pipe: DiffusionPipeline, wrap: Callable[[Callable, str], Callable]
+) -> Iterator[tuple[str, ...]]:
     """Each entry into each component (its ``forward``, ``encode``, ``decode``) goes through
     ``wrap(method, component_name)`` for as long as the context lasts: a profiler range around it
-    here, device stamps in :mod:`.phases`.
+    here, device stamps in :mod:`.phases`. Gives the components whose forward is left alone.
 
     The bound methods are wrapped on the instance (where accelerate's hooks put their own forward),
     and the instance attribute is put back, or removed, afterwards. The forward of a component
     compiled whole (``module.compile()``) is left alone: dynamo would compile the wrapper anew
     (compile time in the traced call) and drop the range anyway; that component gets no row."""
     replaced: list[tuple[nn.Module, str, object, Callable]] = []
+    compiled_whole: list[str] = []
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
-        compiled_whole = getattr(component, "_compiled_call_impl", None) is not None
+        if getattr(component, "_compiled_call_impl", None) is not None:
+            compiled_whole.append(name)
         for method in _ENTRY_METHODS:
-            if method == "forward" and compiled_whole:
+            if method == "forward" and name in compiled_whole:
                 continue
             original = getattr(component, method, None)
             if original is None:
@@ -242,7 +246,7 @@ def component_entries(pipe: DiffusionPipeline, wrap: Callable[[Callable, str], C
             replaced.append((component, method, component.__dict__.get(method), wrapper))
             setattr(component, method, wrapper)
     try:
-        yield
+        yield tuple(compiled_whole)
     finally:
         for component, method, own, wrapper in reversed(replaced):
             if component.__dict__.get(method) is not wrapper:
