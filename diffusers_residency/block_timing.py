@@ -24,7 +24,7 @@ from . import _device
 from .plans import ComponentSizes
 from .replayed_blocks import BlockInputs, TensorSpec
 from .residency import ResidencyGroup, ResidencyUnit
-from .step_timing import StepTiming
+from .step_timing import StepTiming, compute_shares
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,13 @@ TIMED_RUNS = 3
 
 def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockInputs) -> StepTiming | None:
     """Streamed per-step component ``sizes``'s step, estimated from one block of each key in
-    ``inputs`` timed on ``group``'s device: its blocks' compute seconds summed over the step's
-    blocks, and the load of the blocks timed (each loaded twice, the second load timed: a process's
-    first copies may include the copy path's own start). None where a block of it did not run in
-    the dry run, the component is compiled (timed eager, it would misstate the step), or the timing
-    fails (short of memory under a cap, say): the plan is then made as without it. The trunk's work
-    between blocks, which a timed step counts, is left out (see docs/vram-budget.md)."""
+    ``inputs`` timed on ``group``'s device: its blocks' compute seconds over the step's blocks
+    (summed, and as each block's share), and the load of the blocks timed (each loaded twice, the
+    second load timed: a process's first copies may include the copy path's own start). None where
+    a block of it did not run in the dry run, the component is compiled (timed eager, it would
+    misstate the step), or the timing fails (short of memory under a cap, say): the plan is then
+    made as without it. The trunk's work between blocks, which a timed step counts, is left out
+    (see docs/vram-budget.md)."""
     stream = group.stream_of(sizes.name)
     if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None
@@ -62,8 +63,9 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
         loaded, load_seconds = loaded + block_loaded, load_seconds + block_seconds
     if not loaded or load_seconds <= 0:
         return None
-    step = sum(seconds[inputs.keys[position]] for position in range(len(blocks)))
-    return StepTiming(step / sum(sizes.block_bytes), load_seconds / loaded, estimated=True)
+    per_block = [seconds[inputs.keys[position]] for position in range(len(blocks))]
+    shares = compute_shares(per_block)
+    return StepTiming(sum(per_block) / sum(sizes.block_bytes), load_seconds / loaded, True, shares)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:

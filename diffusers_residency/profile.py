@@ -40,8 +40,9 @@ NO_PROFILES_VARIABLE = "DIFFUSERS_RESIDENCY_NO_PROFILES"
 # Bumped when what a profile holds changes meaning: an older file is then refused as stale.
 # 2: plans kept with their figures, and the policies given keyed. 3: videos per prompt and the
 # prompt embeddings' shape in call shapes (a shape may stand for a smaller one's calls). 4: a call
-# leaving its size to the pipeline's default keyed by that size (see call_shapes.call_shape).
-FORMAT = 4
+# leaving its size to the pipeline's default keyed by that size (see call_shapes.call_shape). 5: a
+# step's compute shares by block, and plans chosen with them (see step_timing.StepTiming).
+FORMAT = 5
 
 def cache_folder() -> Path | None:
     """Where profiles are kept, or None when ``DIFFUSERS_RESIDENCY_NO_PROFILES`` turns them off.
@@ -83,10 +84,7 @@ class CallFigures:
         return {
             "activations": dict(self.activations),
             # An estimated step (see block_timing) says so: a plan from it times its step again.
-            "timings": {
-                name: [t.compute_per_byte, t.load_per_byte, *(["estimated"] if t.estimated else [])]
-                for name, t in self.timings.items()
-            },
+            "timings": {name: _timing_as_json(t) for name, t in self.timings.items()},
             "release_before": sorted(self.release_before),
             "retimed": self.retimed,
             "plan": [
@@ -99,17 +97,15 @@ class CallFigures:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallFigures:
         activations = {str(name): int(nbytes) for name, nbytes in data["activations"].items()}
-        timings = {}
-        for name, timing in data["timings"].items():
-            # [c, load], or [c, load, "estimated"] for a step estimated at enable (see block_timing).
-            if not isinstance(timing, list) or len(timing) not in (2, 3) or timing[2:] not in ([], ["estimated"]):
-                raise ValueError(f"timing {timing!r} of {name!r} is not [c, load] or [c, load, \"estimated\"]")
-            timings[str(name)] = StepTiming(float(timing[0]), float(timing[1]), len(timing) == 3)
+        timings = {str(name): _timing_from_json(name, timing) for name, timing in data["timings"].items()}
         if not all(0 <= nbytes <= _MOST_BYTES for nbytes in activations.values()):
             raise ValueError(f"an activation figure that is negative or over {_MOST_BYTES} bytes")
         per_byte = [f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte)]
         if not all(0 <= figure <= _MOST_SECONDS_PER_BYTE for figure in per_byte):
             raise ValueError(f"a timing that is negative, over {_MOST_SECONDS_PER_BYTE} s a byte or not a number")
+        shares = [share for t in timings.values() for share in t.compute_shares or ()]
+        if not all(0 <= share <= 1 for share in shares):
+            raise ValueError("a block's share of a step's compute that is not between 0 and 1")
         plan = tuple(
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
             for name, policy, kept, staged, depth in data["plan"]
@@ -118,6 +114,29 @@ class CallFigures:
         # Files of format 3 written before casts were kept have none.
         casts = {str(name): tuple(map(_dtype, dtypes)) for name, dtypes in data.get("casts", {}).items()}
         return cls(activations, timings, release_before, retimed, plan, casts)
+
+
+def _timing_as_json(timing: StepTiming) -> list[Any]:
+    """[c, load], then "estimated" for a step estimated at enable (see block_timing), then the
+    blocks' compute shares where the step has them."""
+    marks = ["estimated"] if timing.estimated else []
+    shares = [list(timing.compute_shares)] if timing.compute_shares is not None else []
+    return [timing.compute_per_byte, timing.load_per_byte, *marks, *shares]
+
+
+def _timing_from_json(name: str, timing: Any) -> StepTiming:
+    """The step :func:`_timing_as_json` wrote, checked for its form (its figures are checked by
+    the caller)."""
+    if not isinstance(timing, list) or len(timing) < 2:
+        raise ValueError(f"timing {timing!r} of {name!r} is no list of [c, load, \"estimated\"?, [shares]?]")
+    rest = timing[2:]
+    estimated = rest[:1] == ["estimated"]
+    rest = rest[estimated:]
+    shares = rest[0] if len(rest) == 1 and isinstance(rest[0], list) else None
+    if (rest and shares is None) or not all(isinstance(share, (int, float)) for share in shares or ()):
+        raise ValueError(f"timing {timing!r} of {name!r} is no list of [c, load, \"estimated\"?, [shares]?]")
+    shares = None if shares is None else tuple(map(float, shares))
+    return StepTiming(float(timing[0]), float(timing[1]), estimated, shares)
 
 
 def _step_said(figures: CallFigures) -> str:

@@ -17,7 +17,7 @@ from .plans import ComponentSizes, ResidencyPlan
 from .policy import Policy
 from .report import report_for
 from .residency import ResidencyGroup
-from .step_timing import StepTiming
+from .step_timing import StepTiming, compute_shares
 
 if TYPE_CHECKING:
     from .pipeline_residency import PipelineResidency
@@ -79,8 +79,8 @@ def steps_timed(group: ResidencyGroup) -> dict[str, int]:
 
 def step_timings(group: ResidencyGroup, plan: ResidencyPlan) -> dict[str, StepTiming]:
     """What the last call measured of each streamed per-step component's step under ``plan``: its
-    blocks' compute seconds per block byte (the step the report shows, latest), and its loads'
-    seconds per byte."""
+    blocks' compute seconds per block byte (the step the report shows, latest) and each block's
+    share of them, and its loads' seconds per byte."""
     rows = {row.name: row for row in report_for(group).components}
     timings = {}
     for sizes in plan.sizes:
@@ -90,6 +90,7 @@ def step_timings(group: ResidencyGroup, plan: ResidencyPlan) -> dict[str, StepTi
         timings[sizes.name] = StepTiming(
             compute_per_byte=row.step_compute_seconds[1] / sum(sizes.block_bytes),
             load_per_byte=row.load_seconds / row.loaded_bytes,
+            compute_shares=group.stream_of(sizes.name).step_compute_shares(),
         )
     return timings
 
@@ -101,11 +102,12 @@ def timing_so_far(group: ResidencyGroup, sizes: ComponentSizes) -> StepTiming | 
     middle of a call (see ``dry_run_plans.plan_from_timed_step``)."""
     units = group.units_of(sizes.name)
     stream = group.stream_of(sizes.name)
-    compute = None if stream is None else stream.step_seconds_so_far()
-    if compute is None:
+    block_seconds = None if stream is None else stream.step_so_far()
+    if block_seconds is None:
         return None
     done = [unit.stager for unit in units if not unit.stager.load_in_flight]
     loaded, seconds = sum(s.loaded_bytes for s in done), sum(s.load_seconds for s in done)
     if not loaded or seconds <= 0:
         return None
-    return StepTiming(compute_per_byte=compute / sum(sizes.block_bytes), load_per_byte=seconds / loaded)
+    compute = sum(block_seconds)
+    return StepTiming(compute / sum(sizes.block_bytes), seconds / loaded, compute_shares=compute_shares(block_seconds))

@@ -28,6 +28,7 @@ from . import _device
 from .placement import DeviceSlots
 from .policy import Policy
 from .staging import ModuleStager
+from .step_timing import compute_shares
 from .weights import shared_tensor
 
 logger = logging.getLogger(__name__)
@@ -147,9 +148,9 @@ class BlockStream:
         self._wraps = True
         self._one_pass_alone: bool | None = None
         # The first pass ever timed, and those of the latest activation that timed one: their
-        # stamps until read, then their sums.
-        self._first_step: dict[Block, tuple] | float | None = None
-        self._latest_steps: list[dict[Block, tuple] | float] = []
+        # stamps until read, then their seconds per block.
+        self._first_step: dict[Block, tuple] | tuple[float, ...] | None = None
+        self._latest_steps: list[dict[Block, tuple] | tuple[float, ...]] = []
         self._timed_in_activation = 0
         # How many passes were timed: whether one was timed after a given moment.
         self.steps_timed = 0
@@ -227,23 +228,39 @@ class BlockStream:
         steps or more). Reading waits for those steps to have run on the device."""
         if not self._latest_steps:
             return None
-        self._first_step = _step_seconds(self._first_step)
-        self._latest_steps = [_step_seconds(stamps) for stamps in self._latest_steps]
-        return self._first_step, statistics.median(self._latest_steps)
+        self._first_step = self._block_seconds(self._first_step)
+        self._latest_steps = [self._block_seconds(stamps) for stamps in self._latest_steps]
+        return sum(self._first_step), statistics.median(sum(step) for step in self._latest_steps)
 
-    def step_seconds_so_far(self) -> float | None:
-        """Compute seconds of the first step timed in the activation under way (a call's second
-        step), once the device has run it; None before. Asked, not waited for: read in the middle
-        of a call (see ``dry_run_plans.plan_from_timed_step``), waiting would hold the host until the
-        device caught up, and the device would then idle while the host planned."""
+    def step_compute_shares(self) -> tuple[float, ...] | None:
+        """Each block's part of a step's compute, in block order: its median seconds over the steps
+        :meth:`step_compute_seconds` takes the median of, over the sum of those medians (None as
+        there). Blocks of one size differ: a FLUX.1-dev double-stream block holds 2.4x a
+        single-stream one's weights for about the same compute."""
+        if self.step_compute_seconds() is None:
+            return None
+        return compute_shares([statistics.median(seconds) for seconds in zip(*self._latest_steps)])
+
+    def step_so_far(self) -> tuple[float, ...] | None:
+        """Compute seconds of each block in the first step timed in the activation under way (a
+        call's second step), once the device has run it; None before. Asked, not waited for: read
+        in the middle of a call (see ``dry_run_plans.plan_from_timed_step``), waiting would hold the
+        host until the device caught up, and the device would then idle while the host planned."""
         if not self._timed_in_activation:
             return None
         first = self._latest_steps[0]
-        if not isinstance(first, float):
+        if not isinstance(first, tuple):
             if not first or not all(_device.has_passed(end) for _, end in first.values()):
                 return None
-            self._latest_steps[0] = first = _step_seconds(first)
+            self._latest_steps[0] = first = self._block_seconds(first)
         return first
+
+    def _block_seconds(self, stamps: dict[Block, tuple] | tuple[float, ...]) -> tuple[float, ...]:
+        """A timed pass's compute seconds per block, in block order (none for a block it did not
+        run), from its (start, end) stamps once read."""
+        if isinstance(stamps, tuple):
+            return stamps
+        return tuple(_device.seconds_between(*stamps[block]) if block in stamps else 0.0 for block in self.blocks)
 
     def _pass_begins(self, unit: Block) -> None:
         activation = (self.group.switches, self.group.calls)
@@ -378,8 +395,3 @@ class BlockStream:
             # an eviction, a sleep or the end of the call finds every byte of the component in its
             # loaded blocks.
             self.slots.clear()
-
-
-def _step_seconds(stamps: dict[Block, tuple] | float) -> float:
-    """A timed pass's compute seconds: the sum of its blocks' (start, end) stamps, once read."""
-    return stamps if isinstance(stamps, float) else sum(_device.seconds_between(*pair) for pair in stamps.values())

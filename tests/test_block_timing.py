@@ -65,8 +65,16 @@ def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
 ) -> None:
     case = PipelineCase("flux")
     timed: list[str] = []
+    seconds: list[float] = []
     real_timed = block_timing._timed
-    monkeypatch.setattr(block_timing, "_timed", lambda block, *rest: timed.append(block.name) or real_timed(block, *rest))
+
+    def timed_block(block, *rest):
+        timed.append(block.name)
+        result = real_timed(block, *rest)
+        seconds.append(result[0])
+        return result
+
+    monkeypatch.setattr(block_timing, "_timed", timed_block)
     random_state = torch.get_rng_state()
     caplog.set_level(logging.INFO, logger="diffusers_residency.adaptive")
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
@@ -75,6 +83,11 @@ def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
     assert timed == ["transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0"]
     step = state.plan.timings["transformer"]
     assert step.estimated and step.compute_per_byte > 0 and step.load_per_byte > 0
+    # Each block's share of the step is its layout's timed block's.
+    transformer = case.pipe.transformer
+    doubles, singles = len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)
+    per_block = [seconds[0]] * doubles + [seconds[1]] * singles
+    assert step.compute_shares == pytest.approx([block / sum(per_block) for block in per_block])
     assert state.plan.source == AT_ENABLE and "chosen from a step estimated from blocks timed" in str(state.plan)
     assert "transformer's step" in caplog.text and "from blocks of it timed" in caplog.text
     # The timed blocks went back to their masters unless the plan keeps them: nothing else is loaded.

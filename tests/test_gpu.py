@@ -486,6 +486,10 @@ def test_a_streamed_step_is_timed_with_cuda_events() -> None:
         assert torch.equal(_run(case, 3), reference)
     first, latest = case.pipe.residency_report()["transformer"].step_compute_seconds
     assert 0 < first and 0 < latest
+    # Each block timed on the device: its share of the step, which the planner simulates.
+    stream = pipeline_state(case.pipe).group.stream_of("transformer")
+    shares = stream.step_compute_shares()
+    assert len(shares) == len(stream.blocks) and min(shares) > 0 and sum(shares) == pytest.approx(1)
 
 
 @pytest.mark.parametrize("kind", ["flux", "sdxl"])

@@ -636,9 +636,14 @@ def _with_figures(activation: str = "1000", timing: str = "[1.0, 1.0]") -> bytes
         _with_figures(timing='[1e-9, 1e-9, "estimated", 1]'),
         _with_figures(timing='"10"'),
         _with_figures(timing="1e-9"),
+        _with_figures(timing="[1e-9, 1e-9, [0.5, 1.5]]"),
+        _with_figures(timing='[1e-9, 1e-9, [0.5, "0.5"]]'),
+        _with_figures(timing='[1e-9, 1e-9, [1.0], "estimated"]'),
+        _with_figures(timing="[1e-9, 1e-9, [1.0], [1.0]]"),
     ],
     ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "huge timing",
-         "huge activation", "deep", "misspelt mark", "four items", "a string", "a number"],  # fmt: skip
+         "huge activation", "deep", "misspelt mark", "four items", "a string", "a number", "share over one",
+         "share as text", "mark after shares", "shares twice"],  # fmt: skip
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes
@@ -1385,10 +1390,12 @@ def test_a_kept_plan_survives_the_file_and_an_older_format_is_refused(
         ComponentPlan("transformer", Policy.STREAMED, frozenset({0, 3}), 1, frozenset({1})),
     )
     key = {"pipeline": "P"}
-    figures = CallFigures({"transformer": 5}, {"transformer": StepTiming(1e-9, 2e-11)}, frozenset({"vae"}), True, plan)
     path = tmp_path / "p.json"
-    write_profile(path, ResidencyProfile(key, {"s": figures}))
-    assert read_profile(path, key).shapes["s"] == figures
+    for shares, estimated in ((None, False), ((0.25, 0.75), True), ((1.0,), False)):
+        timing = StepTiming(1e-9, 2e-11, estimated, shares)
+        figures = CallFigures({"transformer": 5}, {"transformer": timing}, frozenset({"vae"}), True, plan)
+        write_profile(path, ResidencyProfile(key, {"s": figures}))
+        assert read_profile(path, key).shapes["s"] == figures
     # Before plans were kept (format 1), the policies given were not keyed either: a plan made
     # again from those figures might not be the one the policies given now ask for.
     data = json.loads(path.read_text())

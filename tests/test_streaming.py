@@ -18,6 +18,7 @@ from diffusers_residency import (
     attach_block_streaming,
     detach_staging_hook,
     residency,
+    retiming,
 )
 from diffusers_residency._device import MemoryTelemetry
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
@@ -984,6 +985,28 @@ def test_a_streamed_step_is_the_median_of_the_steps_a_call_timed(flux: PipelineC
     assert STEPS_TIMED == 5
     assert torch.equal(_run(flux, 8), reference)
     assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 3.0)
+
+
+def test_a_streamed_step_tells_each_blocks_share_of_its_compute(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = _run(flux, 4)
+    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
+    stream = pipeline_state(flux.pipe).group.stream_of("transformer")
+    # A clock that moves by the block's own seconds as each block enters: block i computes for i + 1
+    # seconds, the last one included (its span ends as the next step's first block enters).
+    entered: list[int] = []
+    for position, block in enumerate(stream.blocks):
+        block.module.register_forward_pre_hook(lambda *_, position=position: entered.append(position))
+    monkeypatch.setattr(_device, "compute_timestamp", lambda device: float(sum(i + 1 for i in entered[:-1])))
+    assert stream.step_compute_shares() is None, "no step timed yet"
+    assert torch.equal(_run(flux, 4), reference)
+    count = len(stream.blocks)
+    seconds = [i + 1 for i in range(count)]
+    assert stream.step_compute_seconds() == (sum(seconds), sum(seconds))
+    assert stream.step_compute_shares() == pytest.approx([s / sum(seconds) for s in seconds])
+    timing = retiming.step_timings(pipeline_state(flux.pipe).group, pipeline_state(flux.pipe).plan)["transformer"]
+    assert timing.compute_shares == stream.step_compute_shares()
 
 
 def _sdxl_with_staged_unet_blocks(
