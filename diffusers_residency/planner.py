@@ -62,10 +62,11 @@ from .policy import Policy
 from .step_timing import StepTiming
 from .text import format_bytes
 
-# The depths a timed plan chooses from at its end (see plan_residency), the default first: where
-# loading a block takes longer than computing one, one block in flight keeps the bus as busy as two
-# (the next copy is queued behind the one running), and the slot it frees holds blocks that do not
-# move at every step.
+# The depths a timed plan chooses from at its end (see plan_residency), the default first, by the
+# simulated step: where each block's load outlasts the compute before it, one block in flight keeps
+# the bus as busy as two (the next copy is queued behind the one running), and the slot it frees
+# holds blocks that do not move at every step; a large block loading behind a short compute needs
+# the deeper window.
 PREFETCH_CHOICES = (PREFETCH_BLOCKS, 1)
 # Activation reserve when the caller gives none, for a component not measured yet: a tenth of the
 # budget, at least 3 GiB. The floor is what a FLUX.1-dev call at 1024x1024 needs above its weights
