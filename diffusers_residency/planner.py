@@ -24,9 +24,9 @@ reserve stands in for them.
    the bus, see :func:`~.kept_blocks.resident_block_choices`: the largest ones (the window's slots
    are as large as the largest streamed block), spread evenly through the order (the copy stream
    then has work while each resident block computes).
-   Once a first call has timed a step of the per-step component (compute, and loads, per byte),
-   the choice is the one whose step a simulation of the two streams finishes first: resident bytes
-   alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
+   Once a first call has timed a step of the per-step component (each block's compute, and loads
+   per byte), the choice is the one whose step a simulation of the two streams finishes first:
+   resident bytes alone can pick a long run of resident blocks during which the bus idles (every FLUX.1-dev
    double-stream block resident, then 38 single-stream blocks to stream behind a third of the
    compute), slower than fewer resident bytes spread out. See
    :func:`~.step_timing.simulated_step_seconds`.

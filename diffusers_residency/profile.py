@@ -103,9 +103,10 @@ class CallFigures:
         per_byte = [f for t in timings.values() for f in (t.compute_per_byte, t.load_per_byte)]
         if not all(0 <= figure <= _MOST_SECONDS_PER_BYTE for figure in per_byte):
             raise ValueError(f"a timing that is negative, over {_MOST_SECONDS_PER_BYTE} s a byte or not a number")
-        shares = [share for t in timings.values() for share in t.compute_shares or ()]
-        if not all(0 <= share <= 1 for share in shares):
-            raise ValueError("a block's share of a step's compute that is not between 0 and 1")
+        # Shares that do not sum to one would simulate a step of other compute than the one timed.
+        shares = [t.compute_shares for t in timings.values() if t.compute_shares is not None]
+        if not all(all(0 <= share <= 1 for share in each) and abs(sum(each) - 1) <= 1e-6 for each in shares):
+            raise ValueError("blocks' shares of a step's compute that are not parts of one")
         plan = tuple(
             ComponentPlan(str(name), Policy(policy), frozenset(map(int, kept)), int(depth), frozenset(map(int, staged)))
             for name, policy, kept, staged, depth in data["plan"]
@@ -132,8 +133,8 @@ def _timing_from_json(name: str, timing: Any) -> StepTiming:
     rest = timing[2:]
     estimated = rest[:1] == ["estimated"]
     rest = rest[estimated:]
-    shares = rest[0] if len(rest) == 1 and isinstance(rest[0], list) else None
-    if (rest and shares is None) or not all(isinstance(share, (int, float)) for share in shares or ()):
+    shares = rest[0] if len(rest) == 1 and isinstance(rest[0], list) and rest[0] else None
+    if (rest and shares is None) or not all(type(share) in (int, float) for share in shares or ()):
         raise ValueError(f"timing {timing!r} of {name!r} is no list of [c, load, \"estimated\"?, [shares]?]")
     shares = None if shares is None else tuple(map(float, shares))
     return StepTiming(float(timing[0]), float(timing[1]), estimated, shares)

@@ -66,6 +66,8 @@ class Retime:
 
 
 def _moved(timing: StepTiming, planned: StepTiming) -> bool:
+    # The blocks' shares are left out: a block's share moves with its neighbours' (a step's last
+    # block counts the trunk's work up to the next), and the totals say whether the pace changed.
     return (
         abs(timing.compute_per_byte - planned.compute_per_byte) > RETIME_TOLERANCE * planned.compute_per_byte
         or abs(timing.load_per_byte - planned.load_per_byte) > RETIME_TOLERANCE * planned.load_per_byte

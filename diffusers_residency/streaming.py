@@ -233,13 +233,16 @@ class BlockStream:
         return sum(self._first_step), statistics.median(sum(step) for step in self._latest_steps)
 
     def step_compute_shares(self) -> tuple[float, ...] | None:
-        """Each block's part of a step's compute, in block order: its median seconds over the steps
-        :meth:`step_compute_seconds` takes the median of, over the sum of those medians (None as
-        there). Blocks of one size differ: a FLUX.1-dev double-stream block holds 2.4x a
-        single-stream one's weights for about the same compute."""
+        """Each block's part of a step's compute, in block order, in the step of median length among
+        those :meth:`step_compute_seconds` takes the median of (the shorter of the two middle ones
+        for an even count; None as there). One step's, not each block's median: steps that skip
+        blocks (a cache hook) would leave the skipped ones none. Blocks of one size differ: a
+        FLUX.1-dev double-stream block holds 2.4x a single-stream one's weights for about the same
+        compute."""
         if self.step_compute_seconds() is None:
             return None
-        return compute_shares([statistics.median(seconds) for seconds in zip(*self._latest_steps)])
+        by_length = sorted(self._latest_steps, key=sum)
+        return compute_shares(by_length[(len(by_length) - 1) // 2])
 
     def step_so_far(self) -> tuple[float, ...] | None:
         """Compute seconds of each block in the first step timed in the activation under way (a

@@ -640,10 +640,14 @@ def _with_figures(activation: str = "1000", timing: str = "[1.0, 1.0]") -> bytes
         _with_figures(timing='[1e-9, 1e-9, [0.5, "0.5"]]'),
         _with_figures(timing='[1e-9, 1e-9, [1.0], "estimated"]'),
         _with_figures(timing="[1e-9, 1e-9, [1.0], [1.0]]"),
+        _with_figures(timing="[1e-9, 1e-9, [true, false]]"),
+        _with_figures(timing="[1e-9, 1e-9, []]"),
+        _with_figures(timing="[1e-9, 1e-9, [0.5, 0.4]]"),
     ],
     ids=["not json", "no shapes", "old format", "new format", "not text", "infinite", "negative", "nan", "huge timing",
          "huge activation", "deep", "misspelt mark", "four items", "a string", "a number", "share over one",
-         "share as text", "mark after shares", "shares twice"],  # fmt: skip
+         "share as text", "mark after shares", "shares twice", "shares as flags", "no shares",
+         "shares short of one"],  # fmt: skip
 )
 def test_a_corrupt_profile_is_ignored_with_a_warning_never_a_crash(
     flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, content: bytes

@@ -987,26 +987,32 @@ def test_a_streamed_step_is_the_median_of_the_steps_a_call_timed(flux: PipelineC
     assert flux.pipe.residency_report()["transformer"].step_compute_seconds == (1.0, 3.0)
 
 
+@pytest.mark.parametrize("kind, denoiser", [("flux", "transformer"), ("sdxl", "unet")])
 def test_a_streamed_step_tells_each_blocks_share_of_its_compute(
-    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+    kind: str, denoiser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = _run(flux, 4)
-    flux.pipe.enable_pinned_offload("cpu", components={"transformer": "streamed"}, vram_budget=None)
-    stream = pipeline_state(flux.pipe).group.stream_of("transformer")
-    # A clock that moves by the block's own seconds as each block enters: block i computes for i + 1
-    # seconds, the last one included (its span ends as the next step's first block enters).
+    case = PipelineCase(kind)
+    reference = pipeline_output(case.pipe, call_kwargs(kind, steps=4))
+    case.pipe.enable_pinned_offload("cpu", components={denoiser: "streamed"}, vram_budget=None)
+    state = pipeline_state(case.pipe)
+    stream = state.group.stream_of(denoiser)
+    # A clock that moves by each block's own seconds once the next block enters: the block defined
+    # i-th computes for i + 1 seconds, the last one run included (its span ends as the next step's
+    # first block enters). SDXL's UNet runs its mid block before its up blocks: shares are told in
+    # definition order, the order of the planner's block sizes, whatever the order run.
     entered: list[int] = []
     for position, block in enumerate(stream.blocks):
         block.module.register_forward_pre_hook(lambda *_, position=position: entered.append(position))
     monkeypatch.setattr(_device, "compute_timestamp", lambda device: float(sum(i + 1 for i in entered[:-1])))
     assert stream.step_compute_shares() is None, "no step timed yet"
-    assert torch.equal(_run(flux, 4), reference)
-    count = len(stream.blocks)
-    seconds = [i + 1 for i in range(count)]
+    assert torch.equal(pipeline_output(case.pipe, call_kwargs(kind, steps=4)), reference)
+    seconds = [i + 1 for i in range(len(stream.blocks))]
+    shares = [s / sum(seconds) for s in seconds]
     assert stream.step_compute_seconds() == (sum(seconds), sum(seconds))
-    assert stream.step_compute_shares() == pytest.approx([s / sum(seconds) for s in seconds])
-    timing = retiming.step_timings(pipeline_state(flux.pipe).group, pipeline_state(flux.pipe).plan)["transformer"]
-    assert timing.compute_shares == stream.step_compute_shares()
+    assert stream.step_compute_shares() == pytest.approx(shares)
+    assert retiming.step_timings(state.group, state.plan)[denoiser].compute_shares == pytest.approx(shares)
+    if kind == "sdxl":
+        assert stream.order != tuple(block.name for block in stream.blocks), "run in an order of its own"
 
 
 def _sdxl_with_staged_unet_blocks(
