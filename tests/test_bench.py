@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -93,6 +94,20 @@ def test_compiled_denoiser_is_timed_and_never_recompiles(tmp_path, capsys) -> No
     assert all(r["cuda_graphs_recorded_while_timed"] is None for r in results), "no CUDA graphs on the CPU"
     out = capsys.readouterr().out
     assert "first call s (compiling)" in out and "CUDA graphs recorded" not in out
+
+
+def test_verbose_logs_the_packages_decisions_and_no_other_librarys_debug_lines(tmp_path, monkeypatch) -> None:
+    # As a process of its own starts it: the root logger with no handler yet (pytest gives it some).
+    monkeypatch.setattr(logging.root, "handlers", [])
+    package, root_level = logging.getLogger("diffusers_residency"), logging.root.level
+    argv = ["--device", "cpu", "--modes", "resident", "--warmup", "0", "--calls", "1", "-v"]
+    try:
+        assert main([*argv, "--out", str(tmp_path)]) == 0
+        assert package.isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.DEBUG)
+    finally:
+        package.setLevel(logging.NOTSET)
+        logging.root.setLevel(root_level)
 
 
 def test_every_call_is_timed_the_first_included_and_the_table_shows_the_first_calls(tmp_path, capsys) -> None:

@@ -375,7 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # `diffusers-residency bench ...`
         argv = argv[1:]
     args = _parse(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if args.verbose:
+        # The package's loggers alone: at the root, DEBUG lets in every library's (matplotlib's font
+        # search, some 170 lines a run).
+        logging.getLogger("diffusers_residency").setLevel(logging.DEBUG)
     if not args.verbose:
         # The builders' own chatter: the tiny pipelines' prompts truncated to their short sequence,
         # image processors missing torchvision, save and load progress bars.
