@@ -9,7 +9,9 @@ three are timed steps' plans, the slowest the planner makes, and the first of th
 process, meets no simulation made before. So each budget is timed as a process meets it: the
 planner's caches emptied, the planning enabling a pipeline does (the choices of resident blocks
 listed, and a first plan with no figure), then a plan for the estimated figures, one for the
-measured ones (the VAE's larger), and one for a step timed again 15 % longer.
+measured ones (the VAE's larger), and one for a step timed again 15 % longer. No block runs here,
+so each block computes in proportion to its bytes, not for its timed share of the step (see
+``step_timing.StepTiming``): the plans, and so the trials searched, are not quite a device's.
 
 A plan made at enable with no step timed keeps the most resident bytes, and a first call's timed
 step then loads other blocks (see ``block_timing``): for each budget, the bytes it loads so, with no
