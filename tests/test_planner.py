@@ -210,8 +210,8 @@ def test_a_timed_step_chooses_resident_blocks_that_keep_the_bus_busy() -> None:
 
 def test_a_step_timed_block_by_block_chooses_blocks_for_their_compute_not_their_bytes() -> None:
     # FLUX.1-dev's double-stream block holds 2.4x the weights of a single-stream one for about the
-    # same compute. In proportion to bytes, a streamed double block's 12 ms load looks hidden
-    # behind 8 ms of its own compute; it has 3 ms. Planned with each block's share of the step,
+    # same compute. In proportion to bytes, a streamed double block's 12 ms load looks half hidden
+    # behind 5 ms of its own compute; it has 3 ms. Planned with each block's share of the step,
     # more double blocks stay and the step is some 9 % shorter, near the bus bound of what streams.
     blocks = FLUX[2].block_bytes
     by_bytes = StepTiming(0.182 / sum(blocks), 1 / 54.8e9)
