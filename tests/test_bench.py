@@ -214,6 +214,11 @@ def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape
         "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median; "
         "48x32: 3.000, 1.000, 1.100 s, later ones at most 1.05x their median"
     )
+    # A shape the sequence names twice is one shape: its calls from both places are one group.
+    assert format_shape_calls(results, [(32, 32), (48, 32), (32, 32)]) == (
+        "- pinned @ unlimited: 32x32: 5.000, 2.000, 1.000, 1.100 s, later ones at most 1.82x their median; "
+        "48x32: 3.000, 2.200 s"
+    )
     with pytest.raises(SystemExit):
         main(["--shapes", "32x32", "--height", "64"])
     with pytest.raises(SystemExit):

@@ -164,13 +164,16 @@ def format_calls(results: list[ModeResult]) -> str:
 
 def format_shape_calls(results: list[ModeResult], shapes: list[tuple[int, int]]) -> str:
     """With ``--shapes``: each run's calls grouped by shape (call ``i`` had shape ``i`` modulo their
-    number), and the slowest of each shape's calls after its first, over the median of those: a
-    plan per shape keeps that near 1.00x, whatever the shapes between."""
+    number; a shape the sequence names twice is one group), and the slowest of each shape's calls
+    after its first, over the median of those: a plan per shape keeps that near 1.00x, whatever the
+    shapes between."""
 
     def by_shape(r: ModeResult) -> str:
+        calls: dict[tuple[int, int], list[float]] = {}
+        for index, seconds in enumerate(r.call_seconds):
+            calls.setdefault(shapes[index % len(shapes)], []).append(seconds)
         parts = []
-        for index, (height, width) in enumerate(shapes):
-            times = r.call_seconds[index :: len(shapes)]
+        for (height, width), times in calls.items():
             later = times[1:]
             spread = f", later ones at most {max(later) / statistics.median(later):.2f}x their median" if len(later) > 1 else ""
             parts.append(f"{height}x{width}: {', '.join(f'{t:.3f}' for t in times)} s{spread}")
