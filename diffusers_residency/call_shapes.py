@@ -72,32 +72,62 @@ _PASSING_ON = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 def call_signature(cls: type) -> inspect.Signature:
-    """The arguments calls of pipeline class ``cls`` take: its ``__call__``'s, or, where that takes
-    only ``*args, **kwargs`` (a subclass passing them on to its parent's), the nearest parent's that
-    names them, each defaulting to None (see :func:`_defaults_unknown`). A parent's ``__call__``
-    that is no plain function, or has no signature to read, names nothing: the class's own is
-    kept. Raises as ``inspect.signature`` does where the class's own has none to read."""
-    own: inspect.Signature | None = None
+    """The arguments calls of pipeline class ``cls`` take. Its ``__call__``'s, and where that passes
+    arguments on (``*args, **kwargs``), the nearest parent's that names them: for a ``__call__``
+    taking only ``*args, **kwargs`` the parent's signature, and for one that names some arguments
+    and passes the rest on (``prompt, strength=0.5, **kwargs``) its own followed by the parent's
+    others as keyword-only arguments; either way what it takes from the parent defaults to None
+    (see :func:`_defaults_unknown`). A parent's ``__call__`` that is no plain function, or has no
+    signature to read, names nothing: what was read so far is kept. Raises as
+    ``inspect.signature`` does where the class's own has none to read."""
+    read: inspect.Signature | None = None
     for owner in cls.__mro__:
         function = owner.__dict__.get("__call__")
         if function is None:
             continue
-        if own is not None and not inspect.isfunction(function):
-            return own  # a staticmethod's or a callable object's first parameter need not be self
+        if read is not None and not inspect.isfunction(function):
+            return read  # a staticmethod's or a callable object's first parameter need not be self
         try:
             signature = inspect.signature(function)
         except (TypeError, ValueError):
-            if own is None:
+            if read is None:
                 raise
-            return own
-        if own is None:
-            own = signature
-        parameters = list(signature.parameters.values())[1:]
-        if not parameters or any(parameter.kind not in _PASSING_ON for parameter in parameters):
-            return signature if signature is own else _defaults_unknown(signature)
-    if own is None:
+            return read
+        read = signature if read is None else _passed_on_to(read, signature)
+        if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in signature.parameters.values()):
+            return read  # names every argument it takes
+    if read is None:
         raise ValueError(f"{cls.__name__} defines no __call__")
-    return own
+    return read
+
+
+def _passed_on_to(child: inspect.Signature, parent: inspect.Signature) -> inspect.Signature:
+    """``child``, a signature passing arguments on, with those its ``parent`` names: the parent's
+    whole signature where the child names none of its own, else the child's followed by the
+    parent's others, keyword-only (an argument given by position goes to the child's names first),
+    in both cases with the parent's defaults unknown."""
+    parent = _defaults_unknown(parent)
+    first, *named = [parameter for parameter in child.parameters.values() if parameter.kind not in _PASSING_ON]
+    if not named:
+        return parent
+    names = {parameter.name for parameter in named}
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    parents = [
+        parameter.replace(kind=keyword_only)
+        for parameter in list(parent.parameters.values())[1:]
+        if parameter.kind not in _PASSING_ON and parameter.name not in names
+    ]
+    variadic = [parameter for parameter in child.parameters.values() if parameter.kind is inspect.Parameter.VAR_POSITIONAL]
+    passing_on = [parameter for parameter in parent.parameters.values() if parameter.kind is inspect.Parameter.VAR_KEYWORD]
+    parameters = [
+        first,
+        *(parameter for parameter in named if parameter.kind is not keyword_only),
+        *variadic,
+        *(parameter for parameter in named if parameter.kind is keyword_only),
+        *parents,
+        *passing_on,
+    ]
+    return child.replace(parameters=parameters)
 
 
 def _defaults_unknown(signature: inspect.Signature) -> inspect.Signature:

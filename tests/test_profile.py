@@ -908,7 +908,21 @@ def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments()
     parents = inspect.signature(StableDiffusionXLPipeline.__call__).parameters
     assert call_signature(PassingOn).parameters.keys() == parents.keys(), "the parent's names"
     assert all(p.default in (None, inspect.Parameter.empty) for p in call_signature(PassingOn).parameters.values())
-    assert call_signature(Naming) == inspect.signature(Naming.__call__), "its own arguments named: its own"
+    class NamingOverPassingOn(PassingOn):
+        def __call__(self, prompt=None, *args, strength=0.5, **kwargs):
+            return super().__call__(prompt, *args, **kwargs)
+
+    for naming in (Naming, NamingOverPassingOn):
+        signature = call_signature(naming)
+        own = [name for name in inspect.signature(naming.__call__).parameters if name not in ("args", "kwargs")]
+        read = [name for name in signature.parameters if name != "args"]
+        assert read[: len(own)] == own, "its own arguments first, as it names them"
+        assert signature.parameters.keys() - {"args"} == parents.keys() | {"strength"}, "then the parent's others"
+        assert signature.parameters["strength"].default == 0.5 and signature.parameters["height"].default is None
+        explicit = call_shape(signature, ("a cat",), {"height": 1024, "width": 768})
+        assert "height=1024" in explicit, "a size passed on is keyed"
+        assert call_shape(signature, ("a cat",), {}, (1024, 768)) == explicit, "left to the default size, as its parent's"
+        assert call_shape(signature, ("a cat", 0.7), {}, (1024, 768)) == explicit, "by position, its own names first"
     assert call_signature(Taking) == inspect.signature(Taking.__call__), "taking nothing is passing nothing on"
     for no_function in (PassingOnToPartial, PassingOnToStatic):
         assert call_signature(no_function) == inspect.signature(no_function.__call__), "no function: no names read"
