@@ -71,17 +71,20 @@ def _describe(value: Any) -> Any:
 _PASSING_ON = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
-def call_signature(cls: type) -> inspect.Signature:
+def call_signature(cls: type, caller: type | None = None) -> inspect.Signature:
     """The arguments calls of pipeline class ``cls`` take. Its ``__call__``'s, and where that passes
-    arguments on (``*args, **kwargs``), the nearest parent's that names them: for a ``__call__``
+    arguments on (``*args, **kwargs``), the nearest parent's that names them, parents in the order
+    ``super()`` reaches them from a pipeline of class ``caller`` (a subclass of ``cls``; with
+    several parents, ``cls``'s next may be another than in ``cls``'s own order): for a ``__call__``
     taking only ``*args, **kwargs`` the parent's signature, and for one that names some arguments
     and passes the rest on (``prompt, strength=0.5, **kwargs``) its own followed by the parent's
     others as keyword-only arguments; either way what it takes from the parent defaults to None
     (see :func:`_defaults_unknown`). A parent's ``__call__`` that is no plain function, or has no
     signature to read, names nothing: what was read so far is kept. Raises as
     ``inspect.signature`` does where the class's own has none to read."""
+    order = caller.__mro__ if caller is not None and cls in caller.__mro__ else cls.__mro__
     read: inspect.Signature | None = None
-    for owner in cls.__mro__:
+    for owner in order[order.index(cls) :]:
         function = owner.__dict__.get("__call__")
         if function is None:
             continue

@@ -44,7 +44,9 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
         or inspect.isasyncgenfunction(plain)
     ):
         return
-    signature = functools.cache(lambda: call_signature(cls))
+    # By the called pipeline's class: the parents a ``super()`` call in ``cls``'s reaches are those
+    # of the class called (see call_signature). A few classes a wrapper, at most.
+    signature = functools.lru_cache(maxsize=16)(lambda caller: call_signature(cls, caller))
 
     @functools.wraps(original)
     def call(self: DiffusionPipeline, *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +67,7 @@ def _wrap_call(cls: type[DiffusionPipeline]) -> None:
                 return original(self, *args, **kwargs)
             state.in_call = True
             try:
-                begin_call(state, call_shape(signature(), args, kwargs, state.default_size))
+                begin_call(state, call_shape(signature(type(self)), args, kwargs, state.default_size))
                 result = original(self, *args, **kwargs)
             except BaseException as error:
                 abort_call(state, error)

@@ -934,6 +934,38 @@ def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments()
     assert call_shape(signature, (), {}, (1024, 768)) != call_shape(signature, (), {"guidance_scale": 7.0}, (1024, 768))
 
 
+def test_a_subclass_passing_its_arguments_on_is_keyed_by_the_parent_its_super_call_reaches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # In a class with two parents, the first's super().__call__ reaches the second, not the class
+    # the first inherits from: a call's positional arguments are the second's.
+    from diffusers import StableDiffusionPipeline
+
+    class PassingOn(StableDiffusionPipeline):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    class ByArea(StableDiffusionPipeline):
+        def __call__(self, prompt=None, max_area=None, **kwargs):
+            side = round(max_area**0.5)
+            return super().__call__(prompt, height=side, width=side, **kwargs)
+
+    class Both(PassingOn, ByArea):
+        pass
+
+    case = PipelineCase("sd15")
+    pipe = Both(**case.pipe.components)
+    pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: pipeline_state(pipe).group.loaded_bytes() + 1000)
+    kwargs = call_kwargs("sd15")
+    prompt, side = kwargs.pop("prompt"), kwargs.pop("height")
+    del kwargs["width"]
+    with torch.inference_mode():
+        output = pipe(prompt, side * side, **kwargs, return_dict=False)[0]
+    assert torch.equal(output, case.reference)
+    assert f"max_area={side * side}" in pipe.residency_plan().shape, "the area by ByArea's name, not a height"
+
+
 def test_a_call_given_no_size_and_one_given_the_default_size_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # SD 1.5's tiny pipeline makes 32x32 images when given no size: its UNet's sample size times
     # its VAE's scale factor.
