@@ -110,7 +110,10 @@ def _passed_on_to(child: inspect.Signature, parent: inspect.Signature) -> inspec
     parent's others, keyword-only (an argument given by position goes to the child's names first),
     in both cases with the parent's defaults unknown."""
     parent = _defaults_unknown(parent)
-    first, *named = [parameter for parameter in child.parameters.values() if parameter.kind not in _PASSING_ON]
+    own = list(child.parameters.values())
+    # ``self``, unless the child takes it in ``*args`` (a decorator's ``wrapper(*args, **kwargs)``).
+    first = own[:1] if own and own[0].kind not in _PASSING_ON else []
+    named = [parameter for parameter in own[len(first) :] if parameter.kind not in _PASSING_ON]
     if not named:
         return parent
     names = {parameter.name for parameter in named}
@@ -123,7 +126,7 @@ def _passed_on_to(child: inspect.Signature, parent: inspect.Signature) -> inspec
     variadic = [parameter for parameter in child.parameters.values() if parameter.kind is inspect.Parameter.VAR_POSITIONAL]
     passing_on = [parameter for parameter in parent.parameters.values() if parameter.kind is inspect.Parameter.VAR_KEYWORD]
     parameters = [
-        first,
+        *first,
         *(parameter for parameter in named if parameter.kind is not keyword_only),
         *variadic,
         *(parameter for parameter in named if parameter.kind is keyword_only),

@@ -898,6 +898,15 @@ def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments()
         def __call__(self, *args, **kwargs):
             return super().__call__(*args, **kwargs)
 
+    def without_wraps(function):
+        def wrapper(*args, **kwargs):  # self among args
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    class Decorated(StableDiffusionXLPipeline):
+        __call__ = without_wraps(StableDiffusionXLPipeline.__call__)
+
     class Static(StableDiffusionXLPipeline):
         __call__ = staticmethod(lambda prompt=None, height=None, width=None: None)
 
@@ -907,6 +916,7 @@ def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments()
 
     parents = inspect.signature(StableDiffusionXLPipeline.__call__).parameters
     assert call_signature(PassingOn).parameters.keys() == parents.keys(), "the parent's names"
+    assert call_signature(Decorated).parameters.keys() == parents.keys(), "self in *args: the parent's names"
     assert all(p.default in (None, inspect.Parameter.empty) for p in call_signature(PassingOn).parameters.values())
     class NamingOverPassingOn(PassingOn):
         def __call__(self, prompt=None, *args, strength=0.5, **kwargs):
