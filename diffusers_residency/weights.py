@@ -35,7 +35,12 @@ def module_tensors(modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = 
     nearly all of its tensors. They are read once, to leave out a tensor the rest also reaches (a
     weight tied between the trunk and a block)."""
     exclude = tuple(exclude)
-    seen: set[int] = {id(t) for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in exclude)}
+    # Read from the modules' own dicts: ``parameters()`` would name every tensor on the way, and
+    # this set is built at every load of the trunk (an id of None in it matches no tensor).
+    seen: set[int] = set()
+    for below in _modules_outside(exclude, set()):
+        seen.update(map(id, below._parameters.values()))
+        seen.update(map(id, below._buffers.values()))
     excluded = {id(m) for m in exclude}
     for module in modules:
         tree = _modules_outside(module, excluded)
@@ -65,12 +70,13 @@ def shared_tensor(module: nn.Module, parts: Sequence[tuple[str, nn.Module]]) -> 
     return None
 
 
-def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
-    """``root`` and its submodules in ``named_modules()`` order, each once, without the excluded
-    ones and what lies below them."""
+def _modules_outside(roots: nn.Module | Sequence[nn.Module], excluded: set[int]) -> list[nn.Module]:
+    """The roots and their submodules in ``named_modules()`` order (one root's after another's),
+    each once, without the excluded ones and what lies below them."""
     # The excluded ones count as visited from the start: one lookup per module on a walk that
     # runs at every load of a streamed block.
-    found, visited, stack = [], set(excluded), [root]
+    stack = [roots] if isinstance(roots, nn.Module) else list(reversed(roots))
+    found, visited = [], set(excluded)
     while stack:
         module = stack.pop()
         # Marked when reached, as named_modules() does: a module shared by two parents comes
