@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .block_timing import estimated_step
+from .block_timing import estimated_step, warm_kernels
 from .budget_watch import BudgetWatch
 from .call_shapes import covering_shape, shape_parts
 from .casts import lossless_round_trip, warm_casts
@@ -320,8 +320,9 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
 def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch.dtype, ...]]) -> None:
     """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
     holds first (a service's first call is most often of its usual shape), make the casts its calls
-    make and undo (see :func:`warm_casts`), and start loading what
-    that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
+    make and undo (see :func:`warm_casts`), run one block of each of the denoiser's layouts (see
+    ``block_timing.warm_kernels``; without a profile they are timed at enable), and start loading
+    what that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
     its first call rather than in it. A first call of that shape then finds its plan in place and
     its resident weights loaded; one of another shape plans for itself as it starts (see
     begin_call), and the loads made here are partly undone. Without a profile, make the
@@ -333,6 +334,9 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
         _plan_default_call(state)
     else:
         warm_casts(state.group, state.profile.shapes[shape].casts)
+        runs = state.dry_runs
+        if runs is not None and runs.default_step_need is not None:
+            warm_kernels(state.group, runs.denoiser, runs.forward.default_blocks)
         begin_call(state, shape)
 
 

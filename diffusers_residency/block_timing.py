@@ -44,13 +44,9 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     misstate the step), or the timing fails (short of memory under a cap, say): the plan is then
     made as without it. The trunk's work between blocks, which a timed step counts, is left out
     (see docs/vram-budget.md)."""
-    stream = group.stream_of(sizes.name)
-    if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
+    blocks = _runnable_blocks(group, sizes.name, inputs)
+    if blocks is None:
         return None
-    # A compiled component (its trunk) runs its blocks compiled too: any unit compiled counts.
-    if any(_is_compiled(unit.module) for unit in group.units_of(sizes.name)):
-        return None
-    blocks: list[ResidencyUnit] = list(stream.blocks)
     seconds: dict[Hashable, float] = {}
     loaded = load_seconds = 0.0
     for key, (position, specs) in inputs.first.items():
@@ -68,6 +64,45 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     return StepTiming(sum(per_block) / sum(sizes.block_bytes), load_seconds / loaded, True, shares)
 
 
+def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
+    """Run one block of each key in ``inputs`` of streamed component ``name`` once on ``group``'s
+    device, untimed, as a plan read from a residency profile is put in place at enable.
+
+    Under CUDA's lazy module loading a kernel's first launch loads its module, and that load may
+    synchronise the context: in a first call it then waits for every copy queued ahead of it (the
+    resident blocks loaded ahead, the staged ones), where a resident pipeline's first call has none
+    queued. Without a profile the blocks are run at enable to time them (``estimated_step``), so
+    their kernels are loaded before any copy; from a profile nothing else runs them before the
+    first call. On the CPU there is nothing to load, and the runs cost little: they are made there
+    too, so that one path serves every device. A failure costs only the warm-up."""
+    blocks = _runnable_blocks(group, name, inputs)
+    if blocks is None:
+        return
+    for position, specs in inputs.first.values():
+        block = blocks[position]
+        try:
+            block.stager.load()
+            _run(block, specs, group.device, runs=1)
+        except Exception as error:  # never a failed enable
+            logger.info("Kernels of %r not run ahead: its block %r failed (%s)", name, block.name, error)
+            return
+        finally:
+            block.stager.offload()
+
+
+def _runnable_blocks(group: ResidencyGroup, name: str, inputs: BlockInputs) -> list[ResidencyUnit] | None:
+    """Streamed component ``name``'s blocks, where every one of them ran in the dry run that gave
+    ``inputs`` and the component is not compiled (run eager, its blocks would neither time as
+    its calls do nor load its calls' kernels); else None."""
+    stream = group.stream_of(name)
+    if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
+        return None
+    # A compiled component (its trunk) runs its blocks compiled too: any unit compiled counts.
+    if any(_is_compiled(unit.module) for unit in group.units_of(name)):
+        return None
+    return list(stream.blocks)
+
+
 def _is_compiled(module: torch.nn.Module) -> bool:
     forward = getattr(module, "_old_forward", None)
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable")
@@ -75,30 +110,36 @@ def _is_compiled(module: torch.nn.Module) -> bool:
 
 def _timed(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device) -> tuple[float, int, float]:
     """``block``'s compute seconds on inputs of ``specs``, and the bytes and seconds of its timed
-    load. Its forward is the module's own, under the hooks (``_old_forward``): a stream entered
-    outside a call would count the run as a pass of a step. The block is left offloaded, bound to
-    its masters, whatever happens."""
+    load. The block is left offloaded, bound to its masters, whatever happens."""
     stager = block.stager
     stager.load()
     stager.offload()
     before = stager.loaded_bytes, stager.load_seconds
     try:
         stager.load()  # the compute stream waits for its copy
-        args, kwargs = _materialized(specs, device)
-        forward: Callable[..., Any] = getattr(block.module, "_old_forward", block.module.forward)
         on_accelerator = _device.is_accelerator(device)
-        with torch.no_grad():
-            for _ in range(WARMUP_RUNS if on_accelerator else 0):
-                forward(*args, **kwargs)
-            runs = []
-            for _ in range(TIMED_RUNS if on_accelerator else 1):
-                start = _device.compute_timestamp(device)
-                forward(*args, **kwargs)
-                runs.append((start, _device.compute_timestamp(device)))
-        compute = statistics.median(_device.seconds_between(*run) for run in runs)
+        _run(block, specs, device, runs=WARMUP_RUNS if on_accelerator else 0)
+        compute = _run(block, specs, device, runs=TIMED_RUNS if on_accelerator else 1)
         return compute, stager.loaded_bytes - before[0], stager.load_seconds - before[1]
     finally:
         stager.offload()
+
+
+def _run(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device, runs: int) -> float:
+    """Run loaded ``block`` ``runs`` times on inputs of ``specs``; the median seconds of a run
+    (0.0 for none). Its forward is the module's own, under the hooks (``_old_forward``): a stream
+    entered outside a call would count the run as a pass of a step."""
+    if not runs:
+        return 0.0
+    args, kwargs = _materialized(specs, device)
+    forward: Callable[..., Any] = getattr(block.module, "_old_forward", block.module.forward)
+    timed = []
+    with torch.no_grad():
+        for _ in range(runs):
+            start = _device.compute_timestamp(device)
+            forward(*args, **kwargs)
+            timed.append((start, _device.compute_timestamp(device)))
+    return statistics.median(_device.seconds_between(*run) for run in timed)
 
 
 def _materialized(specs: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:

@@ -9,9 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diffusers_residency import BudgetTooSmallError, StagingHook, _device, conversions
+from diffusers_residency import BudgetTooSmallError, StagingHook, _device, block_timing, conversions
 from diffusers_residency.bench.builders import build_pipeline, call_kwargs, pipeline_output
 from diffusers_residency.components import component_sizes, module_components
+from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.planner import plan_residency
 from diffusers_residency.policy import Policy
 from diffusers_residency.weights import stored_tensors
@@ -126,6 +127,28 @@ def count_device_allocations(monkeypatch) -> list[int]:
 
 
 RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
+
+
+def record_block_runs(monkeypatch) -> list[tuple[str, int]]:
+    """Each run of a block outside a call (``block_timing``'s timing and warm-up) as the block's
+    name and how many times it ran."""
+    made: list[tuple[str, int]] = []
+    run = block_timing._run
+
+    def recorded(block, specs, device, runs: int) -> float:
+        made.append((block.name, runs))
+        return run(block, specs, device, runs)
+
+    monkeypatch.setattr(block_timing, "_run", recorded)
+    return made
+
+
+def assert_warmed_once_per_layout(made: list[tuple[str, int]], pipe) -> None:
+    """One untimed run of one block of each of the denoiser's layouts, as a pipeline is enabled
+    from a profile (see ``block_timing.warm_kernels``)."""
+    layouts = pipeline_state(pipe).dry_runs.forward.default_blocks.first
+    assert [runs for _, runs in made] == [1] * len(layouts), f"one untimed run of a block of each layout: {made}"
+    assert len({name for name, _ in made}) == len(layouts) > 1, made
 
 
 def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:

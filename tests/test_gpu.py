@@ -17,7 +17,7 @@ from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.pipeline_residency import AT_ENABLE
 from diffusers_residency.policy import Policy
 
-from .helpers import PipelineCase, assert_weights_equal, staging_hooks
+from .helpers import PipelineCase, assert_warmed_once_per_layout, assert_weights_equal, record_block_runs, staging_hooks
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -556,7 +556,9 @@ def test_a_second_pipeline_plans_its_first_call_from_the_profile_the_first_saved
     second = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
     second.pipe.to("cpu")
     peaks = record_peaks(monkeypatch)
+    runs = record_block_runs(monkeypatch)
     second.pipe.enable_pinned_offload(vram_budget=budget)
+    assert_warmed_once_per_layout(runs, second.pipe)
     group = pipeline_state(second.pipe).group
     measured: list[bool] = []
     second.pipe.text_encoder.register_forward_pre_hook(lambda *_: measured.append(group.measures_next_call))

@@ -48,7 +48,14 @@ from diffusers_residency.profile import (
 )
 from diffusers_residency.step_timing import StepTiming
 
-from .helpers import PipelineCase, dtypes_compared, sdxl_in_float16, vae_through_bfloat16
+from .helpers import (
+    PipelineCase,
+    assert_warmed_once_per_layout,
+    dtypes_compared,
+    record_block_runs,
+    sdxl_in_float16,
+    vae_through_bfloat16,
+)
 
 MB = 10**6
 
@@ -107,7 +114,9 @@ def test_a_new_pipeline_with_a_saved_profile_plans_its_first_call_from_it(monkey
     handed = []
     real = components.plan_residency
     monkeypatch.setattr(components, "plan_residency", lambda *a, **kw: handed.append(kw.get("chosen")) or real(*a, **kw))
+    runs = record_block_runs(monkeypatch)
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert_warmed_once_per_layout(runs, second.pipe)  # and left offloaded (below)
     # Planned as enabled, before any call, and what the plan keeps resident is loaded then.
     planned = second.pipe.residency_plan()
     assert handed[-1] == learned.components
