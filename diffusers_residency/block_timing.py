@@ -66,28 +66,40 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
 
 def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
     """Run one block of each key in ``inputs`` of streamed component ``name`` once on ``group``'s
-    device, untimed, as a plan read from a residency profile is put in place at enable.
+    device, untimed, and then each module of its trunk that ran in the dry run (see
+    ``replayed_blocks.trunk_modules``), once per layout and inputs, as a plan read from a residency
+    profile is put in place at enable.
 
     Under CUDA's lazy module loading a kernel's first launch loads its module, and that load may
     synchronise the context: in a first call it then waits for every copy queued ahead of it (the
     resident blocks loaded ahead, the staged ones), where a resident pipeline's first call has none
-    queued. Without a profile the blocks are run at enable to time them (``estimated_step``), so
-    their kernels are loaded before any copy; from a profile nothing else runs them before the
-    first call. On the CPU there is nothing to load, and the runs cost little: they are made there
+    queued; and a library sets up each new shape as it first meets it (cuDNN's convolutions and
+    attention: the longest waits of a traced first call, docs/benchmarks.md). Without
+    a profile the blocks are run at enable to time them (``estimated_step``), so their kernels are
+    loaded before any copy; from a profile nothing else runs them before the first call. The
+    trunk's modules (a UNet's resnets and samplers: most of its convolutions) run in neither case
+    but here. On the CPU there is nothing to load, and the runs cost little: they are made there
     too, so that one path serves every device. A failure costs only the warm-up."""
     blocks = _runnable_blocks(group, name, inputs)
     if blocks is None:
         return
-    for position, specs in inputs.first.values():
-        block = blocks[position]
+    firsts = [(blocks[position], specs) for position, specs in inputs.first.values()]
+    runs = [(block, [(block.name, block.module, specs)]) for block, specs in firsts]
+    if inputs.trunk:
+        trunk = next(unit for unit in group.units_of(name) if unit.stream is None)
+        modules = [(f"{name}.{path}", trunk.module.get_submodule(path), specs) for path, specs in inputs.trunk.values()]
+        runs.append((trunk, modules))  # loaded once for them all
+    for unit, modules in runs:
+        running = unit.name
         try:
-            block.stager.load()
-            _run(block, specs, group.device, runs=1)
+            unit.stager.load()
+            for running, module, specs in modules:
+                _run(module, specs, group.device, runs=1)
         except Exception as error:  # never a failed enable
-            logger.info("Kernels of %r not run ahead: its block %r failed (%s)", name, block.name, error)
+            logger.info("Kernels of %r not run ahead: %r failed (%s)", name, running, error)
             return
         finally:
-            block.stager.offload()
+            unit.stager.offload()
 
 
 def _runnable_blocks(group: ResidencyGroup, name: str, inputs: BlockInputs) -> list[ResidencyUnit] | None:
@@ -118,21 +130,21 @@ def _timed(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device
     try:
         stager.load()  # the compute stream waits for its copy
         on_accelerator = _device.is_accelerator(device)
-        _run(block, specs, device, runs=WARMUP_RUNS if on_accelerator else 0)
-        compute = _run(block, specs, device, runs=TIMED_RUNS if on_accelerator else 1)
+        _run(block.module, specs, device, runs=WARMUP_RUNS if on_accelerator else 0)
+        compute = _run(block.module, specs, device, runs=TIMED_RUNS if on_accelerator else 1)
         return compute, stager.loaded_bytes - before[0], stager.load_seconds - before[1]
     finally:
         stager.offload()
 
 
-def _run(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device, runs: int) -> float:
-    """Run loaded ``block`` ``runs`` times on inputs of ``specs``; the median seconds of a run
-    (0.0 for none). Its forward is the module's own, under the hooks (``_old_forward``): a stream
-    entered outside a call would count the run as a pass of a step."""
+def _run(module: torch.nn.Module, specs: tuple[tuple, dict], device: torch.device, runs: int) -> float:
+    """Run ``module``, its weights loaded, ``runs`` times on inputs of ``specs``; the median seconds
+    of a run (0.0 for none). A block's forward is the module's own, under the hooks
+    (``_old_forward``): a stream entered outside a call would count the run as a pass of a step."""
     if not runs:
         return 0.0
     args, kwargs = _materialized(specs, device)
-    forward: Callable[..., Any] = getattr(block.module, "_old_forward", block.module.forward)
+    forward: Callable[..., Any] = getattr(module, "_old_forward", module.forward)
     timed = []
     with torch.no_grad():
         for _ in range(runs):
@@ -145,8 +157,9 @@ def _run(block: ResidencyUnit, specs: tuple[tuple, dict], device: torch.device, 
 def _materialized(specs: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:
     """Tensors on ``device`` for the specs' shapes and dtypes: random normal ones for floating
     point (a generator of their own: the process's is the user's, and seeds their calls), zeros
-    for the rest. (Zeros where a block reads integers or flags, an all-False mask or zero lengths,
-    could change its work: FLUX's, SD3's and SDXL's blocks take none.)"""
+    for the rest. (Zeros where a module reads integers or flags, an all-False mask or zero lengths,
+    could change its work: FLUX's, SD3's and SDXL's blocks take none, and a trunk's timestep
+    embedding given integer steps does the same work for zeros.)"""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def made(leaf: Any) -> Any:

@@ -2,7 +2,7 @@
 class, tensors' shapes and inputs' signature: the others of that key return tensors of the shapes
 it returned and count what it held, rather than dispatching the same operations again (see
 ``dry_runs``). What each block was given can be recorded on the way, for blocks timed at enable
-(see ``block_timing``).
+(see ``block_timing``), and what each module of the trunk was given, for its kernels run then.
 """
 
 from __future__ import annotations
@@ -44,11 +44,19 @@ class BlockInputs:
     first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
     # How many repeated blocks the module has, run or not.
     blocks: int = 0
+    # The trunk's modules that ran (see :func:`trunk_modules`), by layout and inputs' signature:
+    # the first given each, as its path in the module and its inputs.
+    trunk: dict[Hashable, tuple[str, tuple[tuple, dict]]] = field(default_factory=dict)
 
     def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
         self.keys[position] = key
         if key not in self.first:
             self.first[key] = (position, tree_map(_spec, (args, dict(kwargs))))
+
+    def record_trunk(self, path: str, layout: tuple, args: tuple, kwargs: dict) -> None:
+        key = (layout, signature(args, kwargs))
+        if key not in self.trunk:
+            self.trunk[key] = (path, tree_map(_spec, (args, dict(kwargs))))
 
     @property
     def run_order(self) -> tuple[tuple[int, type], ...]:
@@ -78,15 +86,60 @@ def replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs |
     started, above what is alive as they start (a UNet's skip connections pile up along its down
     blocks). A denoiser's dozens of blocks would otherwise cost the host a second of dispatch. (A
     UNet's blocks of one class differ in their channels: their tensors' shapes tell them apart.)
-    ``record``: told each block's inputs, by its position. Returns the undo."""
+    ``record``: told each block's inputs, by its position, and each trunk module's (see
+    :func:`trunk_modules`). Returns the undo."""
     seen: dict[tuple, tuple[Any, int]] = {}
     layouts = block_layouts(twin)
+    handles = []
     if record is not None:
         record.blocks = len(layouts)
+        for path, module, layout in trunk_modules(twin):
+            told = functools.partial(_told_trunk_module, record, path, layout)
+            handles.append(module.register_forward_pre_hook(told, with_kwargs=True))
     for position, (block, layout) in enumerate(layouts):
         told = None if record is None else functools.partial(record.record, position)
         block.forward = functools.partial(_replayed, counter, seen, layout, told, block.forward)
-    return lambda: [block.__dict__.pop("forward", None) for block, _ in layouts]
+
+    def undo() -> None:
+        for block, _ in layouts:
+            block.__dict__.pop("forward", None)
+        for handle in handles:
+            handle.remove()
+
+    return undo
+
+
+def trunk_modules(module: nn.Module) -> list[tuple[str, nn.Module, tuple]]:
+    """The outermost modules of ``module``'s trunk (what is outside its repeated blocks) that hold
+    no block, each with its path and layout (class, and tensors' names and shapes): a UNet's
+    ``conv_in``, the resnets and samplers between its transformer blocks and its ``conv_out``, a
+    transformer's embedders and output projection. Their kernels are a call's as much as the
+    blocks' are (see ``block_timing.warm_kernels``). A module holding a block is not one (running
+    it would run the block), nor a ``ModuleList`` or ``ModuleDict``, which are never called: their
+    items are looked into instead."""
+    blocks = {path for path, _ in repeated_blocks(module)}
+    holding_blocks = {block.rsplit(".", depth)[0] for block in blocks for depth in range(1, block.count(".") + 1)}
+    found: list[tuple[str, nn.Module, tuple]] = []
+
+    def look_into(path: str, parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if child_path in blocks:
+                continue
+            if child_path in holding_blocks or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                look_into(child_path, child)
+            else:
+                layout = tuple((key, tuple(tensor.shape)) for key, tensor in child.state_dict().items())
+                found.append((child_path, child, (type(child), layout)))
+
+    look_into("", module)
+    return found
+
+
+def _told_trunk_module(
+    record: BlockInputs, path: str, layout: tuple, module: nn.Module, args: tuple, kwargs: dict
+) -> None:
+    record.record_trunk(path, layout, args, kwargs)
 
 
 # Each twin's repeated blocks with their layouts (class, and tensors' names and shapes), worked out

@@ -129,27 +129,35 @@ def count_device_allocations(monkeypatch) -> list[int]:
 RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
 
-def record_block_runs(monkeypatch) -> list[tuple[str, int]]:
-    """Each run of a block outside a call (``block_timing``'s timing and warm-up) that did not
-    raise, as the block's name and how many times it ran: the warm-up swallows a failure."""
-    made: list[tuple[str, int]] = []
+def record_block_runs(monkeypatch) -> list[tuple[torch.nn.Module, int]]:
+    """Each run outside a call of a block or a trunk module (``block_timing``'s timing and
+    warm-up) as the module and how many times it ran."""
+    made: list[tuple[torch.nn.Module, int]] = []
     run = block_timing._run
 
-    def recorded(block, specs, device, runs: int) -> float:
-        seconds = run(block, specs, device, runs)
-        made.append((block.name, runs))
-        return seconds
+    def recorded(module, specs, device, runs: int) -> float:
+        made.append((module, runs))
+        return run(module, specs, device, runs)
 
     monkeypatch.setattr(block_timing, "_run", recorded)
     return made
 
 
-def assert_warmed_once_per_layout(made: list[tuple[str, int]], pipe) -> None:
-    """One untimed run of one block of each of the denoiser's layouts, as a pipeline is enabled
+def assert_warmed_once_per_layout(made: list[tuple[torch.nn.Module, int]], pipe) -> None:
+    """One untimed run of one block of each of the denoiser's layouts, then of each module of its
+    trunk that the default call's dry run ran, once per layout and inputs, as a pipeline is enabled
     from a profile (see ``block_timing.warm_kernels``)."""
-    layouts = pipeline_state(pipe).dry_runs.forward.default_blocks.first
-    assert [runs for _, runs in made] == [1] * len(layouts), f"one untimed run of a block of each layout: {made}"
-    assert len({name for name, _ in made}) == len(layouts) > 1, made
+    state = pipeline_state(pipe)
+    inputs = state.dry_runs.forward.default_blocks
+    blocks = [unit.module for unit in state.group.stream_of(state.dry_runs.denoiser).blocks]
+    denoiser = getattr(pipe, state.dry_runs.denoiser)
+    trunk = [denoiser.get_submodule(path) for path, _ in inputs.trunk.values()]
+    assert [runs for _, runs in made] == [1] * (len(inputs.first) + len(trunk)), f"one untimed run of each: {made}"
+    ran = [module for module, _ in made]
+    ran_blocks, ran_trunk = ran[: len(inputs.first)], ran[len(inputs.first) :]
+    assert len({id(module) for module in ran_blocks}) == len(inputs.first) > 1, made
+    assert all(any(module is block for block in blocks) for module in ran_blocks), "blocks of the stream"
+    assert len(ran_trunk) == len(trunk) > 1 and all(a is b for a, b in zip(ran_trunk, trunk)), made
 
 
 def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:

@@ -6,6 +6,7 @@ another shape planned without it, and no estimate kept in a residency profile.""
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 
 import pytest
 import torch
@@ -17,32 +18,38 @@ from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
 from diffusers_residency.plans import ResidencyPlan
 from diffusers_residency.policy import Policy
 from diffusers_residency.profile import CallFigures
-from diffusers_residency.replayed_blocks import BlockInputs, TensorSpec
+from diffusers_residency.replayed_blocks import BlockInputs, TensorSpec, trunk_modules
+from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import PipelineCase
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
 from .test_profile import _measure_on_the_cpu
 
 
-def _block_input_shapes(case: PipelineCase, kwargs: dict) -> dict[int, list]:
-    """The shapes of the tensors each transformer block is given in a resident call of ``kwargs``, by position."""
-    shapes: dict[int, list] = {}
-    blocks = [*case.pipe.transformer.transformer_blocks, *case.pipe.transformer.single_transformer_blocks]
+def _input_shapes(case: PipelineCase, kwargs: dict, modules: dict[Hashable, torch.nn.Module]) -> dict[Hashable, list]:
+    """The shapes of the tensors each of ``modules`` is first given in a resident call of ``kwargs``, by key."""
+    shapes: dict[Hashable, list] = {}
 
-    def told(position: int):
-        def hook(_module: torch.nn.Module, args: tuple, block_kwargs: dict) -> None:
-            leaves = torch.utils._pytree.tree_leaves((args, block_kwargs))
-            shapes.setdefault(position, [(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)])
+    def told(key: Hashable):
+        def hook(_module: torch.nn.Module, args: tuple, module_kwargs: dict) -> None:
+            leaves = torch.utils._pytree.tree_leaves((args, module_kwargs))
+            shapes.setdefault(key, [(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)])
 
         return hook
 
-    handles = [block.register_forward_pre_hook(told(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    handles = [module.register_forward_pre_hook(told(key), with_kwargs=True) for key, module in modules.items()]
     try:
         case.pipe(**kwargs)
     finally:
         for handle in handles:
             handle.remove()
     return shapes
+
+
+def _block_input_shapes(case: PipelineCase, kwargs: dict) -> dict[Hashable, list]:
+    """The shapes of the tensors each transformer block is given in a resident call of ``kwargs``, by position."""
+    blocks = [*case.pipe.transformer.transformer_blocks, *case.pipe.transformer.single_transformer_blocks]
+    return _input_shapes(case, kwargs, dict(enumerate(blocks)))
 
 
 def test_the_default_calls_dry_run_records_what_each_block_is_given() -> None:
@@ -58,6 +65,35 @@ def test_the_default_calls_dry_run_records_what_each_block_is_given() -> None:
     for position, specs in recorded.first.values():
         leaves = torch.utils._pytree.tree_leaves(specs)
         assert [(s.shape, s.dtype) for s in leaves if isinstance(s, TensorSpec)] == real[position]
+
+
+def test_the_default_calls_dry_run_records_what_each_module_of_the_trunk_is_given() -> None:
+    case = PipelineCase("flux")
+    kwargs = {**_default_call("flux"), "num_inference_steps": 1, "output_type": "latent"}
+    trunk = {path: module for path, module, _ in trunk_modules(case.pipe.transformer)}
+    real = _input_shapes(case, kwargs, trunk)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    recorded = pipeline_state(case.pipe).dry_runs.forward.default_blocks.trunk
+    # Every module of the trunk that a call runs, once each (no two of FLUX's share a layout).
+    assert sorted(path for path, _ in recorded.values()) == sorted(real)
+    assert {"x_embedder", "context_embedder", "time_text_embed", "proj_out"} <= set(real)
+    for path, specs in recorded.values():
+        leaves = torch.utils._pytree.tree_leaves(specs)
+        assert [(s.shape, s.dtype) for s in leaves if isinstance(s, TensorSpec)] == real[path], path
+
+
+def test_a_unets_trunk_modules_and_blocks_hold_each_of_its_weights_once() -> None:
+    """A UNet's blocks are its transformer blocks: its resnets, samplers and convolutions in and out
+    are the trunk's, run whole where they hold no block."""
+    unet = PipelineCase("sdxl").pipe.unet
+    blocks = repeated_blocks(unet)
+    trunk = trunk_modules(unet)
+    held = [id(tensor) for _, module in blocks for tensor in module.parameters()]
+    held += [id(tensor) for _, module, _ in trunk for tensor in module.parameters()]
+    assert sorted(held) == sorted(id(tensor) for tensor in unet.parameters())
+    paths = [path for path, _, _ in trunk]
+    assert {"conv_in", "time_embedding", "down_blocks.0", "down_blocks.1.resnets.0", "conv_out"} <= set(paths), paths
+    assert not any(isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) for _, module, _ in trunk)
 
 
 def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
