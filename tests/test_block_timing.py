@@ -21,9 +21,9 @@ from diffusers_residency.profile import CallFigures
 from diffusers_residency.replayed_blocks import BlockInputs, TensorSpec, trunk_modules
 from diffusers_residency.streaming import repeated_blocks
 
-from .helpers import PipelineCase
+from .helpers import PipelineCase, assert_warmed_once_per_layout, record_block_runs, sdxl_in_float16
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
-from .test_profile import _measure_on_the_cpu
+from .test_profile import _budget, _measure_on_the_cpu
 
 
 def _input_shapes(case: PipelineCase, kwargs: dict, modules: dict[Hashable, torch.nn.Module]) -> dict[Hashable, list]:
@@ -94,6 +94,26 @@ def test_a_unets_trunk_modules_and_blocks_hold_each_of_its_weights_once() -> Non
     paths = [path for path, _, _ in trunk]
     assert {"conv_in", "time_embedding", "down_blocks.0", "down_blocks.1.resnets.0", "conv_out"} <= set(paths), paths
     assert not any(isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) for _, module, _ in trunk)
+
+
+def test_a_unet_enabled_from_a_profile_runs_its_trunk_modules_once_each_and_calls_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SDXL's trunk modules take what a UNet passes between its blocks (an up block the skip
+    connections' tuple, a resnet the time embedding): each runs once per layout and inputs as a
+    float16 SDXL is enabled from a profile, and its calls stay exact."""
+    first = sdxl_in_float16()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    second = sdxl_in_float16()
+    made = record_block_runs(monkeypatch)
+    second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert_warmed_once_per_layout(made, second.pipe)
+    ran = {path for path, _ in pipeline_state(second.pipe).dry_runs.forward.default_blocks.trunk.values()}
+    assert {"conv_in", "down_blocks.0", "up_blocks.1", "conv_out"} <= ran, ran
+    assert torch.equal(second.run(), second.reference)
 
 
 def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(
