@@ -320,8 +320,9 @@ def _plan_from_figures(state: PipelineResidency, figures: CallFigures, source: s
 def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch.dtype, ...]]) -> None:
     """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
     holds first (a service's first call is most often of its usual shape), make the casts its calls
-    make and undo (see :func:`warm_casts`), run one block of each of the denoiser's layouts (see
-    ``block_timing.warm_kernels``; without a profile they are timed at enable), and start loading
+    make and undo (see :func:`warm_casts`), run one block of each of the denoiser's layouts and
+    its trunk's modules (see ``block_timing.warm_kernels``; without a profile the blocks are timed
+    at enable), and start loading
     what that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
     its first call rather than in it. A first call of that shape then finds its plan in place and
     its resident weights loaded; one of another shape plans for itself as it starts (see

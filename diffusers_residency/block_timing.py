@@ -80,6 +80,8 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
     trunk's modules (a UNet's resnets and samplers: most of its convolutions) run in neither case
     but here. On the CPU there is nothing to load, and the runs cost little: they are made there
     too, so that one path serves every device. A failure costs only the warm-up."""
+    if any(unit.sleep_level for unit in group.units_of(name)):
+        return  # a sleeping pipeline loads nothing until it wakes
     blocks = _runnable_blocks(group, name, inputs)
     if blocks is None:
         return
@@ -90,7 +92,8 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
         modules = [(f"{name}.{path}", trunk.module.get_submodule(path), specs) for path, specs in inputs.trunk.values()]
         runs.append((trunk, modules))  # loaded once for them all
     for unit, modules in runs:
-        running = unit.name
+        # Enabled again after calls, what a call left loaded (the trunk) stays so.
+        loaded_before, running = unit.stager.loaded, unit.name
         try:
             unit.stager.load()
             for running, module, specs in modules:
@@ -99,7 +102,8 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
             logger.info("Kernels of %r not run ahead: %r failed (%s)", name, running, error)
             return
         finally:
-            unit.stager.offload()
+            if not loaded_before:
+                unit.stager.offload()
 
 
 def _runnable_blocks(group: ResidencyGroup, name: str, inputs: BlockInputs) -> list[ResidencyUnit] | None:
@@ -159,10 +163,13 @@ def _materialized(specs: tuple[tuple, dict], device: torch.device) -> tuple[tupl
     point (a generator of their own: the process's is the user's, and seeds their calls), zeros
     for the rest. (Zeros where a module reads integers or flags, an all-False mask or zero lengths,
     could change its work: FLUX's, SD3's and SDXL's blocks take none, and a trunk's timestep
-    embedding given integer steps does the same work for zeros.)"""
+    embedding given integer steps does the same work for zeros.) A device given as an argument
+    was the dry run's meta device: ``device`` here."""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def made(leaf: Any) -> Any:
+        if isinstance(leaf, torch.device):
+            return device
         if not isinstance(leaf, TensorSpec):
             return leaf
         if leaf.dtype.is_floating_point:

@@ -378,7 +378,7 @@ class ForwardDryRun:
         # The default call's inputs' signature, and what its dry run gave each repeated block (see
         # need_at_defaults).
         self._default: tuple | None = None
-        self.default_blocks = BlockInputs()
+        self.default_blocks = BlockInputs(trunk={})
         # The (height, width) of the default call's output, as its code told them (see default_call).
         self.default_size: tuple[int, int] | None = None
 

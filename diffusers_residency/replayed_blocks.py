@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from .live_bytes import PLAIN_ARGUMENTS, LiveBytes
 from .streaming import repeated_blocks
@@ -34,29 +34,43 @@ def _spec(leaf: Any) -> Any:
     return TensorSpec(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
 
 
+def _specs(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    return tree_map(_spec, (args, dict(kwargs)))
+
+
+_KEPT_LEAVES = (torch.Tensor, *PLAIN_ARGUMENTS)
+
+
 @dataclass
 class BlockInputs:
     """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
     signature, see :func:`_replayed`) by position, in the order they first ran, and for each key
-    the first block given it, with its inputs as :class:`TensorSpec`."""
+    the first block given it, with its inputs as :class:`TensorSpec`; and, where asked, what it
+    gave the modules of its trunk."""
 
     keys: dict[int, Hashable] = field(default_factory=dict)
     first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
     # How many repeated blocks the module has, run or not.
     blocks: int = 0
     # The trunk's modules that ran (see :func:`trunk_modules`), by layout and inputs' signature:
-    # the first given each, as its path in the module and its inputs.
-    trunk: dict[Hashable, tuple[str, tuple[tuple, dict]]] = field(default_factory=dict)
+    # the first given each, as its path in the module and its inputs. None where they are not
+    # recorded: only a denoiser's are run ahead (see ``block_timing.warm_kernels``).
+    trunk: dict[Hashable, tuple[str, tuple[tuple, dict]]] | None = None
 
     def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
         self.keys[position] = key
         if key not in self.first:
-            self.first[key] = (position, tree_map(_spec, (args, dict(kwargs))))
+            self.first[key] = (position, _specs(args, kwargs))
 
     def record_trunk(self, path: str, layout: tuple, args: tuple, kwargs: dict) -> None:
+        """Inputs holding anything but tensors and plain values are not kept: an object that pytree
+        does not open would keep its meta tensors alive through the dry run, and hand them to the
+        real module at enable."""
+        if self.trunk is None or not all(isinstance(leaf, _KEPT_LEAVES) for leaf in tree_leaves((args, kwargs))):
+            return
         key = (layout, signature(args, kwargs))
         if key not in self.trunk:
-            self.trunk[key] = (path, tree_map(_spec, (args, dict(kwargs))))
+            self.trunk[key] = (path, _specs(args, kwargs))
 
     @property
     def run_order(self) -> tuple[tuple[int, type], ...]:
@@ -93,6 +107,7 @@ def replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs |
     handles = []
     if record is not None:
         record.blocks = len(layouts)
+    if record is not None and record.trunk is not None:
         for path, module, layout in trunk_modules(twin):
             told = functools.partial(_told_trunk_module, record, path, layout)
             handles.append(module.register_forward_pre_hook(told, with_kwargs=True))
@@ -111,26 +126,26 @@ def replaying_repeats(twin: nn.Module, counter: LiveBytes, record: BlockInputs |
 
 def trunk_modules(module: nn.Module) -> list[tuple[str, nn.Module, tuple]]:
     """The outermost modules of ``module``'s trunk (what is outside its repeated blocks) that hold
-    no block, each with its path and layout (class, and tensors' names and shapes): a UNet's
-    ``conv_in``, the resnets and samplers between its transformer blocks and its ``conv_out``, a
-    transformer's embedders and output projection. Their kernels are a call's as much as the
-    blocks' are (see ``block_timing.warm_kernels``). A module holding a block is not one (running
-    it would run the block), nor a ``ModuleList`` or ``ModuleDict``, which are never called: their
-    items are looked into instead."""
-    blocks = {path for path, _ in repeated_blocks(module)}
-    holding_blocks = {block.rsplit(".", depth)[0] for block in blocks for depth in range(1, block.count(".") + 1)}
+    no block, each with its path and layout (see :func:`_layout`): a UNet's ``conv_in``, the
+    resnets and samplers between its transformer blocks and its ``conv_out``, a transformer's
+    embedders and output projection. Their kernels are a call's as much as the blocks' are (see
+    ``block_timing.warm_kernels``). A module holding a block, by any path, is not one (running it
+    would run the block), nor a ``ModuleList`` or ``ModuleDict``, which are never called: their
+    items are looked into instead. A module reachable by two paths is listed once."""
+    blocks = {id(block) for _, block in repeated_blocks(module)}
+    seen: set[int] = set()
     found: list[tuple[str, nn.Module, tuple]] = []
 
     def look_into(path: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
-            child_path = f"{path}.{name}" if path else name
-            if child_path in blocks:
+            if id(child) in seen or id(child) in blocks:
                 continue
-            if child_path in holding_blocks or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            seen.add(id(child))
+            child_path = f"{path}.{name}" if path else name
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or any(id(m) in blocks for m in child.modules()):
                 look_into(child_path, child)
             else:
-                layout = tuple((key, tuple(tensor.shape)) for key, tensor in child.state_dict().items())
-                found.append((child_path, child, (type(child), layout)))
+                found.append((child_path, child, _layout(child)))
 
     look_into("", module)
     return found
@@ -152,11 +167,13 @@ _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, tuple]]] = 
 def block_layouts(twin: nn.Module) -> list[tuple[nn.Module, tuple]]:
     layouts = _LAYOUTS.get(twin)
     if layouts is None:
-        layouts = _LAYOUTS[twin] = [
-            (block, (type(block), tuple((name, tensor.shape) for name, tensor in block.state_dict().items())))
-            for _, block in repeated_blocks(twin)
-        ]
+        layouts = _LAYOUTS[twin] = [(block, _layout(block)) for _, block in repeated_blocks(twin)]
     return layouts
+
+
+def _layout(module: nn.Module) -> tuple:
+    """A module's class, and its tensors' names and shapes."""
+    return type(module), tuple((name, tensor.shape) for name, tensor in module.state_dict().items())
 
 
 def _replayed(

@@ -130,14 +130,15 @@ RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
 
 def record_block_runs(monkeypatch) -> list[tuple[torch.nn.Module, int]]:
-    """Each run outside a call of a block or a trunk module (``block_timing``'s timing and
-    warm-up) as the module and how many times it ran."""
+    """Each run outside a call of a block or a module of a trunk (``block_timing``'s timing and
+    warm-up) that did not raise, as the module and how many times it ran."""
     made: list[tuple[torch.nn.Module, int]] = []
     run = block_timing._run
 
     def recorded(module, specs, device, runs: int) -> float:
-        made.append((module, runs))
-        return run(module, specs, device, runs)
+        seconds = run(module, specs, device, runs)
+        made.append((module, runs))  # a run that raised is none
+        return seconds
 
     monkeypatch.setattr(block_timing, "_run", recorded)
     return made

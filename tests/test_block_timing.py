@@ -23,7 +23,7 @@ from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import PipelineCase, assert_warmed_once_per_layout, record_block_runs, sdxl_in_float16
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
-from .test_profile import _budget, _measure_on_the_cpu
+from .test_profile import _measure_on_the_cpu, _measured_pipeline
 
 
 def _input_shapes(case: PipelineCase, kwargs: dict, modules: dict[Hashable, torch.nn.Module]) -> dict[Hashable, list]:
@@ -102,11 +102,7 @@ def test_a_unet_enabled_from_a_profile_runs_its_trunk_modules_once_each_and_call
     """SDXL's trunk modules take what a UNet passes between its blocks (an up block the skip
     connections' tuple, a resnet the time embedding): each runs once per layout and inputs as a
     float16 SDXL is enabled from a profile, and its calls stay exact."""
-    first = sdxl_in_float16()
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    _, budget = _measured_pipeline(monkeypatch, made=sdxl_in_float16)
     second = sdxl_in_float16()
     made = record_block_runs(monkeypatch)
     second.pipe.enable_pinned_offload("cpu", vram_budget=budget)
@@ -114,6 +110,74 @@ def test_a_unet_enabled_from_a_profile_runs_its_trunk_modules_once_each_and_call
     ran = {path for path, _ in pipeline_state(second.pipe).dry_runs.forward.default_blocks.trunk.values()}
     assert {"conv_in", "down_blocks.0", "up_blocks.1", "conv_out"} <= ran, ran
     assert torch.equal(second.run(), second.reference)
+
+
+def test_enabled_again_after_calls_a_pipeline_keeps_the_trunk_its_calls_left_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, budget = _measured_pipeline(monkeypatch)
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)  # from the profile just saved
+    assert torch.equal(case.run(), case.reference)
+    state = pipeline_state(case.pipe)
+    trunk = next(unit for unit in state.group.units_of("transformer") if unit.stream is None)
+    assert trunk.stager.loaded
+    made = record_block_runs(monkeypatch)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    assert made and trunk.stager.loaded, "its modules run again, on the trunk as it was"
+    loaded = trunk.stager.loaded_bytes
+    assert torch.equal(case.run(), case.reference)
+    assert trunk.stager.loaded_bytes == loaded, "the next call loads no trunk"
+
+
+def test_a_device_a_module_was_given_in_the_dry_run_is_the_one_it_runs_on() -> None:
+    specs = ((TensorSpec((2, 3), torch.float32),), {"device": torch.device("meta"), "scale": 0.5})
+    args, kwargs = block_timing._materialized(specs, torch.device("cpu"))
+    assert args[0].device == torch.device("cpu") and args[0].shape == (2, 3)
+    assert kwargs == {"device": torch.device("cpu"), "scale": 0.5}
+
+
+def test_trunk_inputs_holding_an_object_that_pytree_does_not_open_are_not_kept() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.mask = torch.empty(2, device="meta")
+
+    layout = (torch.nn.Linear, ())
+    hidden = torch.empty(2, 3, device="meta")
+    recorded = BlockInputs(trunk={})
+    recorded.record_trunk("held", layout, (hidden,), {"mask": Holder()})
+    recorded.record_trunk("plain", layout, (hidden,), {"device": hidden.device, "scale": 0.5})
+    assert [path for path, _ in recorded.trunk.values()] == ["plain"]
+    unrecorded = BlockInputs()  # a decoder's: its trunk is not run ahead
+    unrecorded.record_trunk("plain", layout, (hidden,), {})
+    assert unrecorded.trunk is None
+
+
+def test_a_block_reached_by_another_path_is_no_module_of_the_trunk() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, block: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.norm = block, torch.nn.LayerNorm(4)
+
+    class Model(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.blocks = torch.nn.Linear(4, 4), torch.nn.ModuleList([Block(), Block()])
+            self.alias, self.wrapper = self.blocks[0], Wrapper(self.blocks[1])
+            self.proj = torch.nn.Linear(4, 4)
+            self.proj_again = self.proj
+
+    model = Model()
+    assert [path for path, _ in repeated_blocks(model)] == ["blocks.0", "blocks.1"]
+    # The alias is a block, the wrapper holds one (its norm is the trunk's), the projection is listed once.
+    assert [path for path, _, _ in trunk_modules(model)] == ["embed", "wrapper.norm", "proj"]
 
 
 def test_the_plan_made_at_enable_is_chosen_from_its_denoisers_blocks_timed(

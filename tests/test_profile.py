@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,10 +89,16 @@ def _measured_calls(case: PipelineCase) -> list[bool]:
     return measuring
 
 
-def _measured_pipeline(monkeypatch: pytest.MonkeyPatch, whole: tuple[str, ...] = ()) -> tuple[PipelineCase, int]:
-    """A tiny FLUX pipeline enabled under a budget that measures its calls (see :func:`_budget`),
-    after its first (measuring) call, exact; and that budget."""
-    case = PipelineCase("flux")
+def _flux() -> PipelineCase:
+    return PipelineCase("flux")
+
+
+def _measured_pipeline(
+    monkeypatch: pytest.MonkeyPatch, whole: tuple[str, ...] = (), made: Callable[[], PipelineCase] = _flux
+) -> tuple[PipelineCase, int]:
+    """A tiny pipeline (FLUX unless ``made`` makes another) enabled under a budget that measures its
+    calls (see :func:`_budget`), after its first (measuring) call, exact; and that budget."""
+    case = made()
     budget = _budget(case, whole)
     case.pipe.enable_pinned_offload("cpu", vram_budget=budget)
     _measure_on_the_cpu(case, monkeypatch)
@@ -211,11 +218,7 @@ def test_casts_calls_make_and_undo_are_made_as_a_pipeline_is_enabled_from_its_pr
     """SDXL in float16 casts its VAE to float32 to decode, and back, in every call. The profile keeps
     those casts, and a pipeline enabled from it makes them before its first call: that call
     converts nothing, as later calls do, and gives what resident gives."""
-    first = sdxl_in_float16()
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch, made=sdxl_in_float16)
     (figures,) = residency_profile(first.pipe).shapes.values()
     assert figures.casts == {"vae": (torch.float32, torch.float16)}
 
@@ -338,11 +341,7 @@ def _vae_up_and_back(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
 
 
 def test_a_profile_loaded_inside_a_call_leaves_the_casts_to_that_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = sdxl_in_float16()
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    first, budget = _measured_pipeline(monkeypatch, made=sdxl_in_float16)
     file = pipeline_state(first.pipe).profile_file
 
     second = sdxl_in_float16()
@@ -389,11 +388,7 @@ def test_a_cast_that_fails_at_enable_is_undone_and_left_to_the_first_call(
     """The host running out of memory (injected where the masters are converted) while a profile's
     casts are made at enable: the component is cast back, the enable goes on, and the first call
     casts it itself."""
-    first = sdxl_in_float16()
-    budget = _budget(first)
-    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
-    _measure_on_the_cpu(first, monkeypatch)
-    assert torch.equal(first.run(), first.reference)
+    _, budget = _measured_pipeline(monkeypatch, made=sdxl_in_float16)
 
     second = sdxl_in_float16()
     real = conversions.ConversionReuse.convert
