@@ -69,6 +69,7 @@ def _describe(value: Any) -> Any:
 
 
 _PASSING_ON = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+_BY_POSITION = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def call_signature(cls: type, caller: type | None = None) -> inspect.Signature:
@@ -78,10 +79,12 @@ def call_signature(cls: type, caller: type | None = None) -> inspect.Signature:
     several parents, ``cls``'s next may be another than in ``cls``'s own order): for a ``__call__``
     taking only ``*args, **kwargs`` the parent's signature, and for one that names some arguments
     and passes the rest on (``prompt, strength=0.5, **kwargs``) its own followed by the parent's
-    others as keyword-only arguments; either way what it takes from the parent defaults to None
-    (see :func:`_defaults_unknown`). A parent's ``__call__`` that is no plain function, or has no
-    signature to read, names nothing: what was read so far is kept. Raises as
-    ``inspect.signature`` does where the class's own has none to read."""
+    others as keyword-only arguments (where it names none by position, ``*args, strength=0.5,
+    **kwargs``, its positional arguments are the parent's, see :func:`_passed_on_to`); either way
+    what it takes from the parent defaults to None (see :func:`_defaults_unknown`). A parent's
+    ``__call__`` that is no plain function, or has no signature to read, names nothing: what was
+    read so far is kept. Raises as ``inspect.signature`` does where the class's own has none to
+    read."""
     order = caller.__mro__ if caller is not None and cls in caller.__mro__ else cls.__mro__
     read: inspect.Signature | None = None
     for owner in order[order.index(cls) :]:
@@ -107,31 +110,53 @@ def call_signature(cls: type, caller: type | None = None) -> inspect.Signature:
 def _passed_on_to(child: inspect.Signature, parent: inspect.Signature) -> inspect.Signature:
     """``child``, a signature passing arguments on, with those its ``parent`` names: the parent's
     whole signature where the child names none of its own, else the child's followed by the
-    parent's others, keyword-only (an argument given by position goes to the child's names first),
-    in both cases with the parent's defaults unknown."""
+    parent's others, keyword-only (an argument given by position goes to the child's names first,
+    or, where it names none by position, to the parent's), in both cases with the parent's
+    defaults unknown."""
     parent = _defaults_unknown(parent)
     own = list(child.parameters.values())
     # ``self``, unless the child takes it in ``*args`` (a decorator's ``wrapper(*args, **kwargs)``).
-    first = own[:1] if own and own[0].kind not in _PASSING_ON else []
+    first = own[:1] if own and own[0].kind in _BY_POSITION else []
     named = [parameter for parameter in own[len(first) :] if parameter.kind not in _PASSING_ON]
     if not named:
         return parent
     names = {parameter.name for parameter in named}
     keyword_only = inspect.Parameter.KEYWORD_ONLY
-    parents = [
-        parameter.replace(kind=keyword_only)
-        for parameter in list(parent.parameters.values())[1:]
-        if parameter.kind not in _PASSING_ON and parameter.name not in names
-    ]
-    variadic = [parameter for parameter in child.parameters.values() if parameter.kind is inspect.Parameter.VAR_POSITIONAL]
-    passing_on = [parameter for parameter in parent.parameters.values() if parameter.kind is inspect.Parameter.VAR_KEYWORD]
+    positional = [parameter for parameter in named if parameter.kind is not keyword_only]
+    theirs = list(parent.parameters.values())
+    if theirs and theirs[0].kind in _BY_POSITION:
+        theirs_self, theirs = theirs[:1], theirs[1:]
+    else:
+        theirs_self = []
+    variadic = [parameter for parameter in own if parameter.kind is inspect.Parameter.VAR_POSITIONAL]
+    leading: list[inspect.Parameter] = []
+    if variadic and not positional:
+        # ``(self, *args, strength=0.5, **kwargs)`` passes its positional arguments on as they
+        # came, so they are the parent's (its ``self`` too, for a child taking it in ``*args``),
+        # up to the first the child names itself or the parent's own ``*args``: arguments past
+        # those stay unnamed, as the parent takes them.
+        stop = None
+        for parameter in [*([] if first else theirs_self), *theirs]:
+            if parameter.name in names or parameter.kind not in _BY_POSITION:
+                stop = parameter
+                break
+            leading.append(parameter)
+        if stop is None or stop.kind in (keyword_only, inspect.Parameter.VAR_KEYWORD):
+            variadic = []
+        if any(parameter.kind is inspect.Parameter.POSITIONAL_ONLY for parameter in leading):
+            first = [parameter.replace(kind=inspect.Parameter.POSITIONAL_ONLY) for parameter in first]
     parameters = [
         *first,
-        *(parameter for parameter in named if parameter.kind is not keyword_only),
+        *positional,
+        *leading,
         *variadic,
         *(parameter for parameter in named if parameter.kind is keyword_only),
-        *parents,
-        *passing_on,
+        *(
+            parameter.replace(kind=keyword_only)
+            for parameter in theirs
+            if parameter.kind not in _PASSING_ON and parameter.name not in names and parameter not in leading
+        ),
+        *(parameter for parameter in theirs if parameter.kind is inspect.Parameter.VAR_KEYWORD),
     ]
     return child.replace(parameters=parameters)
 

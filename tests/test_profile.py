@@ -937,6 +937,42 @@ def test_a_subclass_passing_its_arguments_on_is_keyed_by_its_parents_arguments()
         assert "height=1024" in explicit, "a size passed on is keyed"
         assert call_shape(signature, ("a cat",), {}, (1024, 768)) == explicit, "left to the default size, as its parent's"
         assert call_shape(signature, ("a cat", 0.7), {}, (1024, 768)) == explicit, "by position, its own names first"
+    class NamingKeywordOnly(StableDiffusionXLPipeline):
+        def __call__(self, *args, strength=0.5, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    def keyword_only_wrapper(function):
+        def wrapper(*args, strength=0.5, **kwargs):  # self among args
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    class DecoratedNamingKeywordOnly(StableDiffusionXLPipeline):
+        __call__ = keyword_only_wrapper(StableDiffusionXLPipeline.__call__)
+
+    class ChainedNamingKeywordOnly(PassingOn):  # positional arguments passed on twice
+        def __call__(self, *args, strength=0.5, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    for naming in (NamingKeywordOnly, DecoratedNamingKeywordOnly, ChainedNamingKeywordOnly):
+        signature = call_signature(naming)
+        assert signature.parameters.keys() - {"strength"} == parents.keys(), "the parent's names, and its own"
+        assert signature.parameters["strength"].default == 0.5
+        explicit = call_shape(signature, ("a cat",), {"height": 1024, "width": 768})
+        assert "height=1024" in explicit
+        assert call_shape(signature, ("a cat", None, 1024, 768), {}) == explicit, "by position, the parent's names"
+        assert call_shape(signature, ("a cat",), {"strength": 0.7}, (1024, 768)) == explicit
+
+    class PositionalOnly(StableDiffusionXLPipeline):
+        def __call__(self, prompt=None, /, **kwargs):
+            return super().__call__(prompt, **kwargs)
+
+    class NamingOverPositionalOnly(PositionalOnly):
+        def __call__(self, *args, strength=0.5, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    signature = call_signature(NamingOverPositionalOnly)  # its self taken by position only, as its prompt
+    assert call_shape(signature, ("a cat",), {"height": 1024, "width": 768}).startswith("height=1024 width=768")
     assert call_signature(Taking) == inspect.signature(Taking.__call__), "taking nothing is passing nothing on"
     for no_function in (PassingOnToPartial, PassingOnToStatic):
         assert call_signature(no_function) == inspect.signature(no_function.__call__), "no function: no names read"
