@@ -321,8 +321,8 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
     """As a pipeline is enabled with a profile from an earlier process: plan for the call shape it
     holds first (a service's first call is most often of its usual shape), make the casts its calls
     make and undo (see :func:`warm_casts`), run one block of each of the denoiser's layouts and
-    its trunk's modules (see ``block_timing.warm_kernels``; without a profile the blocks are timed
-    at enable), and start loading
+    its trunk's modules (see ``block_timing.warm_kernels``; without a profile, see
+    :func:`_plan_default_call`), and start loading
     what that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
     its first call rather than in it. A first call of that shape then finds its plan in place and
     its resident weights loaded; one of another shape plans for itself as it starts (see
@@ -367,7 +367,9 @@ def _plan_default_call(state: PipelineResidency) -> None:
     starts (see begin_call); the blocks loaded here that the call's own plan keeps then cost it no
     load, as a resident pipeline's weights loaded by ``.to(device)`` cost its first call none.
     Where the plan streams some of the denoiser's blocks, they are chosen for its step estimated
-    from blocks of it timed now (see ``block_timing``), as the call's timed step would choose them."""
+    from blocks of it timed now (see ``block_timing``), as the call's timed step would choose them;
+    its trunk's modules run once too, and its blocks where none were timed (see
+    ``block_timing.warm_kernels``)."""
     runs, budget = state.dry_runs, state.plan.budget
     if runs is None or budget is None or not state.measuring:
         return
@@ -380,12 +382,15 @@ def _plan_default_call(state: PipelineResidency) -> None:
     streaming, whole = hooked_policies(state)
     try:
         plan = state.replan(activations, streaming, whole)
-        step = _estimated_step(state, plan)
+        timed = _times_blocks(state, plan)
+        step = estimated_step(state.group, plan.sizes_of(runs.denoiser), runs.forward.default_blocks) if timed else None
         if step is not None:
             plan = state.replan(activations, streaming, whole, {runs.denoiser: step})
     except BudgetTooSmallError:
         return  # a first call measures with the least on the device, as without estimates
     apply_plan(state, replace(plan, source=AT_ENABLE))
+    # Before the loads are queued, which a kernel's first launch may wait for.
+    warm_kernels(state.group, runs.denoiser, runs.forward.default_blocks, with_blocks=not timed)
     state.group.load_resident_ahead()
     # A text encoder run outside a pipeline call (``pipe.encode_prompt``) that needs more than the
     # reserve runs again with the rest off the device too (see begin_call).
@@ -399,16 +404,14 @@ def _plan_default_call(state: PipelineResidency) -> None:
                 estimates, plan.summary())  # fmt: skip
 
 
-def _estimated_step(state: PipelineResidency, plan: ResidencyPlan) -> StepTiming | None:
-    """The denoiser's step estimated from its blocks timed now (see ``block_timing``), where
-    ``plan`` streams some of them: the plan at enable is then chosen as a timed step would choose
-    it."""
+def _times_blocks(state: PipelineResidency, plan: ResidencyPlan) -> bool:
+    """Whether the denoiser's step is estimated from its blocks timed now (see ``block_timing``):
+    where ``plan`` streams some of them, so that the plan at enable is chosen as a timed step would
+    choose it."""
     denoiser = state.dry_runs.denoiser
     sizes, planned = plan.sizes_of(denoiser), plan[denoiser]
     streams = planned.policy is Policy.STREAMED and len(planned.resident_blocks) < len(sizes.block_bytes)
-    if not (sizes.per_step and streams):
-        return None
-    return estimated_step(state.group, sizes, state.dry_runs.forward.default_blocks)
+    return bool(sizes.per_step and streams)
 
 
 def abort_call(state: PipelineResidency, error: BaseException) -> None:

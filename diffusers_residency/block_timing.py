@@ -64,31 +64,31 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     return StepTiming(sum(per_block) / sum(sizes.block_bytes), load_seconds / loaded, True, shares)
 
 
-def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
+def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs, with_blocks: bool = True) -> None:
     """Run one block of each key in ``inputs`` of streamed component ``name`` once on ``group``'s
-    device, untimed, and then each module of its trunk that ran in the dry run (see
-    ``replayed_blocks.trunk_modules``), once per layout and inputs, as a plan read from a residency
-    profile is put in place at enable.
+    device, untimed (unless ``with_blocks`` is False: they were just timed, see
+    :func:`estimated_step`), then each module of its trunk that ran in the dry run (see
+    ``replayed_blocks.trunk_modules``), once per layout and inputs, as a plan is put in place at
+    enable, read from a residency profile or made from the dry runs.
 
     Under CUDA's lazy module loading a kernel's first launch loads its module, and that load may
     synchronise the context: in a first call it then waits for every copy queued ahead of it (the
     resident blocks loaded ahead, the staged ones), where a resident pipeline's first call has none
     queued; and a library sets up each new shape as it first meets it (cuDNN's convolutions and
-    attention: the longest waits of a traced first call, docs/benchmarks.md). Without
-    a profile the blocks are run at enable to time them (``estimated_step``), so their kernels are
-    loaded before any copy; from a profile nothing else runs them before the first call. The
-    trunk's modules (a UNet's resnets and samplers: most of its convolutions) run in neither case
-    but here. On the CPU there is nothing to load, and the runs cost little: they are made there
-    too, so that one path serves every device. A failure costs only the warm-up."""
+    attention: the longest waits of a traced first call, docs/benchmarks.md). Timing the blocks
+    runs them (``estimated_step``); nothing else runs the trunk's modules (a UNet's resnets and
+    samplers: most of its convolutions) before the first call. On the CPU there is nothing to load,
+    and the runs cost little: they are made there too, so that one path serves every device. A
+    failure costs only the warm-up."""
     if any(unit.sleep_level for unit in group.units_of(name)):
         return  # a sleeping pipeline loads nothing until it wakes
     blocks = _runnable_blocks(group, name, inputs)
     if blocks is None:
         return
-    firsts = [(blocks[position], specs) for position, specs in inputs.first.values()]
+    firsts = [(blocks[position], specs) for position, specs in inputs.first.values()] if with_blocks else []
     runs = [(block, [(block.name, block.module, specs)]) for block, specs in firsts]
-    if inputs.trunk:
-        trunk = next(unit for unit in group.units_of(name) if unit.stream is None)
+    trunk = next((unit for unit in group.units_of(name) if unit.stream is None), None)
+    if inputs.trunk and trunk is not None:
         modules = [(f"{name}.{path}", trunk.module.get_submodule(path), specs) for path, specs in inputs.trunk.values()]
         runs.append((trunk, modules))  # loaded once for them all
     for unit, modules in runs:
@@ -98,9 +98,8 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs) -> None:
             unit.stager.load()
             for running, module, specs in modules:
                 _run(module, specs, group.device, runs=1)
-        except Exception as error:  # never a failed enable
+        except Exception as error:  # never a failed enable; the other units are still run
             logger.info("Kernels of %r not run ahead: %r failed (%s)", name, running, error)
-            return
         finally:
             if not loaded_before:
                 unit.stager.offload()

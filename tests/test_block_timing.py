@@ -23,7 +23,7 @@ from diffusers_residency.streaming import repeated_blocks
 
 from .helpers import PipelineCase, assert_warmed_once_per_layout, record_block_runs, sdxl_in_float16
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
-from .test_profile import _measure_on_the_cpu, _measured_pipeline
+from .test_profile import _budget, _measure_on_the_cpu, _measured_pipeline
 
 
 def _input_shapes(case: PipelineCase, kwargs: dict, modules: dict[Hashable, torch.nn.Module]) -> dict[Hashable, list]:
@@ -110,6 +110,54 @@ def test_a_unet_enabled_from_a_profile_runs_its_trunk_modules_once_each_and_call
     ran = {path for path, _ in pipeline_state(second.pipe).dry_runs.forward.default_blocks.trunk.values()}
     assert {"conv_in", "down_blocks.0", "up_blocks.1", "conv_out"} <= ran, ran
     assert torch.equal(second.run(), second.reference)
+
+
+def test_a_unet_enabled_without_a_profile_runs_its_trunk_modules_once_each_after_its_timed_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a profile the blocks run at enable to be timed, and the trunk's modules after them,
+    before the plan's loads are queued; the trunk is left as the plan wants it, and calls exact."""
+    case = sdxl_in_float16()
+    made = record_block_runs(monkeypatch)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    state = pipeline_state(case.pipe)
+    assert state.plan.source == AT_ENABLE and state.plan.timings["unet"].estimated, str(state.plan)
+    inputs = state.dry_runs.forward.default_blocks
+    trunk = [case.pipe.unet.get_submodule(path) for path, _ in inputs.trunk.values()]
+    ran = [module for module, runs in made if runs]  # on the CPU a block is timed in one run, none before
+    assert len(ran) == len(inputs.first) + len(trunk) and len(trunk) > 1, made
+    assert all(a is b for a, b in zip(ran[len(inputs.first) :], trunk)), "each trunk module once, after the blocks"
+    unet_trunk = next(unit for unit in state.group.units_of("unet") if unit.stream is None)
+    assert unet_trunk.stager.loaded == (unet_trunk.policy is Policy.RESIDENT)
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_a_block_that_fails_to_be_timed_leaves_the_trunk_run_and_is_not_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block whose timing fails (short of memory under a cap, say) gives no estimate; the trunk's
+    modules still run, and the block is not run once more to fail again."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    case = sdxl_in_float16()
+    ran: list[torch.nn.Module] = []
+    run = block_timing._run
+
+    def failing_blocks(module, specs, device, runs: int) -> float:
+        if isinstance(module, BasicTransformerBlock):
+            raise RuntimeError("out of memory")
+        ran.append(module)
+        return run(module, specs, device, runs)
+
+    monkeypatch.setattr(block_timing, "_run", failing_blocks)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    state = pipeline_state(case.pipe)
+    assert "unet" not in state.plan.timings, "no estimate"
+    trunk = [case.pipe.unet.get_submodule(path) for path, _ in state.dry_runs.forward.default_blocks.trunk.values()]
+    assert len(ran) == len(trunk) > 1 and all(a is b for a, b in zip(ran, trunk)), ran
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
 
 
 def test_enabled_again_after_calls_a_pipeline_keeps_the_trunk_its_calls_left_loaded(
