@@ -10,6 +10,7 @@ from collections.abc import Hashable
 
 import pytest
 import torch
+from diffusers.hooks import FirstBlockCacheConfig
 
 from diffusers_residency import block_timing
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
@@ -158,6 +159,28 @@ def test_a_block_that_fails_to_be_timed_leaves_the_trunk_run_and_is_not_run_agai
     assert len(ran) == len(trunk) > 1 and all(a is b for a, b in zip(ran, trunk)), ran
     _measure_on_the_cpu(case, monkeypatch)
     assert torch.equal(case.run(), case.reference)
+
+
+def test_blocks_under_a_diffusers_cache_enabled_before_are_not_run_at_enable_and_calls_stay_exact(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first-block cache's hooks on the blocks keep their state per cache context, which only a
+    call sets: run outside one, a block raises. The plan at enable is made without a step
+    estimate, the trunk's modules still run, and nothing run at enable reaches the cache's state."""
+    case = PipelineCase("flux")
+    case.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    reference = case.run()
+    made = record_block_runs(monkeypatch)
+    with caplog.at_level(logging.INFO, logger=block_timing.__name__):
+        case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    state = pipeline_state(case.pipe)
+    assert "transformer" not in state.plan.timings and "No cache context is set" in caplog.text, caplog.text
+    trunk = [case.pipe.transformer.get_submodule(path) for path, _ in state.dry_runs.forward.default_blocks.trunk.values()]
+    ran = [module for module, runs in made if runs]  # on the CPU a block is timed in one run, none before
+    assert len(ran) == len(trunk) > 1 and all(a is b for a, b in zip(ran, trunk)), made
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), reference)
+    assert torch.equal(case.run(), reference)
 
 
 def test_enabled_again_after_calls_a_pipeline_keeps_the_trunk_its_calls_left_loaded(
