@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .block_timing import estimated_step, warm_kernels
+from .block_timing import estimated_step, warm_encoders, warm_kernels
 from .budget_watch import BudgetWatch
 from .call_shapes import covering_shape, shape_parts
 from .casts import lossless_round_trip, warm_casts
@@ -322,12 +322,13 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
     holds first (a service's first call is most often of its usual shape), make the casts its calls
     make and undo (see :func:`warm_casts`), run one block of each of the denoiser's layouts and
     its trunk's modules (see ``block_timing.warm_kernels``; without a profile, see
-    :func:`_plan_default_call`), and start loading
-    what that plan keeps resident, as a resident pipeline's ``.to(device)`` loads its weights before
-    its first call rather than in it. A first call of that shape then finds its plan in place and
-    its resident weights loaded; one of another shape plans for itself as it starts (see
-    begin_call), and the loads made here are partly undone. Without a profile, make the
-    ``guessed_casts``, those the pipeline's code is expected to make (see casts.guessed_casts)."""
+    :func:`_plan_default_call`), start loading what that plan keeps resident, as a resident
+    pipeline's ``.to(device)`` loads its weights before its first call rather than in it, and run
+    its encoders once (see ``block_timing.warm_encoders``). A first call of that shape then
+    finds its plan in place and its resident weights loaded; one of another shape plans for itself
+    as it starts (see begin_call), and the loads made here are partly undone. Without a profile,
+    make the ``guessed_casts``, those the pipeline's code is expected to make (see
+    casts.guessed_casts)."""
     _expect_block_orders(state)
     shape = state.profile.first_shape() if state.profile is not None else None
     if shape is None:
@@ -339,6 +340,8 @@ def plan_ahead(state: PipelineResidency, guessed_casts: Mapping[str, tuple[torch
         if runs is not None and runs.default_step_need is not None:
             warm_kernels(state.group, runs.denoiser, runs.forward.default_blocks)
         begin_call(state, shape)
+        if runs is not None:
+            warm_encoders(state.group, runs.forward.default_encoder_inputs, runs.forward.default_encoder_blocks)
 
 
 def _expect_block_orders(state: PipelineResidency) -> None:
@@ -369,7 +372,7 @@ def _plan_default_call(state: PipelineResidency) -> None:
     Where the plan streams some of the denoiser's blocks, they are chosen for its step estimated
     from blocks of it timed now (see ``block_timing``), as the call's timed step would choose them;
     its trunk's modules run once too, and its blocks where none were timed (see
-    ``block_timing.warm_kernels``)."""
+    ``block_timing.warm_kernels``), then its encoders (see ``block_timing.warm_encoders``)."""
     runs, budget = state.dry_runs, state.plan.budget
     if runs is None or budget is None or not state.measuring:
         return
@@ -392,6 +395,7 @@ def _plan_default_call(state: PipelineResidency) -> None:
     # Before the loads are queued, which a kernel's first launch may wait for.
     warm_kernels(state.group, runs.denoiser, runs.forward.default_blocks, with_blocks=not timed)
     state.group.load_resident_ahead()
+    warm_encoders(state.group, runs.forward.default_encoder_inputs, runs.forward.default_encoder_blocks)
     # A text encoder run outside a pipeline call (``pipe.encode_prompt``) that needs more than the
     # reserve runs again with the rest off the device too (see begin_call).
     state.group.make_room_to_retry = functools.partial(make_room_to_retry, state)

@@ -1,6 +1,7 @@
 """A streamed denoiser's step estimated before any call: one block of each layout, given inputs of
 the shapes a dry run of the pipeline's default call gave it (see ``dry_runs``), run and timed on the
-device as the pipeline is enabled.
+device as the pipeline is enabled. The same inputs serve to run, untimed, what a first call would
+otherwise be the first to run (see :func:`warm_kernels` and :func:`warm_encoders`).
 
 With no step timed, a plan keeps the most resident bytes (see ``planner``): every FLUX.1-dev
 double-stream block in one run, the bus idle behind them. The step a first call times then picks
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -35,17 +36,22 @@ WARMUP_RUNS = 2
 TIMED_RUNS = 3
 
 
+# Units to run ahead, each with its modules to run on it: a name for the log, the module, its inputs' specs.
+_Runs = list[tuple[ResidencyUnit, list[tuple[str, torch.nn.Module, tuple[tuple, dict]]]]]
+
+
 def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockInputs) -> StepTiming | None:
     """Streamed per-step component ``sizes``'s step, estimated from one block of each key in
     ``inputs`` timed on ``group``'s device: its blocks' compute seconds over the step's blocks
     (summed, and as each block's share), and the load of the blocks timed (each loaded twice, the
     second load timed: a process's first copies may include the copy path's own start). None where
-    a block of it did not run in the dry run, the component is compiled (timed eager, it would
-    misstate the step), or the timing fails (short of memory under a cap, say): the plan is then
-    made as without it. The trunk's work between blocks, which a timed step counts, is left out
-    (see docs/vram-budget.md)."""
-    blocks = _runnable_blocks(group, sizes.name, inputs)
-    if blocks is None:
+    a block of it did not run in the dry run (or ran on what cannot be kept, see
+    ``replayed_blocks.BlockInputs``), the component is compiled (timed eager, it would misstate the
+    step), or the timing fails (short of memory under a cap, say): the plan is then made as without
+    it. The trunk's work between blocks, which a timed step counts, is left out (see
+    docs/vram-budget.md)."""
+    blocks = _runnable_blocks(group, sizes.name, inputs, every_block=True)
+    if blocks is None or not inputs.every_key_kept:
         return None
     seconds: dict[Hashable, float] = {}
     loaded = load_seconds = 0.0
@@ -82,7 +88,7 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs, with_blo
     failure costs only the warm-up."""
     if any(unit.sleep_level for unit in group.units_of(name)):
         return  # a sleeping pipeline loads nothing until it wakes
-    blocks = _runnable_blocks(group, name, inputs)
+    blocks = _runnable_blocks(group, name, inputs, every_block=False)
     if blocks is None:
         return
     firsts = [(blocks[position], specs) for position, specs in inputs.first.values()] if with_blocks else []
@@ -91,26 +97,64 @@ def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs, with_blo
     if inputs.trunk and trunk is not None:
         modules = [(f"{name}.{path}", trunk.module.get_submodule(path), specs) for path, specs in inputs.trunk.values()]
         runs.append((trunk, modules))  # loaded once for them all
+    _run_ahead(runs, group.device)
+
+
+def warm_encoders(
+    group: ResidencyGroup, inputs: Mapping[str, tuple[tuple, dict]], blocks: Mapping[str, BlockInputs]
+) -> None:
+    """Run each encoder of ``inputs`` once on ``group``'s device, untimed, on inputs of the specs
+    the default call's dry run first gave it (see ``default_call.DefaultCall.encoder_inputs``): a
+    text encoder's first attention is otherwise set up in a first call, behind the copies queued
+    ahead of it (see :func:`warm_kernels`). One hooked whole (staged or resident) runs whole; one
+    streamed runs as a streamed denoiser does, one block of each layout and its trunk's modules,
+    on what the dry run gave each (``blocks``): run whole, each of its blocks would load for it
+    (FLUX.1-dev's T5 under a budget). Not one compiled, or asleep. Run once the plan's resident
+    weights are loaded ahead (see ``adaptive.plan_ahead``): one the plan keeps resident runs where
+    it is, loaded once (into segments of its own, see ``ResidencyGroup.load_resident_ahead``), and
+    its run waits at enable for the copies queued before it."""
+    for name, specs in inputs.items():
+        units = group.units_of(name)
+        if len(units) != 1 or units[0].stream is not None:
+            if name in blocks:
+                warm_kernels(group, name, blocks[name])
+        elif not units[0].sleep_level and not _is_compiled(units[0].module):
+            _run_ahead([(units[0], [(name, units[0].module, specs)])], group.device)
+    if group.budget_watch is not None:
+        # What ran here is no call's: its retries are no component's shortfall (as after the loads
+        # ahead), and its peak, with the plan's resident weights loaded, no overshoot of call 1's.
+        group.budget_watch.forget_retries()
+        _device.reset_peak_allocated(group.device)
+
+
+def _run_ahead(runs: _Runs, device: torch.device) -> None:
+    """Run each unit's modules once on their inputs' specs, the unit loaded for them all and left
+    as it was found: enabled again after calls, what a call left loaded (a trunk) stays so."""
     for unit, modules in runs:
-        # Enabled again after calls, what a call left loaded (the trunk) stays so.
         loaded_before, running = unit.stager.loaded, unit.name
         try:
             unit.stager.load()
             for running, module, specs in modules:
-                _run(module, specs, group.device, runs=1)
+                _run(module, specs, device, runs=1)
         except Exception as error:  # never a failed enable; the other units are still run
-            logger.info("Kernels of %r not run ahead: %r failed (%s)", name, running, error)
+            logger.info("Kernels of %r not run ahead: %r failed (%s)", unit.component, running, error)
         finally:
             if not loaded_before:
                 unit.stager.offload()
 
 
-def _runnable_blocks(group: ResidencyGroup, name: str, inputs: BlockInputs) -> list[ResidencyUnit] | None:
-    """Streamed component ``name``'s blocks, where every one of them ran in the dry run that gave
-    ``inputs`` and the component is not compiled (run eager, its blocks would neither time as
-    its calls do nor load its calls' kernels); else None."""
+def _runnable_blocks(
+    group: ResidencyGroup, name: str, inputs: BlockInputs, *, every_block: bool
+) -> list[ResidencyUnit] | None:
+    """Streamed component ``name``'s blocks, where they are the blocks of the dry run that gave
+    ``inputs`` (as many), ``every_block`` of them ran in it where asked (a step is timed from all
+    of them; a warm-up needs none that a call does not run, a vision tower's in a text encoder),
+    and the component is not compiled (run eager, its blocks would neither time as its calls do
+    nor load its calls' kernels); else None."""
     stream = group.stream_of(name)
-    if stream is None or sorted(inputs.keys) != list(range(len(stream.blocks))):
+    if stream is None or inputs.blocks != len(stream.blocks):
+        return None
+    if every_block and sorted(inputs.keys) != list(range(len(stream.blocks))):
         return None
     # A compiled component (its trunk) runs its blocks compiled too: any unit compiled counts.
     if any(_is_compiled(unit.module) for unit in group.units_of(name)):

@@ -33,10 +33,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModelMixin
 from torch import nn
 
 from .guards import GUARDED, STATE_ATTR
+from .replayed_blocks import kept_specs
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +61,16 @@ def _raise_reached(module: nn.Module, args: tuple, kwargs: dict) -> None:
 @dataclass(frozen=True)
 class DefaultCall:
     """What ``pipe(prompt="")`` gave its denoiser's first step, and the ``(height, width)`` it made
-    its output's size (None where its ``check_inputs`` was not given two ints)."""
+    its output's size (None where its ``check_inputs`` was not given two ints); and, by name, what
+    it first gave each encoder it ran before (a component that is no diffusers model: a text or
+    image encoder), as specs (see ``replayed_blocks.kept_specs``: none for inputs holding other
+    objects). A diffusers model run before the denoiser (another denoiser, Wan 2.2's first) is left
+    out: run whole at enable, it could cost what a step does."""
 
     args: tuple
     kwargs: dict
     size: tuple[int, int] | None
+    encoder_inputs: dict[str, tuple[tuple, dict]]
 
 
 def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], denoiser: str) -> DefaultCall | None:
@@ -83,7 +89,13 @@ def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], den
     sizes: dict[str, Any] = {}
     if callable(getattr(stand_in, "check_inputs", None)):
         stand_in.check_inputs = _telling_sizes(stand_in.check_inputs, sizes)
-    handle = twins[denoiser].register_forward_pre_hook(_raise_reached, with_kwargs=True)
+    encoder_inputs: dict[str, tuple[tuple, dict] | None] = {}
+    handles = [twins[denoiser].register_forward_pre_hook(_raise_reached, with_kwargs=True)]
+    handles += [
+        twin.register_forward_pre_hook(functools.partial(_told_first_inputs, encoder_inputs, name), with_kwargs=True)
+        for name, twin in twins.items()
+        if not isinstance(twin, ModelMixin)
+    ]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the pipeline's own, about arguments left to defaults
@@ -91,14 +103,25 @@ def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], den
     except _DenoiserReached as reached:
         height, width = sizes.get("height"), sizes.get("width")
         size = (height, width) if all(type(side) is int and side > 0 for side in (height, width)) else None
-        return DefaultCall(*reached.inputs, size)
+        kept = {name: specs for name, specs in encoder_inputs.items() if specs is not None}
+        return DefaultCall(*reached.inputs, size, kept)
     except Exception as error:  # any failure means no inputs, never a failed enable
         logger.debug("%s's call cannot run on the meta device: %s", type(pipe).__name__, error)
         return None
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     logger.debug("%s's call never reached %r", type(pipe).__name__, denoiser)
     return None
+
+
+def _told_first_inputs(
+    told: dict[str, tuple[tuple, dict] | None], name: str, module: nn.Module, args: tuple, kwargs: dict
+) -> None:
+    """Keep what ``name`` is first given (None where it cannot be kept, so that a later run is not
+    taken for its first: a negative prompt's encoding)."""
+    if name not in told:
+        told[name] = kept_specs(args, kwargs)
 
 
 def _telling_sizes(check_inputs: Any, sizes: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -379,8 +379,11 @@ class ForwardDryRun:
         # need_at_defaults).
         self._default: tuple | None = None
         self.default_blocks = BlockInputs(trunk={})
-        # The (height, width) of the default call's output, as its code told them (see default_call).
+        # The (height, width) of the default call's output, as its code told them, and what it first
+        # gave each encoder it ran before this one (see default_call).
         self.default_size: tuple[int, int] | None = None
+        self.default_encoder_inputs: dict[str, tuple[tuple, dict]] = {}
+        self.default_encoder_blocks: dict[str, BlockInputs] = {}
 
     def need(self, args: tuple, kwargs: Mapping[str, Any], record: BlockInputs | None = None) -> int | None:
         """``record``: told what the repeated blocks were given, where the dry run is made now."""
@@ -412,7 +415,7 @@ class ForwardDryRun:
         device."""
         if self._twin is None:
             return None
-        twins, undos = {name: self._twin}, []
+        twins, undos, encoder_blocks = {name: self._twin}, [], {}
         try:
             for component, module in pipe.components.items():
                 if isinstance(module, nn.Module) and module is not self._module:
@@ -424,8 +427,12 @@ class ForwardDryRun:
                         # comes in the dtype it computes in.
                         _cast(twin, dtype)
                     # Only the shapes of what they make count here: each repeated block runs once
-                    # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached).
-                    undos.append(replaying_repeats(twin, LiveBytes(())))
+                    # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached). An
+                    # encoder's blocks and trunk are told what they are given, for a streamed one's
+                    # kernels run at enable (see block_timing.warm_encoders).
+                    if not isinstance(module, ModelMixin):
+                        encoder_blocks[component] = BlockInputs(trunk={})
+                    undos.append(replaying_repeats(twin, LiveBytes(()), encoder_blocks.get(component)))
             call = denoiser_inputs(pipe, twins, name)
         finally:
             for undo in undos:
@@ -433,6 +440,8 @@ class ForwardDryRun:
         if call is None:
             return None
         self._default, self.default_size = signature(call.args, call.kwargs), call.size
+        self.default_encoder_inputs = call.encoder_inputs
+        self.default_encoder_blocks = {name: blocks for name, blocks in encoder_blocks.items() if blocks.keys}
         return self.need(call.args, call.kwargs, record=self.default_blocks)
 
 

@@ -41,12 +41,25 @@ def _specs(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
 _KEPT_LEAVES = (torch.Tensor, *PLAIN_ARGUMENTS)
 
 
+def _keepable(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether inputs hold only tensors and plain values: an object that pytree does not open would
+    keep its meta tensors alive through the dry run, and hand them to the real module at enable."""
+    return all(isinstance(leaf, _KEPT_LEAVES) for leaf in tree_leaves((args, kwargs)))
+
+
+def kept_specs(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict] | None:
+    """Inputs as :class:`TensorSpec` and plain values, to run a module on at enable; None where they
+    hold anything else (see :func:`_keepable`)."""
+    return _specs(args, kwargs) if _keepable(args, kwargs) else None
+
+
 @dataclass
 class BlockInputs:
     """What a dry run gave a component's repeated blocks: each block's key (its layout and inputs'
     signature, see :func:`_replayed`) by position, in the order they first ran, and for each key
-    the first block given it, with its inputs as :class:`TensorSpec`; and, where asked, what it
-    gave the modules of its trunk."""
+    the first block given it, with its inputs as :class:`TensorSpec` (no key's inputs that hold
+    other objects: a decoder-style text encoder's layers are given the dry run's KV cache); and,
+    where asked, what it gave the modules of its trunk."""
 
     keys: dict[int, Hashable] = field(default_factory=dict)
     first: dict[Hashable, tuple[int, tuple[tuple, dict]]] = field(default_factory=dict)
@@ -54,19 +67,22 @@ class BlockInputs:
     blocks: int = 0
     # The trunk's modules that ran (see :func:`trunk_modules`), by layout and inputs' signature:
     # the first given each, as its path in the module and its inputs. None where they are not
-    # recorded: only a denoiser's are run ahead (see ``block_timing.warm_kernels``).
+    # recorded: only a denoiser's and encoders' are run ahead (see ``block_timing.warm_kernels``).
     trunk: dict[Hashable, tuple[str, tuple[tuple, dict]]] | None = None
 
     def record(self, position: int, key: Hashable, args: tuple, kwargs: dict) -> None:
         self.keys[position] = key
-        if key not in self.first:
-            self.first[key] = (position, _specs(args, kwargs))
+        if key not in self.first and (specs := kept_specs(args, kwargs)) is not None:
+            self.first[key] = (position, specs)
+
+    @property
+    def every_key_kept(self) -> bool:
+        """Whether a block of each key can be run on what the dry run gave it."""
+        return all(key in self.first for key in self.keys.values())
 
     def record_trunk(self, path: str, layout: tuple, args: tuple, kwargs: dict) -> None:
-        """Inputs holding anything but tensors and plain values are not kept: an object that pytree
-        does not open would keep its meta tensors alive through the dry run, and hand them to the
-        real module at enable."""
-        if self.trunk is None or not all(isinstance(leaf, _KEPT_LEAVES) for leaf in tree_leaves((args, kwargs))):
+        """Inputs holding anything but tensors and plain values are not kept (see :func:`_keepable`)."""
+        if self.trunk is None or not _keepable(args, kwargs):
             return
         key = (layout, signature(args, kwargs))
         if key not in self.trunk:

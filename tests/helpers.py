@@ -144,21 +144,43 @@ def record_block_runs(monkeypatch) -> list[tuple[torch.nn.Module, int]]:
     return made
 
 
+def warmed_encoders(pipe) -> list[torch.nn.Module]:
+    """What the warm-up runs of the encoders the default call's dry run ran before its denoiser (see
+    ``block_timing.warm_encoders``), in order: one hooked whole itself, one streamed the block of
+    each layout and the trunk's modules that the dry run recorded."""
+    state = pipeline_state(pipe)
+    forward = state.dry_runs.forward
+    runs: list[torch.nn.Module] = []
+    for name in forward.default_encoder_inputs:
+        stream, module = state.group.stream_of(name), getattr(pipe, name)
+        if stream is None:
+            runs += [module] if state.group.units_of(name) else []
+        elif name in forward.default_encoder_blocks:
+            recorded = forward.default_encoder_blocks[name]
+            runs += [stream.blocks[position].module for position, _ in recorded.first.values()]
+            runs += [module.get_submodule(path) for path, _ in recorded.trunk.values()]
+    return runs
+
+
 def assert_warmed_once_per_layout(made: list[tuple[torch.nn.Module, int]], pipe) -> None:
     """One untimed run of one block of each of the denoiser's layouts, then of each module of its
-    trunk that the default call's dry run ran, once per layout and inputs, as a pipeline is enabled
-    from a profile (see ``block_timing.warm_kernels``)."""
+    trunk that the default call's dry run ran, once per layout and inputs, then of each whole
+    encoder, as a pipeline is enabled from a profile (see ``block_timing.warm_kernels`` and
+    ``warm_encoders``)."""
     state = pipeline_state(pipe)
     inputs = state.dry_runs.forward.default_blocks
     blocks = [unit.module for unit in state.group.stream_of(state.dry_runs.denoiser).blocks]
     denoiser = getattr(pipe, state.dry_runs.denoiser)
     trunk = [denoiser.get_submodule(path) for path, _ in inputs.trunk.values()]
-    assert [runs for _, runs in made] == [1] * (len(inputs.first) + len(trunk)), f"one untimed run of each: {made}"
+    before = warmed_encoders(pipe)
+    expected = len(inputs.first) + len(trunk) + len(before)
+    assert [runs for _, runs in made] == [1] * expected, f"one untimed run of each: {made}"
     ran = [module for module, _ in made]
-    ran_blocks, ran_trunk = ran[: len(inputs.first)], ran[len(inputs.first) :]
+    ran_blocks, ran_trunk = ran[: len(inputs.first)], ran[len(inputs.first) : len(inputs.first) + len(trunk)]
     assert inputs.first and len({id(module) for module in ran_blocks}) == len(inputs.first), made
     assert all(any(module is block for block in blocks) for module in ran_blocks), "blocks of the stream"
     assert len(ran_trunk) == len(trunk) > 1 and all(a is b for a, b in zip(ran_trunk, trunk)), made
+    assert all(a is b for a, b in zip(ran[len(inputs.first) + len(trunk) :], before)), made
 
 
 def streaming_budget(flux: PipelineCase, reserve: int = RESERVE, fixed: dict[str, str] | None = None) -> int:

@@ -22,7 +22,13 @@ from diffusers_residency.profile import CallFigures
 from diffusers_residency.replayed_blocks import BlockInputs, TensorSpec, trunk_modules
 from diffusers_residency.streaming import repeated_blocks
 
-from .helpers import PipelineCase, assert_warmed_once_per_layout, record_block_runs, sdxl_in_float16
+from .helpers import (
+    PipelineCase,
+    assert_warmed_once_per_layout,
+    record_block_runs,
+    sdxl_in_float16,
+    warmed_encoders,
+)
 from .test_default_call import _budget_keeping_half_the_transformer, _default_call, _transformer_blocks
 from .test_profile import _budget, _measure_on_the_cpu, _measured_pipeline
 
@@ -83,6 +89,22 @@ def test_the_default_calls_dry_run_records_what_each_module_of_the_trunk_is_give
         assert [(s.shape, s.dtype) for s in leaves if isinstance(s, TensorSpec)] == real[path], path
 
 
+def test_the_default_calls_dry_run_records_what_each_encoder_is_first_given() -> None:
+    """What FLUX's text encoders are first given in a call of the default shape, as in a real one:
+    their token ids, padded to one length whatever the prompt."""
+    case = PipelineCase("flux")
+    kwargs = {**_default_call("flux"), "num_inference_steps": 1, "output_type": "latent"}
+    encoders = {name: getattr(case.pipe, name) for name in ("text_encoder", "text_encoder_2")}
+    real = _input_shapes(case, kwargs, encoders)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    recorded = pipeline_state(case.pipe).dry_runs.forward.default_encoder_inputs
+    assert recorded.keys() == real.keys() == encoders.keys(), "nothing for the denoiser or the decoder"
+    for name, specs in recorded.items():
+        leaves = torch.utils._pytree.tree_leaves(specs)
+        assert [(s.shape, s.dtype) for s in leaves if isinstance(s, TensorSpec)] == real[name], name
+    assert recorded["text_encoder"][1] == {"output_hidden_states": False}, "plain arguments kept as given"
+
+
 def test_a_unets_trunk_modules_and_blocks_hold_each_of_its_weights_once() -> None:
     """A UNet's blocks are its transformer blocks: its resnets, samplers and convolutions in and out
     are the trunk's, run whole where they hold no block."""
@@ -125,9 +147,11 @@ def test_a_unet_enabled_without_a_profile_runs_its_trunk_modules_once_each_after
     assert state.plan.source == AT_ENABLE and state.plan.timings["unet"].estimated, str(state.plan)
     inputs = state.dry_runs.forward.default_blocks
     trunk = [case.pipe.unet.get_submodule(path) for path, _ in inputs.trunk.values()]
+    before = warmed_encoders(case.pipe)
     ran = [module for module, runs in made if runs]  # on the CPU a block is timed in one run, none before
-    assert len(ran) == len(inputs.first) + len(trunk) and len(trunk) > 1, made
-    assert all(a is b for a, b in zip(ran[len(inputs.first) :], trunk)), "each trunk module once, after the blocks"
+    assert len(ran) == len(inputs.first) + len(trunk) + len(before) and len(trunk) > 1 and before, made
+    after_blocks = ran[len(inputs.first) :]
+    assert all(a is b for a, b in zip(after_blocks, trunk + before)), "each trunk module once, after the blocks"
     unet_trunk = next(unit for unit in state.group.units_of("unet") if unit.stream is None)
     assert unet_trunk.stager.loaded == (unet_trunk.policy is Policy.RESIDENT)
     _measure_on_the_cpu(case, monkeypatch)
@@ -156,6 +180,7 @@ def test_a_block_that_fails_to_be_timed_leaves_the_trunk_run_and_is_not_run_agai
     state = pipeline_state(case.pipe)
     assert "unet" not in state.plan.timings, "no estimate"
     trunk = [case.pipe.unet.get_submodule(path) for path, _ in state.dry_runs.forward.default_blocks.trunk.values()]
+    trunk += warmed_encoders(case.pipe)
     assert len(ran) == len(trunk) > 1 and all(a is b for a, b in zip(ran, trunk)), ran
     _measure_on_the_cpu(case, monkeypatch)
     assert torch.equal(case.run(), case.reference)
@@ -176,11 +201,85 @@ def test_blocks_under_a_diffusers_cache_enabled_before_are_not_run_at_enable_and
     state = pipeline_state(case.pipe)
     assert "transformer" not in state.plan.timings and "No cache context is set" in caplog.text, caplog.text
     trunk = [case.pipe.transformer.get_submodule(path) for path, _ in state.dry_runs.forward.default_blocks.trunk.values()]
+    trunk += warmed_encoders(case.pipe)
     ran = [module for module, runs in made if runs]  # on the CPU a block is timed in one run, none before
     assert len(ran) == len(trunk) > 1 and all(a is b for a, b in zip(ran, trunk)), made
     _measure_on_the_cpu(case, monkeypatch)
     assert torch.equal(case.run(), reference)
     assert torch.equal(case.run(), reference)
+
+
+def test_a_streamed_text_encoder_runs_one_block_of_each_layout_and_its_trunk_at_enable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FLUX's T5 streamed would load each of its blocks to be run whole: it runs as a streamed
+    denoiser does, one block of each layout and its trunk's modules, on what the default call's dry
+    run gave each; its CLIP encoder, hooked whole, runs whole. Both are left as the plan wants them."""
+    case = PipelineCase("flux")
+    made = record_block_runs(monkeypatch)
+    budget = _budget_keeping_half_the_transformer(case)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget, components={"text_encoder_2": "streamed"})
+    state = pipeline_state(case.pipe)
+    ran = [module for module, runs in made if runs]
+    t5 = case.pipe.text_encoder_2
+    assert not any(m is t5 for m in ran), "not run whole"
+    recorded = state.dry_runs.forward.default_encoder_blocks["text_encoder_2"]
+    blocks = [unit.module for unit in state.group.stream_of("text_encoder_2").blocks]
+    trunk = [t5.get_submodule(path) for path, _ in recorded.trunk.values()]
+    of_t5 = [m for m in ran if any(m is part for part in t5.modules())]
+    assert len(recorded.first) == 2 and len(of_t5) == 2 + len(trunk), made  # its first block has a layout of its own
+    assert all(any(m is block for block in blocks) for m in of_t5[:2]) and trunk and of_t5[2:] == trunk, made
+    assert case.pipe.text_encoder in ran
+    for unit in [*state.group.units_of("text_encoder"), *state.group.units_of("text_encoder_2")]:
+        assert unit.stager.loaded == (unit.policy is Policy.RESIDENT), unit.name
+    assert torch.equal(case.run(), case.reference)
+
+
+def test_an_encoder_that_fails_to_run_at_enable_leaves_the_others_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = sdxl_in_float16()
+    ran: list[torch.nn.Module] = []
+    run = block_timing._run
+
+    def failing_first_encoder(module, specs, device, runs: int) -> float:
+        if module is case.pipe.text_encoder:
+            raise RuntimeError("out of memory")
+        ran.append(module)
+        return run(module, specs, device, runs)
+
+    monkeypatch.setattr(block_timing, "_run", failing_first_encoder)
+    with caplog.at_level(logging.INFO, logger=block_timing.__name__):
+        case.pipe.enable_pinned_offload("cpu", vram_budget=_budget(case))
+    assert "Kernels of 'text_encoder' not run ahead: 'text_encoder' failed (out of memory)" in caplog.text
+    assert ran[-1] is case.pipe.text_encoder_2, "the encoder after it still runs"
+    clip = pipeline_state(case.pipe).group.units_of("text_encoder")[0]
+    assert clip.stager.loaded == (clip.policy is Policy.RESIDENT), "left as the plan wants it"
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
+
+
+@pytest.mark.parametrize("with_profile", [False, True], ids=["without-a-profile", "from-a-profile"])
+def test_an_encoder_the_plan_keeps_resident_is_loaded_once_at_enable_and_run_there(
+    monkeypatch: pytest.MonkeyPatch, with_profile: bool
+) -> None:
+    """Its run comes after the plan's loads ahead, where it is already loaded: not loaded, run,
+    offloaded and loaded again."""
+    policies = {"text_encoder": "resident"}
+    if with_profile:
+        first = sdxl_in_float16()
+        budget = _budget(first)
+        first.pipe.enable_pinned_offload("cpu", vram_budget=budget, components=policies)
+        _measure_on_the_cpu(first, monkeypatch)
+        assert torch.equal(first.run(), first.reference)
+    case = sdxl_in_float16()
+    made = record_block_runs(monkeypatch)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget if with_profile else _budget(case), components=policies)
+    clip = pipeline_state(case.pipe).group.units_of("text_encoder")[0]
+    assert clip.policy is Policy.RESIDENT and clip.stager.loaded and clip.stager.loads == 1, clip.stager.loads
+    assert any(module is case.pipe.text_encoder for module, runs in made if runs), made
+    _measure_on_the_cpu(case, monkeypatch)
+    assert torch.equal(case.run(), case.reference)
 
 
 def test_enabled_again_after_calls_a_pipeline_keeps_the_trunk_its_calls_left_loaded(
@@ -222,6 +321,24 @@ def test_trunk_inputs_holding_an_object_that_pytree_does_not_open_are_not_kept()
     unrecorded = BlockInputs()  # a decoder's: its trunk is not run ahead
     unrecorded.record_trunk("plain", layout, (hidden,), {})
     assert unrecorded.trunk is None
+
+
+def test_block_inputs_holding_an_object_are_not_kept_and_time_no_step() -> None:
+    """A decoder-style text encoder's layers are given the dry run's KV cache: kept, its meta
+    tensors would reach the real layer at enable (and a layer that ran would fill the cache)."""
+
+    class Cache:
+        def __init__(self) -> None:
+            self.keys = [torch.empty(2, device="meta")]
+
+    hidden = torch.empty(2, 3, device="meta")
+    recorded = BlockInputs()
+    recorded.record(0, "layer", (hidden,), {"cache": Cache()})
+    recorded.record(1, "layer", (hidden,), {"cache": None})
+    recorded.record(2, "other", (hidden,), {"cache": Cache()})
+    assert recorded.keys == {0: "layer", 1: "layer", 2: "other"}
+    assert list(recorded.first) == ["layer"] and recorded.first["layer"][0] == 1, "the first block given what is kept"
+    assert not recorded.every_key_kept, "no step is timed from them"
 
 
 def test_a_block_reached_by_another_path_is_no_module_of_the_trunk() -> None:
@@ -305,10 +422,29 @@ def test_no_step_is_estimated_where_a_block_did_not_run_in_the_dry_run() -> None
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
     state = pipeline_state(case.pipe)
     recorded = state.dry_runs.forward.default_blocks
-    skipped = BlockInputs(dict(list(recorded.keys.items())[1:]), recorded.first)  # the first block skipped
+    # The first block skipped.
+    skipped = BlockInputs(dict(list(recorded.keys.items())[1:]), recorded.first, recorded.blocks)
     sizes = next(s for s in state.plan.sizes if s.name == "transformer")
     assert block_timing.estimated_step(state.group, sizes, skipped) is None
     assert block_timing.estimated_step(state.group, sizes, recorded) is not None
+
+
+def test_blocks_a_call_does_not_run_need_no_warm_up_and_leave_the_others_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block the dry run did not reach (a vision tower's in a text encoder used for text) is not
+    run at enable; the others and the trunk are, where no step could be timed from them."""
+    case = PipelineCase("flux")
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    recorded = state.dry_runs.forward.default_blocks
+    reached = dict(list(recorded.keys.items())[:-1])  # the last block not reached
+    skipped = BlockInputs(reached, recorded.first, recorded.blocks, recorded.trunk)
+    made = record_block_runs(monkeypatch)
+    block_timing.warm_kernels(state.group, "transformer", skipped)
+    blocks = [unit.module for unit in state.group.stream_of("transformer").blocks]
+    trunk = [case.pipe.transformer.get_submodule(path) for path, _ in recorded.trunk.values()]
+    ran = [module for module, _ in made]
+    assert [blocks[position] for position, _ in recorded.first.values()] + trunk == ran, made
+    assert torch.equal(case.run(), case.reference)
 
 
 def _plan_as_the_first_block_starts(case: PipelineCase) -> list[ResidencyPlan]:
