@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
-from diffusers_residency import block_timing
+from diffusers_residency import _device, block_timing
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
@@ -543,3 +543,45 @@ def test_a_compiled_trunk_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(block_timing, "_timed", lambda block, *_: timed.append(block.name))
     case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
     assert timed == [] and pipeline_state(case.pipe).plan.timings == {}
+
+
+@pytest.mark.parametrize("sign", ["retry", "peak"])
+def test_what_the_encoders_run_at_enable_make_the_device_do_is_no_shortfall_of_call_1(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, sign: str
+) -> None:
+    """Enabled from a profile, the encoders run once the plan is in place, its resident weights
+    loaded: an allocator retry while they run, or a peak over the budget (the CPU has neither: made
+    at that run), is neither the first component's of call 1, planned again with more room, nor
+    any other's."""
+    first = sdxl_in_float16()
+    budget = _budget(first)
+    first.pipe.enable_pinned_offload("cpu", vram_budget=budget)
+    _measure_on_the_cpu(first, monkeypatch)
+    assert torch.equal(first.run(), first.reference)
+    case = sdxl_in_float16()
+    retries, peak, strained = [0], [0], []
+    monkeypatch.setattr(_device, "allocator_retries", lambda device: retries[0])
+    monkeypatch.setattr(_device, "reset_peak_allocated", lambda device: peak.__setitem__(0, 0))
+    run = block_timing._run
+
+    def straining_the_device(module, specs, device, runs: int) -> float:
+        if module is case.pipe.text_encoder:
+            strained.append(module)
+            if sign == "retry":
+                retries[0] += 1
+            else:
+                peak[0] = budget + 1
+        return run(module, specs, device, runs)
+
+    monkeypatch.setattr(block_timing, "_run", straining_the_device)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=budget)  # from the profile just saved
+    assert strained, "the text encoder ran at enable"
+    planned = case.pipe.residency_plan()
+    # As _measure_on_the_cpu, with the peak made at enable, if it was left
+    need = pipeline_state(case.pipe).group.loaded_bytes
+    monkeypatch.setattr(_device, "peak_allocated", lambda device: max(peak[0], need() + 1000))
+    with caplog.at_level(logging.INFO, logger="diffusers_residency"):
+        assert torch.equal(case.run(), case.reference)
+    assert "retried" not in caplog.text and "over vram_budget" not in caplog.text
+    assert pipeline_state(case.pipe).retry_replans == {}
+    assert case.pipe.residency_plan().components == planned.components
