@@ -150,6 +150,9 @@ def warmed_encoders(pipe) -> list[torch.nn.Module]:
     each layout and the trunk's modules that the dry run recorded."""
     state = pipeline_state(pipe)
     forward = state.dry_runs.forward
+    # Told apart from what warm_encoders reads: the tests' pipelines (FLUX, SDXL) have two text
+    # encoders, each run before the denoiser, CLIP first.
+    assert list(forward.default_encoder_inputs) == ["text_encoder", "text_encoder_2"], forward.default_encoder_inputs
     runs: list[torch.nn.Module] = []
     for name in forward.default_encoder_inputs:
         stream, module = state.group.stream_of(name), getattr(pipe, name)
