@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .block_timing import estimated_step, warm_encoders, warm_kernels
+from .block_timing import can_time_blocks, estimated_step, warm_encoders, warm_kernels
 from .budget_watch import BudgetWatch
 from .call_shapes import covering_shape, shape_parts
 from .casts import lossless_round_trip, warm_casts
@@ -385,7 +385,7 @@ def _plan_default_call(state: PipelineResidency) -> None:
     streaming, whole = hooked_policies(state)
     try:
         plan = state.replan(activations, streaming, whole)
-        timed = _times_blocks(state, plan)
+        timed = _times_blocks(state, plan) and can_time_blocks(state.group, runs.denoiser, runs.forward.default_blocks)
         step = estimated_step(state.group, plan.sizes_of(runs.denoiser), runs.forward.default_blocks) if timed else None
         if step is not None:
             plan = state.replan(activations, streaming, whole, {runs.denoiser: step})
@@ -409,9 +409,9 @@ def _plan_default_call(state: PipelineResidency) -> None:
 
 
 def _times_blocks(state: PipelineResidency, plan: ResidencyPlan) -> bool:
-    """Whether the denoiser's step is estimated from its blocks timed now (see ``block_timing``):
-    where ``plan`` streams some of them, so that the plan at enable is chosen as a timed step would
-    choose it."""
+    """Whether the denoiser's step is to be estimated from its blocks timed now (see
+    ``block_timing``): where ``plan`` streams some of them, so that the plan at enable is chosen as
+    a timed step would choose it."""
     denoiser = state.dry_runs.denoiser
     sizes, planned = plan.sizes_of(denoiser), plan[denoiser]
     streams = planned.policy is Policy.STREAMED and len(planned.resident_blocks) < len(sizes.block_bytes)

@@ -50,9 +50,9 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     step), or the timing fails (short of memory under a cap, say): the plan is then made as without
     it. The trunk's work between blocks, which a timed step counts, is left out (see
     docs/vram-budget.md)."""
-    blocks = _runnable_blocks(group, sizes.name, inputs, every_block=True)
-    if blocks is None or not inputs.every_key_kept:
+    if not can_time_blocks(group, sizes.name, inputs):
         return None
+    blocks = _runnable_blocks(group, sizes.name, inputs, every_block=True)
     seconds: dict[Hashable, float] = {}
     loaded = load_seconds = 0.0
     for key, (position, specs) in inputs.first.items():
@@ -68,6 +68,12 @@ def estimated_step(group: ResidencyGroup, sizes: ComponentSizes, inputs: BlockIn
     per_block = [seconds[inputs.keys[position]] for position in range(len(blocks))]
     shares = compute_shares(per_block)
     return StepTiming(sum(per_block) / sum(sizes.block_bytes), load_seconds / loaded, True, shares)
+
+
+def can_time_blocks(group: ResidencyGroup, name: str, inputs: BlockInputs) -> bool:
+    """Whether :func:`estimated_step` runs streamed component ``name``'s blocks on ``inputs``
+    (where it returns None without running any, :func:`warm_kernels` is to run them)."""
+    return inputs.every_key_kept and _runnable_blocks(group, name, inputs, every_block=True) is not None
 
 
 def warm_kernels(group: ResidencyGroup, name: str, inputs: BlockInputs, with_blocks: bool = True) -> None:
@@ -115,10 +121,10 @@ def warm_encoders(
     its run waits at enable for the copies queued before it."""
     for name, specs in inputs.items():
         units = group.units_of(name)
-        if len(units) != 1 or units[0].stream is not None:
+        if group.stream_of(name) is not None:
             if name in blocks:
                 warm_kernels(group, name, blocks[name])
-        elif not units[0].sleep_level and not _is_compiled(units[0].module):
+        elif len(units) == 1 and not units[0].sleep_level and not _is_compiled(units[0].module):
             _run_ahead([(units[0], [(name, units[0].module, specs)])], group.device)
     if group.budget_watch is not None:
         # What ran here is no call's: its retries are no component's shortfall (as after the loads

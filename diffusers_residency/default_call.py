@@ -62,15 +62,22 @@ def _raise_reached(module: nn.Module, args: tuple, kwargs: dict) -> None:
 class DefaultCall:
     """What ``pipe(prompt="")`` gave its denoiser's first step, and the ``(height, width)`` it made
     its output's size (None where its ``check_inputs`` was not given two ints); and, by name, what
-    it first gave each encoder it ran before (a component that is no diffusers model: a text or
-    image encoder), as specs (see ``replayed_blocks.kept_specs``: none for inputs holding other
-    objects). A diffusers model run before the denoiser (another denoiser, Wan 2.2's first) is left
-    out: run whole at enable, it could cost what a step does."""
+    it first gave each encoder it ran before (see :func:`is_encoder`), as specs (see
+    ``replayed_blocks.kept_specs``: none for inputs holding other objects). A diffusers model run
+    before the denoiser (another denoiser, Wan 2.2's first) is left out: run whole at enable, it
+    could cost what a step does."""
 
     args: tuple
     kwargs: dict
     size: tuple[int, int] | None
     encoder_inputs: dict[str, tuple[tuple, dict]]
+
+
+def is_encoder(component: nn.Module) -> bool:
+    """Whether a pipeline's component is an encoder: no diffusers model (transformers' text and
+    image encoders), which takes tokens, or images at a size of its own, where diffusers' models
+    (VAEs, denoisers, ControlNets, adapters) take latents or images at the call's size."""
+    return not isinstance(component, ModelMixin)
 
 
 def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], denoiser: str) -> DefaultCall | None:
@@ -94,7 +101,7 @@ def denoiser_inputs(pipe: DiffusionPipeline, twins: Mapping[str, nn.Module], den
     handles += [
         twin.register_forward_pre_hook(functools.partial(_told_first_inputs, encoder_inputs, name), with_kwargs=True)
         for name, twin in twins.items()
-        if not isinstance(twin, ModelMixin)
+        if is_encoder(twin)
     ]
     try:
         with warnings.catch_warnings():

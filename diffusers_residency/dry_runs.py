@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import DiffusionPipeline, ModelMixin
+from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .call_shapes import IMAGE_ARGUMENTS, OUTPUT_SIZE_ARGUMENTS, call_signature, output_size_defaults
-from .default_call import denoiser_inputs
+from .default_call import denoiser_inputs, is_encoder
 from .diffusers_hooks import compute_dtypes
 from .live_bytes import LiveBytes
 from .replayed_blocks import BlockInputs, block_layouts, replaying_repeats, signature
@@ -430,7 +430,7 @@ class ForwardDryRun:
                     # (a text encoder's, 24 of T5-XXL's; the denoiser's is never reached). An
                     # encoder's blocks and trunk are told what they are given, for a streamed one's
                     # kernels run at enable (see block_timing.warm_encoders).
-                    if not isinstance(module, ModelMixin):
+                    if is_encoder(module):
                         encoder_blocks[component] = BlockInputs(trunk={})
                     undos.append(replaying_repeats(twin, LiveBytes(()), encoder_blocks.get(component)))
             call = denoiser_inputs(pipe, twins, name)

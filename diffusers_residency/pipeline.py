@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from accelerate.hooks import remove_hook_from_module
-from diffusers import DiffusionPipeline, ModelMixin
+from diffusers import DiffusionPipeline
 from torch import nn
 
 from .adaptive import plan_ahead, watch_budget
@@ -27,6 +27,7 @@ from .attaching import attach_block_streaming, attach_staging_hook, check_attach
 from .calls import wrap_every_pipeline_call
 from .casts import guessed_casts, leaves_as_it_is, warm_casts
 from .components import module_components, offload_sequence, placing_on_host, planner_for, resolve_budget
+from .default_call import is_encoder
 from .dry_runs import CallDryRuns
 from .guards import guard_pipeline, unguard_pipeline
 from .hooks import StagingHook
@@ -159,10 +160,8 @@ def _hooked_whole(
 
 
 def _encoders(modules: Mapping[str, nn.Module], given: Collection[str]) -> list[str]:
-    """The components that are not diffusers models (transformers' text and image encoders), but
-    those given a policy: they take tokens, or images at a size of their own, where diffusers'
-    models (VAEs, denoisers, ControlNets, adapters) take latents or images at the call's size."""
-    return [name for name, module in modules.items() if not isinstance(module, ModelMixin) and name not in given]
+    """The encoders among the components (see ``default_call.is_encoder``), but those given a policy."""
+    return [name for name, module in modules.items() if is_encoder(module) and name not in given]
 
 
 def enable_pinned_offload(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
-from diffusers_residency import _device, block_timing
+from diffusers_residency import _device, block_timing, dry_runs
 from diffusers_residency.bench.builders import call_kwargs, pipeline_output
 from diffusers_residency.pipeline import pipeline_state
 from diffusers_residency.pipeline_residency import AT_ENABLE, DRY_RUN
@@ -446,6 +446,35 @@ def test_blocks_a_call_does_not_run_need_no_warm_up_and_leave_the_others_run(mon
     assert [blocks[position] for position, _ in recorded.first.values()] + trunk == ran, made
     assert torch.equal(case.run(), case.reference)
 
+
+
+def test_blocks_that_cannot_be_timed_run_untimed_at_enable_where_the_plan_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the plan made at enable streams the denoiser's blocks but they cannot be timed (a layout
+    given what cannot be kept, an object: the tiny pipelines' blocks never are, so one layout's
+    record is dropped here, as the dry run drops such inputs), no step is estimated, and the blocks
+    of the layouts kept still run once, untimed, before the trunk's modules."""
+    real = dry_runs.ForwardDryRun.need_at_defaults
+
+    def dropping_a_layout(self, pipe, name):
+        need = real(self, pipe, name)
+        self.default_blocks.first.pop(next(iter(self.default_blocks.first)))
+        return need
+
+    monkeypatch.setattr(dry_runs.ForwardDryRun, "need_at_defaults", dropping_a_layout)
+    case = PipelineCase("flux")
+    made = record_block_runs(monkeypatch)
+    case.pipe.enable_pinned_offload("cpu", vram_budget=_budget_keeping_half_the_transformer(case))
+    state = pipeline_state(case.pipe)
+    inputs = state.dry_runs.forward.default_blocks
+    assert not inputs.every_key_kept and "transformer" not in state.plan.timings, str(state.plan)
+    assert state.plan["transformer"].policy is Policy.STREAMED
+    blocks = [unit.module for unit in state.group.stream_of("transformer").blocks]
+    kept = [blocks[position] for position, _ in inputs.first.values()]
+    ran = [module for module, runs in made if runs]
+    assert len(kept) == 1 and ran[:1] == kept and [runs for _, runs in made[:1]] == [1], made
+    assert torch.equal(case.run(), case.reference)
 
 def _plan_as_the_first_block_starts(case: PipelineCase) -> list[ResidencyPlan]:
     state = pipeline_state(case.pipe)
