@@ -43,7 +43,7 @@ from diffusers_residency.bench.tables import (
 )
 from diffusers_residency.bench.timing import calls_to_steady, host_cpu_ticks, steal_fraction
 from diffusers_residency.bench.trace import summarise, traced_call
-from diffusers_residency.text import parse_bytes
+from diffusers_residency.text import format_bytes, parse_bytes
 
 from .helpers import PipelineCase
 
@@ -202,13 +202,22 @@ def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bench_main, "call_kwargs", recorded)
-    argv = ["--device", "cpu", "--modes", "resident,pinned", "--shapes", "32x32,48x32", "--warmup", "1", "--calls", "4"]
+    argv = ["--device", "cpu", "--modes", "resident,pinned@3MB", "--shapes", "32x32,48x32"]
+    argv += ["--warmup", "1", "--calls", "4"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     each_mode = [(32, 32), (48, 32), (32, 32), (48, 32), (32, 32)]
     assert sizes[:10] == each_mode * 2, "each mode's calls take the shapes in turn, from the first"
     out = capsys.readouterr().out
     assert "shapes in turn 32x32, 48x32" in out and "every call by shape:" in out
-    assert json.loads((tmp_path / "results.json").read_text())["results"][1]["exact"] is True
+    resident, pinned = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert pinned["exact"] is True
+    # Under 3 MB the tiny pipeline streams: every call of the pinned mode loads, and says so.
+    assert resident["call_loads"] == [] and len(pinned["call_loads"]) == 5
+    assert all(loaded > 0 and seconds > 0 for loaded, seconds in pinned["call_loads"]), pinned["call_loads"]
+    later = [pinned["call_loads"][index] for index in (2, 4)]
+    rates = [loaded / seconds / 1e9 for loaded, seconds in later]
+    sizes_loaded = sorted({format_bytes(loaded) for loaded, _ in later})
+    assert f"a call at {min(rates):.1f} to {max(rates):.1f} GB/s" in out and f"loading {sizes_loaded[0]}" in out
     results = [ModeResult("pinned", 2.0, 1, 1.0, True, call_seconds=(5.0, 3.0, 2.0, 1.0, 2.2, 1.1))]
     assert format_shape_calls(results, [(32, 32), (48, 32)]) == (
         "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median; "
@@ -218,6 +227,16 @@ def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape
     assert format_shape_calls(results, [(32, 32), (48, 32), (32, 32)]) == (
         "- pinned @ unlimited: 32x32: 5.000, 2.000, 1.000, 1.100 s, later ones at most 1.82x their median; "
         "48x32: 3.000, 2.200 s"
+    )
+    # What each shape's later calls loaded and how fast, the first left out; a call that loaded
+    # nothing counts for the bytes, not the rate.
+    loads = ((4 * 10**9, 1.0), (2 * 10**9, 1.0), (4 * 10**9, 0.08), (2 * 10**9, 0.04), (5 * 10**9, 0.125), (0, 0.0))
+    loaded = [replace(results[0], call_loads=loads)]
+    assert format_shape_calls(loaded, [(32, 32), (48, 32)]) == (
+        "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median, "
+        "loading 4.00 GB to 5.00 GB a call at 40.0 to 50.0 GB/s; "
+        "48x32: 3.000, 1.000, 1.100 s, later ones at most 1.05x their median, "
+        "loading 0 B to 2.00 GB a call at 50.0 to 50.0 GB/s"
     )
     with pytest.raises(SystemExit):
         main(["--shapes", "32x32", "--height", "64"])
@@ -255,6 +274,8 @@ def test_fresh_process_runs_each_mode_in_a_process_of_its_own_with_exact_results
     for r in (resident, pinned):
         assert len(r["call_seconds"]) == 2 and all(s > 0 for s in r["call_seconds"]) and r["error"] is None
         assert r["seconds_per_call"] == r["call_seconds"][1]
+    # Each call's loads come back from the child too: the first call loads what the plan keeps.
+    assert resident["call_loads"] == [] and len(pinned["call_loads"]) == 2 and pinned["call_loads"][0][0] > 0
     assert pinned["plan"] and pinned["host_rss_bytes"] > 0
     assert "each mode in a fresh process" in data["setting"] and not data["setting"].startswith("tiny flux, unknown")
     out = capsys.readouterr().out
@@ -659,6 +680,8 @@ def test_the_first_call_can_be_traced_without_python(tmp_path, capsys) -> None:
     (result,) = json.loads((tmp_path / "results.json").read_text())["results"]
     assert len(result["call_seconds"]) == 2 and "one call traced" in result["trace"]
     assert "host time in this package's functions" not in result["trace"], "Python is not traced"
+    # The traced call's loads are its own, as they are the other calls': its weights' first load.
+    assert len(result["call_loads"]) == 2 and result["call_loads"][0][0] > 0, result["call_loads"]
     with pytest.raises(SystemExit):
         main(["--trace", "first-device", "--warmup", "0", "--out", str(tmp_path)])
     assert "--trace first-device traces a warm-up call" in capsys.readouterr().err

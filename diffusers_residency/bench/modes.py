@@ -243,6 +243,10 @@ class ModeResult:
     # per call, and the peaks, are the steady calls' (the last `calls`, after the `warmup` first).
     call_seconds: tuple[float, ...] = ()
     calls_to_steady: int | None = None
+    # For the pinned modes, each call's bytes loaded from the masters in host memory and seconds of
+    # loading, in the same order (loads from checkpoint files left out, as from `load_gbps`): whether
+    # a call is slow for what it loads or for how fast (a plan per call shape loads its own bytes).
+    call_loads: tuple[tuple[int, float], ...] = ()
     # Over those calls, the share of the host's CPU time its hypervisor gave other guests (see
     # .timing.steal_fraction): what tells a process slow for its machine from one slow for its mode.
     host_steal_fraction: float | None = None
@@ -366,6 +370,16 @@ def run_mode(
         if compile is not None:
             compile_denoiser(pipe, compile)
         seconds: list[float] = []
+        # Loads so far, read before the first call and after each one, outside its time (see
+        # call_loads).
+        loads_so_far: list[tuple[int, float]] = []
+
+        def note_loads() -> None:
+            loads_so_far.append(_counters(pipe)[:2])
+
+        after_each = note_loads if pinned else None
+        if after_each is not None:
+            after_each()
         ticks = host_cpu_ticks()
         first_traced = trace in FIRST_CALL_TRACES
         traced, first = (
@@ -373,7 +387,9 @@ def run_mode(
             if first_traced
             else (None, None)
         )
-        output = timed_calls(call, device, warmup - first_traced, seconds)
+        if first_traced and after_each is not None:
+            after_each()
+        output = timed_calls(call, device, warmup - first_traced, seconds, after_each)
         first = output if first is None else first
         graphs = graphs_compiled() if compile is not None else None
         # Inductor's graph trees are CUDA's only.
@@ -383,7 +399,7 @@ def run_mode(
             torch.accelerator.reset_peak_memory_stats(device)
         before = _counters(pipe) if pinned else None
         retries = _device.allocator_retries(device)
-        output = timed_calls(call, device, calls, seconds)
+        output = timed_calls(call, device, calls, seconds, after_each)
         steal = steal_fraction(ticks, host_cpu_ticks())
         first = output if first is None else first
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
@@ -429,6 +445,9 @@ def run_mode(
         alloc_retries=retries,
         call_seconds=tuple(seconds),
         calls_to_steady=calls_to_steady(seconds, calls),
+        call_loads=tuple(
+            (after[0] - before[0], after[1] - before[1]) for before, after in zip(loads_so_far, loads_so_far[1:])
+        ),
         host_steal_fraction=steal,
         first_call_seconds=seconds[0] if compile is not None else None,
         graphs_compiled_while_timed=graphs,

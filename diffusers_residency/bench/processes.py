@@ -61,10 +61,11 @@ def write_child_result(folder: Path, result: ModeResult, output: torch.Tensor | 
 
 
 def _result(data: dict[str, Any]) -> ModeResult:
-    """A ModeResult back from its ``as_dict`` (less the properties it adds; JSON made the tuple a list)."""
+    """A ModeResult back from its ``as_dict`` (less the properties it adds; JSON made the tuples lists)."""
     names = {field.name for field in fields(ModeResult)}
     values = {name: value for name, value in data.items() if name in names}
-    return ModeResult(**{**values, "call_seconds": tuple(values["call_seconds"])})
+    loads = tuple(tuple(load) for load in values.get("call_loads", ()))
+    return ModeResult(**{**values, "call_seconds": tuple(values["call_seconds"]), "call_loads": loads})
 
 
 class Children:

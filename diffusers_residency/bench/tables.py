@@ -164,22 +164,39 @@ def format_calls(results: list[ModeResult]) -> str:
 
 def format_shape_calls(results: list[ModeResult], shapes: list[tuple[int, int]]) -> str:
     """With ``--shapes``: each run's calls grouped by shape (call ``i`` had shape ``i`` modulo their
-    number; a shape the sequence names twice is one group), and the slowest of each shape's calls
+    number; a shape the sequence names twice is one group), the slowest of each shape's calls
     after its first, over the median of those: a plan per shape keeps that near 1.00x, whatever the
-    shapes between."""
+    shapes between; and for the pinned modes, what those later calls loaded and how fast."""
 
     def by_shape(r: ModeResult) -> str:
         calls: dict[tuple[int, int], list[float]] = {}
+        loads: dict[tuple[int, int], list[tuple[int, float] | None]] = {}
         for index, seconds in enumerate(r.call_seconds):
-            calls.setdefault(shapes[index % len(shapes)], []).append(seconds)
+            shape = shapes[index % len(shapes)]
+            calls.setdefault(shape, []).append(seconds)
+            loads.setdefault(shape, []).append(r.call_loads[index] if index < len(r.call_loads) else None)
         parts = []
         for (height, width), times in calls.items():
             later = times[1:]
             spread = f", later ones at most {max(later) / statistics.median(later):.2f}x their median" if len(later) > 1 else ""
-            parts.append(f"{height}x{width}: {', '.join(f'{t:.3f}' for t in times)} s{spread}")
+            loaded = _loads_of(loads[height, width][1:])
+            parts.append(f"{height}x{width}: {', '.join(f'{t:.3f}' for t in times)} s{spread}{loaded}")
         return "; ".join(parts)
 
     return _line_per_run(results, by_shape)
+
+
+def _loads_of(loads: list[tuple[int, float] | None]) -> str:
+    """What calls loaded and how fast, for a line of :func:`format_shape_calls` (None: a call whose
+    loads the run did not record): a call of one shape slower than others of it, under the same
+    plan, loads more bytes or loads them slower."""
+    known = [load for load in loads if load is not None]
+    if not known:
+        return ""
+    sizes = sorted({loaded for loaded, _ in known})
+    size = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
+    rates = [loaded / seconds / 1e9 for loaded, seconds in known if seconds > 0]
+    return f", loading {size} a call" + (f" at {min(rates):.1f} to {max(rates):.1f} GB/s" if rates else "")
 
 
 def format_round_ratios(results: list[ModeResult]) -> str:

@@ -37,16 +37,23 @@ def calls_to_steady(call_seconds: Sequence[float], steady_calls: int) -> int | N
 
 
 def timed_calls(
-    call: Callable[[], torch.Tensor], device: torch.device, n: int, seconds: list[float]
+    call: Callable[[], torch.Tensor],
+    device: torch.device,
+    n: int,
+    seconds: list[float],
+    after_each: Callable[[], None] | None = None,
 ) -> torch.Tensor | None:
     """Call ``n`` times, appending each call's seconds (up to the device's last kernel) to
-    ``seconds``; return the first output (None when ``n`` is 0)."""
+    ``seconds``, then running ``after_each`` outside the timed span; return the first output (None
+    when ``n`` is 0)."""
     first = None
     for _ in range(n):
         started = time.perf_counter()
         output = call()
         _device.synchronize(device)
         seconds.append(time.perf_counter() - started)
+        if after_each is not None:
+            after_each()
         first = output if first is None else first
     return first
 
