@@ -129,6 +129,7 @@ class BlockStream:
         self._recorded_in_call = -1
         self._windows: dict[int, tuple[Block, ...]] = {}
         self._kept_windows: dict[int, tuple[Block, ...]] = {}
+        self._kept_behind_first: tuple[Block, ...] = ()
         # Streamed blocks this stream loaded and has not dropped yet, and those of them that ran
         # under autograd (see enter).
         self._held: list[Block] = []
@@ -190,7 +191,10 @@ class BlockStream:
         has not loaded yet (see ``dry_run_plans.estimate_at_start`` and ``plan_from_timed_step``). They
         load ahead too, so that their copies run behind the compute of the blocks before them
         rather than each in front of its own block (a whole step's worth of copy time, for SDXL's
-        UNet at 8 GB). Apart: resident blocks, loaded but for those, would take staged ones' places."""
+        UNet at 8 GB). Apart: resident blocks, loaded but for those, would take staged ones' places.
+
+        Where no block streams, the kept blocks past the first block's kept window are queued
+        before its forward too (see :meth:`_load_kept_behind_first`)."""
         windows, kept = {}, {}
         for position, unit in enumerate(self._order):
             depth = self.prefetch_blocks + (unit.policy is not Policy.STREAMED)
@@ -200,6 +204,36 @@ class BlockStream:
                 + self._following(position, Policy.RESIDENT, self.prefetch_blocks)
             )
         self._windows, self._kept_windows = windows, kept
+        streams = any(unit.policy is Policy.STREAMED for unit in self._order)
+        head = {id(unit) for unit in kept.get(id(self._order[0]), ())} if self._order else set()
+        self._kept_behind_first = (
+            ()
+            if streams or not self.prefetch_blocks
+            else tuple(unit for unit in self._order[1:] if id(unit) not in head)
+        )
+
+    def _load_kept_behind_first(self) -> None:
+        """Queue the loads of the kept blocks (staged, or resident and not loaded yet) past the
+        first block's kept window, in the order they run, before the first block's forward (see
+        :meth:`_compute_windows`). With no block streaming, every copy queued behind theirs is a
+        later block's: the copy stream is kept busy through the first pass, where a window of
+        ``prefetch_blocks`` leaves it idle under blocks whose compute outlasts the next copies (a
+        UNet's resnets at full resolution) and compute waiting under blocks whose copies outlast
+        it (its low-resolution transformer blocks). Not before the order is learned (a first pass
+        in definition order would queue SDXL's mid block behind its up blocks), and up to the
+        first block whose masters are not all page-locked (before its load, or after it: a load
+        may take masters anew): its copies would hold the host (pageable memory, a ring from the
+        files) while the first blocks' compute waits to be queued."""
+        if self._recording is not None:
+            return
+        for block in self._kept_behind_first:
+            if block.stager.loaded:
+                continue
+            if not block.stager.pinned:
+                return
+            block.load(ahead=True)
+            if not block.stager.pinned:
+                return
 
     def _following(self, position: int, policy: Policy, depth: int) -> tuple[Block, ...]:
         """Up to ``depth`` blocks of ``policy`` after ``position`` in order, wrapping around where
@@ -351,7 +385,8 @@ class BlockStream:
         device storage for loads that no dropped block's storage fits."""
         if self._recording is not None:
             self._learn(unit)
-        if unit is self._order[0]:
+        first = unit is self._order[0]
+        if first:
             self._pass_begins(unit)
         if self._running is not None:
             self._stamp_end(unit)
@@ -381,6 +416,8 @@ class BlockStream:
             for ahead in self._kept_windows.get(id(unit), ()):
                 if not ahead.stager.loaded:
                     ahead.load(ahead=True)  # kept while the component runs: never held, never dropped here
+            if first:
+                self._load_kept_behind_first()
             if unit not in held and unit.stager.loaded and unit.policy is Policy.STREAMED:
                 held.append(unit)
             if unit.policy is Policy.STREAMED and torch.is_grad_enabled():

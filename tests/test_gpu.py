@@ -475,6 +475,35 @@ def test_streamed_blocks_on_cuda_are_exact_within_budget_and_reuse_device_memory
     assert all(t.device.type == "cpu" for t in case.pipe.transformer.parameters())
 
 
+@pytest.mark.parametrize("masters", ["page-locked", "pageable"])
+def test_with_no_block_streamed_on_cuda_the_first_block_queues_every_staged_load_and_stays_exact(masters: str) -> None:
+    from diffusers_residency import ResidencyGroup, attach_block_streaming, detach_staging_hook
+
+    from .test_streaming import _record_loaded_while_running
+
+    case = PipelineCase("flux", device="cuda", dtype=torch.bfloat16)
+    group = ResidencyGroup("cuda", pin_budget=None if masters == "page-locked" else 0)
+    transformer = case.pipe.transformer.to("cpu")
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0], prefetch_blocks=1)
+    try:
+        blocks = group.units_of("transformer")[1:]
+        for block in blocks[1:]:
+            block.policy = Policy.STAGED
+        blocks[0].stream.replan()
+        assert len(blocks) > 3 and all(block.stager.pinned == (masters == "page-locked") for block in blocks)
+        expected = [block.name for block in blocks[1:]] if masters == "page-locked" else [blocks[1].name]
+        assert torch.equal(case.run(), case.reference)  # learns the order the blocks run in
+        for _ in range(2):
+            # Nothing else in the group evicts the staged blocks between calls, as the next component would.
+            for block in blocks[1:]:
+                block.stager.offload()
+            loaded_while_running = _record_loaded_while_running(blocks, Policy.STAGED)
+            assert torch.equal(case.run(), case.reference)
+            assert loaded_while_running[blocks[0].name] == expected
+    finally:
+        detach_staging_hook(transformer)
+
+
 def test_a_streamed_step_is_timed_with_cuda_events() -> None:
     from .test_streaming import _run
 

@@ -13,6 +13,7 @@ from diffusers.hooks import FirstBlockCacheConfig
 
 from diffusers_residency import (
     BudgetTooSmallError,
+    ModuleStager,
     ResidencyGroup,
     _device,
     attach_block_streaming,
@@ -400,6 +401,58 @@ def test_staged_blocks_load_ahead_in_the_first_pass_and_stay(flux: PipelineCase)
     assert loaded_while_running[names[1]] == names[1:4], "and the one after those as the first of them runs"
     assert all(b.stager.loads == 1 for b in blocks[1:4]), "staged blocks load once, and stay while their component runs"
     detach_staging_hook(flux.pipe.transformer)
+
+
+def test_with_no_block_streamed_the_first_block_queues_every_kept_load_in_run_order_where_masters_are_page_locked(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every block resident or staged, none streamed, the first block of a pass queues the
+    loads of every kept block not loaded (staged ones, and resident ones a plan made in the call
+    left unloaded), in the order they run, once the order is learned and up to the first block
+    whose masters are not page-locked: a copy from pageable memory holds the host, and would keep
+    the first blocks' compute from being queued. A CPU's masters never are (said to be here, which
+    only a device with page-locked memory makes true); left pageable, the first block loads its
+    kept window alone, as it does where a block streams. Each block loads once a call, and the
+    output stays exact."""
+    group = ResidencyGroup("cpu")
+    transformer = flux.pipe.transformer
+    attach_block_streaming(transformer, group, name="transformer", resident_blocks=[0, 2, 4], prefetch_blocks=1)
+    blocks = group.units_of("transformer")[1:]
+    assert len(blocks) == 6
+    for block in blocks[1::2]:
+        block.policy = Policy.STAGED
+    blocks[0].stream.replan()
+    names = [block.name for block in blocks]
+    loads: list[str] = []
+    load = ResidencyUnit.load
+    monkeypatch.setattr(ResidencyUnit, "load", lambda self, **kwargs: loads.append(self.name) or load(self, **kwargs))
+    loaded_as_first_ends: list[list[str]] = []
+    blocks[0].module.register_forward_hook(
+        lambda *_: loaded_as_first_ends.append([block.name for block in blocks[1:] if block.stager.loaded])
+    )
+
+    def loaded_as_the_first_block_ends(each_once: bool = True) -> list[str]:
+        for block in blocks[1:]:
+            block.stager.offload()  # staged ones as the next component would; resident ones as a plan made in a call
+        loads.clear()
+        loaded_as_first_ends.clear()
+        assert torch.equal(flux.run(), flux.reference)
+        assert not each_once or sorted(loads) == sorted(names[1:]), "each block loads once a call"
+        return loaded_as_first_ends[0]
+
+    assert torch.equal(flux.run(), flux.reference)  # loads the trunk and the first block, and learns the order
+    assert loaded_as_the_first_block_ends() == names[1:3], "pageable: the kept window alone"
+    monkeypatch.setattr(ModuleStager, "pinned", property(lambda self: True))
+    assert loaded_as_the_first_block_ends() == names[1:], "page-locked: every kept block"
+    assert loads == names[1:], "in the order they run"
+    monkeypatch.setattr(ModuleStager, "pinned", property(lambda self: self is not blocks[3].stager))
+    assert loaded_as_the_first_block_ends() == names[1:3], "up to the first block whose masters are pageable"
+    monkeypatch.setattr(ModuleStager, "pinned", property(lambda self: True))
+    blocks[5].policy = Policy.STREAMED
+    blocks[0].stream.replan()
+    loaded = loaded_as_the_first_block_ends(each_once=False)
+    assert loaded == names[1:3] + names[5:], "one block streamed: the kept window alone, and the streamed window"
+    detach_staging_hook(transformer)
 
 
 def test_a_block_made_resident_while_its_component_streams_loads_ahead_of_its_turn(flux: PipelineCase) -> None:
