@@ -217,7 +217,7 @@ def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape
     later = [pinned["call_loads"][index] for index in (2, 4)]
     rates = [loaded / seconds / 1e9 for loaded, seconds in later]
     sizes_loaded = sorted({format_bytes(loaded) for loaded, _ in later})
-    assert f"a call at {min(rates):.1f} to {max(rates):.1f} GB/s" in out and f"loading {sizes_loaded[0]}" in out
+    assert f"a call at {min(rates):.1f}" in out and f"loading {sizes_loaded[0]}" in out
     results = [ModeResult("pinned", 2.0, 1, 1.0, True, call_seconds=(5.0, 3.0, 2.0, 1.0, 2.2, 1.1))]
     assert format_shape_calls(results, [(32, 32), (48, 32)]) == (
         "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median; "
@@ -236,7 +236,7 @@ def test_shapes_in_turn_each_call_the_next_and_a_table_groups_the_calls_by_shape
         "- pinned @ unlimited: 32x32: 5.000, 2.000, 2.200 s, later ones at most 1.05x their median, "
         "loading 4.00 GB to 5.00 GB a call at 40.0 to 50.0 GB/s; "
         "48x32: 3.000, 1.000, 1.100 s, later ones at most 1.05x their median, "
-        "loading 0 B to 2.00 GB a call at 50.0 to 50.0 GB/s"
+        "loading 0 B to 2.00 GB a call at 50.0 GB/s"
     )
     with pytest.raises(SystemExit):
         main(["--shapes", "32x32", "--height", "64"])

@@ -193,10 +193,15 @@ def _loads_of(loads: list[tuple[int, float] | None]) -> str:
     known = [load for load in loads if load is not None]
     if not known:
         return ""
-    sizes = sorted({loaded for loaded, _ in known})
-    size = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
+    sizes = [loaded for loaded, _ in known]
+    size = _span(format_bytes(min(sizes)), format_bytes(max(sizes)))
     rates = [loaded / seconds / 1e9 for loaded, seconds in known if seconds > 0]
-    return f", loading {size} a call" + (f" at {min(rates):.1f} to {max(rates):.1f} GB/s" if rates else "")
+    return f", loading {size} a call" + (f" at {_span(f'{min(rates):.1f}', f'{max(rates):.1f}')} GB/s" if rates else "")
+
+
+def _span(low: str, high: str) -> str:
+    """A range as printed: one value where both ends print alike."""
+    return low if low == high else f"{low} to {high}"
 
 
 def format_round_ratios(results: list[ModeResult]) -> str:
