@@ -97,7 +97,9 @@ def stamped_call(pipe: DiffusionPipeline, call: Callable[[], object], device: to
 
     with component_entries(pipe, stamped) as unstamped:
         _device.synchronize(device)
-        began, started = _device.compute_timestamp(device), time.perf_counter()
+        # The clock is read before the stamp and after the one that ends the call, so that the
+        # wall time holds the device's: on the CPU both are the clock, nanoseconds apart.
+        started, began = time.perf_counter(), _device.compute_timestamp(device)
         call()
         ended = _device.compute_timestamp(device)
         _device.synchronize(device)
