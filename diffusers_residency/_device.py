@@ -29,6 +29,16 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def current_accelerator() -> torch.device | None:
+    """The accelerator this process can compute on, or None.
+
+    Plain ``torch.accelerator.current_accelerator()`` names the accelerator torch was built for: a
+    CUDA build on a machine without a GPU (or with ``CUDA_VISIBLE_DEVICES=""``) reports ``cuda``,
+    and the first device call then fails inside torch ("Found no NVIDIA driver").
+    """
+    return torch.accelerator.current_accelerator(check_available=True)
+
+
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
     """The device that staged modules compute on, with an explicit index for an accelerator.
 
@@ -36,7 +46,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     the CPU would hide a broken install, so that raises.
     """
     if device is None:
-        accelerator = torch.accelerator.current_accelerator()
+        accelerator = current_accelerator()
         if accelerator is None:
             raise RuntimeError(
                 "No accelerator is available to stage weights on. Pass device='cpu' to run the offload "
@@ -46,7 +56,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     device = torch.device(device)
     if device.type == "cpu":
         return device
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = current_accelerator()
     if accelerator is None or accelerator.type != device.type:
         choices = "'cpu'" if accelerator is None else f"{accelerator.type!r} or 'cpu'"
         raise ValueError(

@@ -21,6 +21,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from ._device import current_accelerator
 from .hooks import GROUP_OFFLOAD_METHOD, IN_PLACE_WEIGHT_METHODS, VERSIONED_WRITE_METHODS, call_then, offloaded_first
 from .retry_with_room import RETRIED_METHODS
 
@@ -112,7 +113,7 @@ def _checked_other_offload(
                     "Call pipe.disable_pinned_offload() before pipe.enable_group_offload()."
                 )
             device = kwargs.get("device", args[1] if len(args) > 1 else None)
-            accelerator = torch.accelerator.current_accelerator()
+            accelerator = current_accelerator()
             wanted = None if device is None else torch.device(device).type
             if wanted != "cpu" and (accelerator is None or wanted not in (None, accelerator.type)):
                 raise RuntimeError(

@@ -17,7 +17,7 @@ from diffusers_residency.bench.builders import build_pipeline, call_kwargs
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default=None)
 args = parser.parse_args()
-device = args.device or torch.accelerator.current_accelerator() or "cpu"
+device = args.device or torch.accelerator.current_accelerator(check_available=True) or "cpu"
 
 pipe = build_pipeline("flux", "tiny")
 group = ResidencyGroup(device)

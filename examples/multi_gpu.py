@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--device", default=None)
 args = parser.parse_args()
 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-accelerator = torch.accelerator.current_accelerator()
+accelerator = torch.accelerator.current_accelerator(check_available=True)
 device = torch.device(args.device) if args.device else torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
 
 # The builder saves and loads the pipeline back, and transformers' save_pretrained writes from rank 0

@@ -19,7 +19,7 @@ from diffusers_residency.bench.builders import build_pipeline, call_kwargs
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default=None)
 args = parser.parse_args()
-device = args.device or torch.accelerator.current_accelerator() or "cpu"
+device = args.device or torch.accelerator.current_accelerator(check_available=True) or "cpu"
 
 pipe = build_pipeline("flux", "tiny")
 weights = sum(p.numel() * p.element_size() for c in pipe.components.values() if isinstance(c, torch.nn.Module) for p in c.parameters())

@@ -126,6 +126,22 @@ def count_device_allocations(monkeypatch) -> list[int]:
     return sizes
 
 
+# Where a process has no accelerator: a CPU build of torch, or a CUDA build on a machine with no GPU.
+WITHOUT_AN_ACCELERATOR = ("cpu build", "cuda build without a gpu")
+
+
+def build_without_an_accelerator(monkeypatch, build: str) -> None:
+    """Stand in for ``build`` (one of WITHOUT_AN_ACCELERATOR) on this CPU machine. A CUDA build with no
+    GPU differs from a CPU build at one point: current_accelerator() names cuda unless asked whether it
+    is available."""
+    if build == "cuda build without a gpu":
+
+        def current_accelerator(check_available: bool = False) -> torch.device | None:
+            return None if check_available else torch.device("cuda")
+
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", current_accelerator)
+
+
 RESERVE = 1000  # bytes: the tiny pipeline's weights are under a megabyte
 
 

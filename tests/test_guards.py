@@ -13,7 +13,13 @@ from diffusers import FluxImg2ImgPipeline, FluxPipeline
 from diffusers_residency.diffusers_hooks import GROUP_OFFLOADING_HOOK, registered_hook
 from diffusers_residency.pipeline import pipeline_state
 
-from .helpers import PipelineCase, assert_weights_equal, staging_hooks
+from .helpers import (
+    WITHOUT_AN_ACCELERATOR,
+    PipelineCase,
+    assert_weights_equal,
+    build_without_an_accelerator,
+    staging_hooks,
+)
 
 
 def test_components_given_as_a_list_are_refused_with_the_form_expected(flux: PipelineCase) -> None:
@@ -24,7 +30,7 @@ def test_components_given_as_a_list_are_refused_with_the_form_expected(flux: Pip
 
 @pytest.mark.parametrize("device", ["meta", "cuda:7"])
 def test_a_device_this_process_cannot_compute_on_is_refused_before_anything_changes(flux: PipelineCase, device: str) -> None:
-    if torch.accelerator.current_accelerator() is not None and device == "cuda:7" and torch.accelerator.device_count() > 7:
+    if torch.accelerator.is_available() and device == "cuda:7" and torch.accelerator.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     flux.pipe.enable_pinned_offload("cpu")
     before = flux.pipe.residency_plan()
@@ -60,12 +66,14 @@ class _OffloadingOfItsOwn(FluxPipeline):
     enable_sequential_cpu_offload = enable_model_cpu_offload
 
 
-@pytest.mark.skipif(torch.accelerator.current_accelerator() is not None, reason="diffusers refuses only without an accelerator")
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="diffusers refuses only without an accelerator")
 @pytest.mark.parametrize("device", [None, "cuda"])
 @pytest.mark.parametrize("method", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
+@pytest.mark.parametrize("build", WITHOUT_AN_ACCELERATOR)
 def test_model_offload_that_diffusers_would_refuse_leaves_pinned_offload_in_place(
-    flux: PipelineCase, method: str, device: str | None
+    flux: PipelineCase, method: str, device: str | None, build: str, monkeypatch
 ) -> None:
+    build_without_an_accelerator(monkeypatch, build)
     before = FluxImg2ImgPipeline.from_pipe(flux.pipe)
     flux.pipe.enable_pinned_offload("cpu")
     hooks = staging_hooks(flux.pipe)

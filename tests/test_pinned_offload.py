@@ -17,9 +17,11 @@ from diffusers_residency.bench.builders import PIPELINE_KINDS, build_pipeline, c
 from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import (
+    WITHOUT_AN_ACCELERATOR,
     PipelineCase,
     assert_no_meta_or_foreign_device,
     assert_weights_equal,
+    build_without_an_accelerator,
     dtypes_compared,
     sdxl_in_float16,
     staging_hooks,
@@ -628,7 +630,9 @@ def test_bad_arguments_raise_before_changing_anything(flux: PipelineCase, kwargs
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
-def test_no_accelerator_and_no_device_is_a_clear_error(flux: PipelineCase) -> None:
+@pytest.mark.parametrize("build", WITHOUT_AN_ACCELERATOR)
+def test_no_accelerator_and_no_device_is_a_clear_error(flux: PipelineCase, build: str, monkeypatch) -> None:
+    build_without_an_accelerator(monkeypatch, build)
     with pytest.raises(RuntimeError, match="device='cpu'"):
         flux.pipe.enable_pinned_offload()
     assert staging_hooks(flux.pipe) == {}

@@ -664,7 +664,7 @@ def test_interpreter_exit_while_asleep(level: int) -> None:
         import diffusers_residency
         from diffusers_residency.bench.builders import build_pipeline, call_kwargs
         pipe = build_pipeline("flux")
-        device = torch.accelerator.current_accelerator() or "cpu"
+        device = torch.accelerator.current_accelerator(check_available=True) or "cpu"
         pipe.enable_pinned_offload(device)
         pipe(**call_kwargs("flux"))
         pipe.sleep(level={level})

@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for library in (diffusers.utils.logging, transformers.utils.logging):
             library.set_verbosity_error()
             library.disable_progress_bar()
-    device = _device.resolve_device(args.device or torch.accelerator.current_accelerator() or "cpu")
+    device = _device.resolve_device(args.device or _device.current_accelerator() or "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if _device.is_accelerator(device) else torch.float32)
     runs = _runs(
         args.modes, args.budgets, args.activation_reserve, args.rounds, _components(args.components), args.host_budget

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--own-copies", action="store_true", help="each rank keeps its own masters (no sharing)")
     args = parser.parse_args(argv)
 
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = _device.current_accelerator()
     dtype = torch.bfloat16 if accelerator is not None else torch.float32
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accelerator is not None:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = _device.resolve_device(torch.accelerator.current_accelerator() or "cpu")
+    device = _device.resolve_device(_device.current_accelerator() or "cpu")
     dtype = {"flux": torch.bfloat16, "sdxl": torch.float16}
     rows: list[tuple[str, str, str, str]] = []
     results: dict[str, float] = {}
