@@ -1,0 +1,53 @@
+"""The host-speed probe run beside a benchmark: its samples, its summary, and a stop by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diffusers_residency.bench import host_speed
+
+
+def test_the_summary_counts_the_samples_slower_than_the_fastest_by_the_given_factor() -> None:
+    line = host_speed.summary([20.0, 21.0, 40.0, 35.0, 19.0], slow=1.5)
+    assert line == (
+        "host loop over 5 samples: fastest 19.00 ms, median 21.00 ms, slowest 40.00 ms; "
+        "40% took more than 1.5x the fastest"
+    )
+
+
+def test_the_probe_prints_a_timed_sample_per_interval_then_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.time()
+    host_speed.main(["--seconds", "0.2", "--interval", "0.05", "--iterations", "1000"])
+    *samples, last = capsys.readouterr().out.splitlines()
+    assert len(samples) >= 2
+    for line in samples:
+        stamp, milliseconds = map(float, line.split())
+        assert started - 1 <= stamp <= time.time() + 1 and milliseconds > 0
+    assert last.startswith(f"host loop over {len(samples)} samples: fastest ")
+
+
+def test_the_probe_refuses_arguments_that_sample_nothing() -> None:
+    with pytest.raises(SystemExit):
+        host_speed.main(["--seconds", "0"])
+    with pytest.raises(SystemExit):
+        host_speed.main(["--slow", "1"])
+
+
+@pytest.mark.slow
+def test_stopped_by_sigterm_beside_a_run_the_probe_sums_up_what_it_sampled() -> None:
+    probe = subprocess.Popen(
+        [sys.executable, "-m", "diffusers_residency.bench.host_speed", "--seconds", "600", "--interval", "0.05"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    first = probe.stdout.readline()  # sampling: the handler is in place
+    assert len(first.split()) == 2
+    probe.send_signal(signal.SIGTERM)
+    rest, _ = probe.communicate(timeout=60)
+    assert probe.returncode == 0
+    assert rest.splitlines()[-1].startswith("host loop over ")
