@@ -21,8 +21,6 @@ from torch import nn
 
 from .files import equal_bytes
 from .masters import StorageGroup, TensorBinding, Views, bound_as_taken
-from .pages import PAGE
-from .pinning import host_span
 from .retention import RetentionBudget
 
 logger = logging.getLogger(__name__)
@@ -80,67 +78,21 @@ def conversion_key(source: torch.Tensor, dtype: torch.dtype) -> tuple:
     return (source.data_ptr(), source.dtype, tuple(source.shape), source.stride(), dtype)
 
 
-@dataclass(frozen=True, eq=False)
-class SourcesCopy:
-    """A copy of a stager's masters' bytes (see :meth:`ConversionReuse._note_conversion`), span by
-    span: masters side by side in one page-locked block (see pinning.copy_to_host) are copied and
-    compared as one span, the block's padding between them included.
-
-    SDXL's VAE has 248 masters, and its comparison runs on a thread of its own while the main thread
-    launches the call's kernels (see :func:`check_sources_ahead`): each ``memcmp`` lets go of the GIL,
-    and taking it back after each made the main thread hand it over 248 times a call, at the pace of
-    its switch interval. One span per block hands it over once per block. A byte of padding that
-    changed (never written, but another stager's master may lie between two of these) only makes
-    the copy compare unequal, and the conversion then converts afresh: never a wrong weight."""
-
-    groups: tuple[StorageGroup, ...]
-    # (address, bytes) of each span, and the copy of its bytes.
-    spans: tuple[tuple[int, int], ...]
-    copies: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, groups: tuple[StorageGroup, ...]) -> SourcesCopy:
-        spans: list[list[int]] = []
-        previous: StorageGroup | None = None
-        for group in sorted((g for g in groups if g.nbytes), key=lambda g: g.master.data_ptr()):
-            start = group.master.data_ptr()
-            if (
-                previous is not None
-                and group.pin is not None
-                and group.pin is previous.pin
-                and 0 <= start - sum(spans[-1]) < PAGE
-            ):
-                spans[-1][1] = start + group.nbytes - spans[-1][0]
-            else:
-                spans.append([start, group.nbytes])
-            previous = group
-        with torch.inference_mode(False):
-            copies = tuple(host_span(start, nbytes).clone() for start, nbytes in spans)
-        return cls(groups, tuple((start, nbytes) for start, nbytes in spans), copies)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(copy.numel() for copy in self.copies)
-
-    def same(self) -> bool:
-        """Whether the masters still hold the bytes they held when copied (their groups hold them)."""
-        return all(same_bits(host_span(start, nbytes), copy) for (start, nbytes), copy in zip(self.spans, self.copies))
-
-
 @dataclass(eq=False)
 class SourcesCheck:
     """A comparison of a stager's masters with the copy made of them (see
     :meth:`ConversionReuse._note_conversion`), run on a thread of its own from the start of a
     pipeline call (see :func:`check_sources_ahead`)."""
 
-    copy: SourcesCopy
+    groups: tuple[StorageGroup, ...]
+    copies: tuple[torch.Tensor, ...]
     call: int
     done: threading.Event = field(default_factory=threading.Event)
     same: bool = False
 
     def run(self) -> None:
         try:
-            self.same = self.copy.same()
+            self.same = all(same_bits(group.master, copy) for group, copy in zip(self.groups, self.copies))
         except Exception:
             # Not known to be the same: the cast converts afresh, which is always right.
             logger.debug("Comparing masters with their copy failed", exc_info=True)
@@ -205,7 +157,7 @@ class ConversionReuse:
         self._last_conversion: tuple[int | None, tuple[StorageGroup, ...], tuple | None] | None = None
         # A copy of the masters that the first conversion of a call converted from, with those masters,
         # made where it converted them afresh: the next call's first conversion compares with it.
-        self._sources_copy: SourcesCopy | None = None
+        self._sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None = None
         # The comparison with that copy started as the latest pipeline call began (see check_sources_ahead).
         self._sources_check: SourcesCheck | None = None
 
@@ -342,22 +294,22 @@ class ConversionReuse:
         if call is not None and noted_in == call:
             return versions is not None
         copy = self._sources_copy
-        if copy is None or copy.groups is not self._groups:
+        if copy is None or copy[0] is not self._groups:
             return False
         check = self._sources_check
-        if check is not None and check.call == call and check.copy is copy:
+        if check is not None and check.call == call and check.groups is self._groups and check.copies is copy[1]:
             check.done.wait()
             return check.same
-        return copy.same()
+        return all(same_bits(group.master, bytes_then) for group, bytes_then in zip(self._groups, copy[1]))
 
     def _start_sources_check(self, call: int) -> SourcesCheck | None:
         """The comparison :meth:`_sources_unchanged` would make in pipeline call ``call``, to run
         ahead of it (see :func:`check_sources_ahead`), or None where it would make none."""
         copy = self._sources_copy
-        if copy is None or copy.groups is not self._groups or self._maps_files:
+        if copy is None or copy[0] is not self._groups or self._maps_files:
             self._sources_check = None
             return None
-        self._sources_check = SourcesCheck(copy, call)
+        self._sources_check = SourcesCheck(copy[0], copy[1], call)
         return self._sources_check
 
     def _note_conversion(self, call: int | None, before: tuple[StorageGroup, ...], *, fresh: bool) -> None:
@@ -377,7 +329,8 @@ class ConversionReuse:
             return
         self._sources_copy = self._sources_check = None
         if first_of_call and self._kept_groups is before:
-            self._sources_copy = SourcesCopy.of(before)
+            with torch.inference_mode(False):
+                self._sources_copy = (before, tuple(group.master.clone() for group in before))
 
     def note_masters_written(self) -> None:
         """Something is about to write into the current masters where no version counter may show

@@ -13,7 +13,7 @@ import logging
 import weakref
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,9 +21,6 @@ from torch import nn
 from . import files, pinning
 from .pages import written_spans
 from .weights import Wrappers, module_stored_tensors
-
-if TYPE_CHECKING:
-    from .conversions import SourcesCopy
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +209,7 @@ class MasterBindings:
     exclude: tuple[nn.Module, ...]
     _groups: tuple[StorageGroup, ...]
     _kept_groups: tuple[StorageGroup, ...]
-    _sources_copy: SourcesCopy | None
+    _sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
     _wrappers: Wrappers
     _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
@@ -258,7 +255,7 @@ class MasterBindings:
             kind = "mapped" if group.mapped else "pinned" if group.pinned else "pageable"
             held[kind] += group.nbytes
         if self._sources_copy is not None:
-            held["pageable"] += self._sources_copy.nbytes
+            held["pageable"] += sum(copy.numel() for copy in self._sources_copy[1])
         return held
 
     def written_mapped_bytes(self) -> int:

@@ -14,7 +14,6 @@ import torch
 import diffusers_residency
 from diffusers_residency import ModuleStager, StagingHook, conversions
 from diffusers_residency.bench.builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
-from diffusers_residency.masters import StorageGroup
 from diffusers_residency.pipeline import pipeline_state
 
 from .helpers import (
@@ -356,30 +355,6 @@ def test_a_call_whose_comparison_thread_cannot_start_compares_on_its_own(monkeyp
     case.pipe.vae.to(torch.float32)
     case.pipe.vae.to(torch.float16)
     assert torch.equal(case.run(), case.reference)
-
-
-def test_masters_side_by_side_in_one_locked_block_are_copied_and_compared_as_one_span() -> None:
-    """The copy the upcast compares with covers masters that share a page-locked block (as
-    pinning.copy_to_host lays them out, 512 bytes apart) in one span, padding included: one
-    comparison, one hand-over of the GIL. A master of another registration, or one past a page
-    away, is a span of its own; a byte written in any master makes the copy compare unequal."""
-    block = torch.zeros(3 * 4096, dtype=torch.uint8)
-    block[:1000] = 1
-    block[1024:3000] = 2
-    block[8192:8292] = 3
-    locked, elsewhere = object(), object()
-    masters = block[:1000], block[1024:3000], block[8192:8292], torch.full((64,), 4, dtype=torch.uint8)
-    pins = locked, locked, locked, elsewhere
-    groups = tuple(StorageGroup(master, (), 0, pin=pin) for master, pin in zip(masters, pins))
-    copy = conversions.SourcesCopy.of(groups[::-1])  # in any order: spans follow the addresses
-    base = block.data_ptr()
-    assert sorted(copy.spans) == sorted([(base, 3000), (base + 8192, 100), (masters[3].data_ptr(), 64)])
-    assert copy.nbytes == 3164 and copy.same()
-    for master in masters:
-        master[7] += 1
-        assert not copy.same()
-        master[7] -= 1
-        assert copy.same()
 
 
 def test_a_weight_written_through_data_between_calls_is_seen_by_the_next_upcast() -> None:
