@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diffusers_residency.bench import __main__ as bench_main
-from diffusers_residency.bench import first_calls, processes
+from diffusers_residency.bench import first_calls, host_speed, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.builders import build_pipeline
 from diffusers_residency.bench.modes import (
@@ -284,6 +284,29 @@ def test_fresh_process_runs_each_mode_in_a_process_of_its_own_with_exact_results
     # say something of speed (see test_first_calls_are_held_to_the_resident_first_call_of_their_round...).
     assert pinned["first_plan_source"] != first_calls.PROFILE_SOURCE and resident["first_plan_source"] is None
     assert "first calls (" not in out and "x resident in each round" not in out, "no ratio on the CPU"
+
+
+def test_with_host_probe_each_mode_gets_the_host_speed_the_parent_timed_during_its_steady_calls(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """The parent times the host's loop while each child runs; each child tells when its steady
+    calls ran (wall clock), and gets the median of the samples taken then."""
+    monkeypatch.setattr(host_speed, "SAMPLE_SECONDS", 0.001)
+    argv = ["--device", "cpu", "--fresh-process", "--host-probe", "--modes", "resident,pinned", "--calls", "3"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    out = capsys.readouterr().out
+    for r in data["results"]:
+        start, end = r["steady_wall"]
+        assert start < end and r["host_loop_ms"] > 0
+        assert f"host loop {r['host_loop_ms']:.2f} ms)" in out
+    assert "took more than 1.5x the fastest, timed by the parent over the run" in out
+
+
+def test_host_probe_without_fresh_processes_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--host-probe"])
+    assert "give --fresh-process" in capsys.readouterr().err
 
 
 def test_a_child_process_that_fails_is_an_error_row(tmp_path, monkeypatch, capfd) -> None:

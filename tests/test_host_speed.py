@@ -51,3 +51,19 @@ def test_stopped_by_sigterm_beside_a_run_the_probe_sums_up_what_it_sampled() -> 
     rest, _ = probe.communicate(timeout=60)
     assert probe.returncode == 0
     assert rest.splitlines()[-1].startswith("host loop over ")
+
+
+def test_the_median_of_a_window_takes_the_samples_inside_it_alone() -> None:
+    samples = [(1.0, 30.0), (2.0, 10.0), (3.0, 12.0), (4.0, 11.0), (5.0, 40.0)]
+    assert host_speed.median_between(samples, 2.0, 4.0) == 11.0
+    assert host_speed.median_between(samples, 5.5, 9.0) is None
+
+
+@pytest.mark.slow
+def test_the_parent_samples_until_its_child_exits_and_returns_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_speed, "SAMPLE_SECONDS", 0.01)
+    samples: list[tuple[float, float]] = []
+    child = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"])
+    assert host_speed.sample_while_running(child, samples) == 3
+    assert len(samples) >= 3 and all(milliseconds > 0 for _, milliseconds in samples)
+    assert [taken for taken, _ in samples] == sorted(taken for taken, _ in samples)

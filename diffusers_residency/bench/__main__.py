@@ -46,6 +46,7 @@ from ..weights import module_tensors, storage_bytes
 from .builders import PIPELINE_KINDS, build_pipeline, call_kwargs, pipeline_output
 from .compiling import DENOISERS, CompileSettings
 from .first_calls import FIRST_CALL_CRITERIA, FRESH_PROCESSES, format_first_calls
+from .host_speed import summary
 from .modes import AFTER_TIMED_CALLS, MODES, PINNED_MODES, Mode, ModeResult, pinned_mode, run_mode
 from .plot import draw
 from .processes import PROFILE_CACHE_VARIABLE, Children, profile_cache, write_child_result
@@ -152,6 +153,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "host memory, the allocator and the first calls as a first run meets them",
     )
     parser.add_argument(
+        "--host-probe",
+        action="store_true",
+        help="with --fresh-process: time a fixed Python loop in the parent every half second while each child runs "
+        "(python -m diffusers_residency.bench.host_speed), and give each mode the median over its steady calls: "
+        "a pipeline whose pace the host sets is slow whenever its host is",
+    )
+    parser.add_argument(
         "--profile-dir",
         type=Path,
         default=None,
@@ -174,6 +182,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--trace {args.trace} traces a warm-up call, not a steady one: give --warmup 1 or more")
     if any(value is not None and value < 1 for value in (args.steps, args.height, args.width)):
         parser.error("--steps, --height and --width take 1 or more")
+    if args.host_probe and not args.fresh_process:
+        parser.error("--host-probe times the host from the parent while each mode runs in a child: give --fresh-process")
     # Sizes and the device are checked here, once, rather than failing each mode that uses them.
     at_budgets = [spec.partition("@")[2] for spec in args.modes.split(",") if "@" in spec]
     try:
@@ -398,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with profile_cache(args.profile_dir) as profiles:
         if args.fresh_process:
             with tempfile.TemporaryDirectory(prefix="diffusers_residency_bench_") as folder:
-                children = Children(argv, runs, Path(folder))
+                host_speed: list[tuple[float, float]] | None = [] if args.host_probe else None
+                children = Children(argv, runs, Path(folder), host_speed)
                 results = _measure(runs, args.rounds > 1, children)
             weight_bytes = children.weight_bytes
         else:
@@ -436,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "compiled modes that differ by no more are counted within tolerance.\n")  # fmt: skip
     print(format_table(results, weight_bytes, ratios=speed))
     print(f"\nevery call in order, the first ones included:\n\n{format_calls(results)}")
+    if args.host_probe and host_speed:
+        print(f"\n{summary([milliseconds for _, milliseconds in host_speed], slow=1.5)}, timed by the parent over the run")
     if args.shapes:
         print(f"\nevery call by shape:\n\n{format_shape_calls(results, args.shapes)}")
     print(f"\nhost memory (anonymous: RssAnon plus mlocked pages):\n\n{format_host_memory(results, weight_bytes)}")

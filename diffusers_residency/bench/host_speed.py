@@ -8,6 +8,9 @@ run beside the benchmark (in a process of its own, which takes no GIL from the p
 and one core a few per cent of the time) says how fast the host was while each mode ran. At the end
 it sums the samples up: the fastest, the median, the slowest, and the share that took more than
 ``--slow`` times the fastest.
+
+``python -m diffusers_residency.bench --fresh-process --host-probe`` takes the same samples in the
+parent while each child runs, and gives each mode the median of those taken during its steady calls.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 # About 20 ms of Python on a current server core: short beside the interval, long beside a timer tick.
 DEFAULT_ITERATIONS = 300_000
+# Seconds between two samples: the loop then takes a few per cent of one core.
+SAMPLE_SECONDS = 0.5
 
 
 def loop_milliseconds(iterations: int = DEFAULT_ITERATIONS) -> float:
@@ -30,6 +36,25 @@ def loop_milliseconds(iterations: int = DEFAULT_ITERATIONS) -> float:
     for i in range(iterations):
         total += i
     return (time.perf_counter() - started) * 1000.0
+
+
+def sample_while_running(process: subprocess.Popen, samples: list[tuple[float, float]]) -> int:
+    """Time the loop every :data:`SAMPLE_SECONDS` until ``process`` exits, appending (wall clock,
+    milliseconds) to ``samples``; return its exit status. The parent of a benchmark's fresh
+    processes has nothing else to do meanwhile, and no GIL of the child's to take."""
+    while process.poll() is None:
+        samples.append((time.time(), loop_milliseconds()))
+        try:
+            process.wait(timeout=SAMPLE_SECONDS)
+        except subprocess.TimeoutExpired:
+            continue
+    return process.returncode
+
+
+def median_between(samples: Sequence[tuple[float, float]], start: float, end: float) -> float | None:
+    """The median milliseconds of the samples taken from wall clock ``start`` to ``end`` (None: none was)."""
+    inside = [milliseconds for taken, milliseconds in samples if start <= taken <= end]
+    return statistics.median(inside) if inside else None
 
 
 def summary(samples: Sequence[float], slow: float) -> str:
@@ -45,7 +70,7 @@ def summary(samples: Sequence[float], slow: float) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], prog="python -m diffusers_residency.bench.host_speed")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to sample (default 60)")
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
+    parser.add_argument("--interval", type=float, default=SAMPLE_SECONDS, help="seconds between samples (default 0.5)")
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="iterations of the timed loop")
     parser.add_argument("--slow", type=float, default=1.5, help="what counts as slow, times the fastest (default 1.5)")
     args = parser.parse_args(argv)

@@ -250,6 +250,11 @@ class ModeResult:
     # Over those calls, the share of the host's CPU time its hypervisor gave other guests (see
     # .timing.steal_fraction): what tells a process slow for its machine from one slow for its mode.
     host_steal_fraction: float | None = None
+    # The wall clock (time.time()) as the steady calls began and ended; with --host-probe, the median
+    # milliseconds of the host-speed loop the parent timed meanwhile (see .host_speed): what tells a
+    # process slow for a slow host from one slow for its mode, where no CPU time was stolen.
+    steady_wall: tuple[float, float] | None = None
+    host_loop_ms: float | None = None
     # With --compile: the first call (tracing and compiling included), and graphs compiled during
     # the steady calls (recompilations: 0 when the weights' moves do not invalidate the graphs).
     first_call_seconds: float | None = None
@@ -399,7 +404,9 @@ def run_mode(
             torch.accelerator.reset_peak_memory_stats(device)
         before = _counters(pipe) if pinned else None
         retries = _device.allocator_retries(device)
+        steady_from = time.time()
         output = timed_calls(call, device, calls, seconds, after_each)
+        steady_wall = (steady_from, time.time())
         steal = steal_fraction(ticks, host_cpu_ticks())
         first = output if first is None else first
         peak, peak_reserved = _device.peak_allocated(device), _device.peak_reserved(device)
@@ -449,6 +456,7 @@ def run_mode(
             (after[0] - before[0], after[1] - before[1]) for before, after in zip(loads_so_far, loads_so_far[1:])
         ),
         host_steal_fraction=steal,
+        steady_wall=steady_wall,
         first_call_seconds=seconds[0] if compile is not None else None,
         graphs_compiled_while_timed=graphs,
         cuda_graphs_recorded_while_timed=recorded,

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .host_speed import median_between, sample_while_running
 from .modes import Mode, ModeResult
 
 # Where the package looks for residency profiles saved by earlier runs.
@@ -65,17 +66,30 @@ def _result(data: dict[str, Any]) -> ModeResult:
     names = {field.name for field in fields(ModeResult)}
     values = {name: value for name, value in data.items() if name in names}
     loads = tuple(tuple(load) for load in values.get("call_loads", ()))
-    return ModeResult(**{**values, "call_seconds": tuple(values["call_seconds"]), "call_loads": loads})
+    wall = values.get("steady_wall")
+    return ModeResult(
+        **{**values, "call_seconds": tuple(values["call_seconds"]), "call_loads": loads, "steady_wall": wall and tuple(wall)}
+    )
 
 
 class Children:
     """Runs the benchmark's runs one per child process, each child re-invoked with the parent's own
-    arguments plus hidden ones that pick its run and where it writes, under ``folder``."""
+    arguments plus hidden ones that pick its run and where it writes, under ``folder``. With
+    ``host_speed`` (a list), the parent times the host's loop while each child runs (see
+    :mod:`.host_speed`), into that list, and gives each result the median of the samples taken
+    during its steady calls."""
 
-    def __init__(self, argv: Sequence[str], runs: Sequence[tuple[Mode, int | None, int]], folder: Path) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        runs: Sequence[tuple[Mode, int | None, int]],
+        folder: Path,
+        host_speed: list[tuple[float, float]] | None = None,
+    ) -> None:
         self.argv = list(argv)
         self.runs = runs
         self.folder = folder
+        self.host_speed = host_speed
         # The pipeline's weight bytes, as the last child to finish counted them (None until one has).
         self.weight_bytes: int | None = None
 
@@ -89,7 +103,10 @@ class Children:
         sys.stdout.flush()
         sys.stderr.flush()
         # The child's stdout and stderr are the parent's: its warnings and tracebacks show as they come.
-        returncode = subprocess.run(command, check=False).returncode
+        if self.host_speed is None:
+            returncode = subprocess.run(command, check=False).returncode
+        else:
+            returncode = sample_while_running(subprocess.Popen(command), self.host_speed)
         if returncode != 0 or not (folder / _RESULT).exists():
             mode, budget, _ = self.runs[index]
             nan = float("nan")
@@ -97,4 +114,7 @@ class Children:
         data = json.loads((folder / _RESULT).read_text())
         self.weight_bytes = data["weight_bytes"]
         output = folder / _OUTPUT
-        return _result(data["result"]), output if output.exists() else None
+        result = _result(data["result"])
+        if self.host_speed is not None and result.steady_wall is not None:
+            result = replace(result, host_loop_ms=median_between(self.host_speed, *result.steady_wall))
+        return result, output if output.exists() else None

@@ -146,7 +146,8 @@ def _line_per_run(results: list[ModeResult], describe: Callable[[ModeResult], st
 
 def format_calls(results: list[ModeResult]) -> str:
     """Every call's seconds, one line per run: the first calls are what a user meets first; and the
-    share of the host's CPU its hypervisor gave other guests meanwhile, where the kernel tells."""
+    share of the host's CPU its hypervisor gave other guests meanwhile, where the kernel tells, and
+    with --host-probe the host's speed then (see .host_speed)."""
 
     def calls(r: ModeResult) -> str:
         notes = []
@@ -156,6 +157,8 @@ def format_calls(results: list[ModeResult]) -> str:
             notes.append(f"never within {STEADY_WITHIN}x of steady")
         if r.host_steal_fraction is not None:
             notes.append(f"host CPU stolen {100 * r.host_steal_fraction:.1f}%")
+        if r.host_loop_ms is not None:
+            notes.append(f"host loop {r.host_loop_ms:.2f} ms")
         told = f" ({'; '.join(notes)})" if notes else ""
         return f"{', '.join(f'{s:.3f}' for s in r.call_seconds)} s{told}"
 
