@@ -67,3 +67,15 @@ def test_the_parent_samples_until_its_child_exits_and_returns_its_status(monkeyp
     assert host_speed.sample_while_running(child, samples) == 3
     assert len(samples) >= 3 and all(milliseconds > 0 for _, milliseconds in samples)
     assert [taken for taken, _ in samples] == sorted(taken for taken, _ in samples)
+
+
+@pytest.mark.slow
+def test_the_parent_interrupted_while_sampling_kills_its_child_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(iterations: int = host_speed.DEFAULT_ITERATIONS) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(host_speed, "loop_milliseconds", interrupted)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with pytest.raises(KeyboardInterrupt):
+        host_speed.sample_while_running(child, [])
+    assert child.returncode is not None, "no child left running"

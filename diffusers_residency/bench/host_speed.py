@@ -41,13 +41,19 @@ def loop_milliseconds(iterations: int = DEFAULT_ITERATIONS) -> float:
 def sample_while_running(process: subprocess.Popen, samples: list[tuple[float, float]]) -> int:
     """Time the loop every :data:`SAMPLE_SECONDS` until ``process`` exits, appending (wall clock,
     milliseconds) to ``samples``; return its exit status. The parent of a benchmark's fresh
-    processes has nothing else to do meanwhile, and no GIL of the child's to take."""
-    while process.poll() is None:
-        samples.append((time.time(), loop_milliseconds()))
-        try:
-            process.wait(timeout=SAMPLE_SECONDS)
-        except subprocess.TimeoutExpired:
-            continue
+    processes has nothing else to do meanwhile, and no GIL of the child's to take. Interrupted
+    (Ctrl-C), it kills the child first, as ``subprocess.run`` would."""
+    try:
+        while process.poll() is None:
+            samples.append((time.time(), loop_milliseconds()))
+            try:
+                process.wait(timeout=SAMPLE_SECONDS)
+            except subprocess.TimeoutExpired:
+                continue
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
     return process.returncode
 
 
