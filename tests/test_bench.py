@@ -20,17 +20,9 @@ from diffusers_residency.bench import __main__ as bench_main
 from diffusers_residency.bench import first_calls, host_speed, processes
 from diffusers_residency.bench.__main__ import _runs, environment_line, main
 from diffusers_residency.bench.builders import build_pipeline
-from diffusers_residency.bench.modes import (
-    AFTER_TIMED_CALLS,
-    MMGP_INSTALL,
-    MODES,
-    Mode,
-    ModeResult,
-    ModeUnavailable,
-    mmgp_budgets,
-    run_mode,
-)
+from diffusers_residency.bench.modes import AFTER_TIMED_CALLS, ModeResult, run_mode
 from diffusers_residency.bench.phases import stamped_call
+from diffusers_residency.bench.schemes import MMGP_INSTALL, MODES, Mode, ModeUnavailable, mmgp_budgets
 from diffusers_residency.bench.tables import (
     format_calls,
     format_compile_table,

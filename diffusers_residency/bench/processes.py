@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from .host_speed import median_between, sample_while_running
-from .modes import Mode, ModeResult
+from .modes import ModeResult
+from .schemes import Mode
 
 # Where the package looks for residency profiles saved by earlier runs.
 PROFILE_CACHE_VARIABLE = "DIFFUSERS_RESIDENCY_CACHE"
