@@ -20,7 +20,7 @@ from torch import nn
 
 from . import files, pinning
 from .pages import written_spans
-from .weights import Wrappers, module_stored_tensors
+from .weights import MergingLayers, Wrappers, module_stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +201,9 @@ class MasterBindings:
 
     Part of :class:`~.staging.ModuleStager`, which holds the state it reads: ``modules``,
     ``exclude``, ``_groups`` (the current masters), ``_current_bound_ids``, ``_kept_groups`` and
-    ``_sources_copy`` (see :mod:`.conversions`), ``_master_views_by``, ``_wrappers`` and
-    ``_loaded_state``; and the methods of its other parts that keep masters apart from a copy that
-    ranks share (see :class:`~.host_copy.HostCopyReads`)."""
+    ``_sources_copy`` (see :mod:`.conversions`), ``_master_views_by``, ``_wrappers``,
+    ``_merging`` and ``_loaded_state``; and the methods of its other parts that keep masters apart
+    from a copy that ranks share (see :class:`~.host_copy.HostCopyReads`)."""
 
     modules: tuple[nn.Module, ...]
     exclude: tuple[nn.Module, ...]
@@ -212,8 +212,10 @@ class MasterBindings:
     _sources_copy: tuple[tuple[StorageGroup, ...], tuple[torch.Tensor, ...]] | None
     _master_views_by: dict[int, tuple[tuple[StorageGroup, ...], Views]]
     _wrappers: Wrappers
+    _merging: MergingLayers
     _loaded_state: tuple[tuple[TensorBinding, int, int | None], ...]
     _loaded_wrapper_versions: tuple[int | None, ...]
+    _loaded_merges: tuple[tuple[str, ...], ...]
     # bound_ids(_groups), made where the masters change.
     _current_bound_ids: frozenset[int]
 
@@ -370,13 +372,17 @@ class MasterBindings:
         moved elsewhere with their old layout and no write: diffusers' layerwise casting does that
         to each weight it casts, up and back down at every forward, leaving equal values in new
         storage (see ModuleStager.offload); its ``.data =`` leaves the counter as it was.
-        A write through ``.data`` where the load put them is none of these: no counter sees it."""
-        in_written_wrappers = self._wrappers.written_since(self._loaded_wrapper_versions)
+        A write through ``.data`` where the load put them is none of these: no counter sees it,
+        but for an adapter merged into its base weights, or unmerged, which its layer tells (see
+        MergingLayers)."""
+        written_unseen = self._wrappers.written_since(self._loaded_wrapper_versions)
+        if self._loaded_merges:
+            written_unseen |= self._merging.written_since(self._loaded_merges)
         replaced, written, moved = set(), [], []
         for binding, address, version in self._loaded_state:
             target = binding.target
             at_address = target.data_ptr() == address
-            if at_address and id(target) not in in_written_wrappers and (version is None or target._version == version):
+            if at_address and id(target) not in written_unseen and (version is None or target._version == version):
                 continue  # nearly every tensor: untouched
             if (
                 target.dtype != binding.dtype
@@ -386,7 +392,7 @@ class MasterBindings:
                 replaced.add(id(target))
             elif (
                 at_address
-                or id(target) in in_written_wrappers
+                or id(target) in written_unseen
                 or (version is not None and target._version != version)
             ):
                 written.append(target)

@@ -40,6 +40,7 @@ from .placement import DeviceCopies, DeviceSlots
 from .retention import RetentionBudget
 from .snapshots import snapshot
 from .weights import (
+    MergingLayers,
     Wrappers,
     module_tensors,
     refuse_shared_quantization_state,
@@ -119,11 +120,13 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         self._device_storages: list[torch.Tensor] = []
         self._slot_layout: tuple = ()
         # Each tensor's binding, the address the last load bound it to and its version counter then
-        # (None for an inference tensor, which has none), and the wrappers' counters: at offload, a
-        # tensor with a new layout was replaced while loaded, and one where the load put it whose
-        # counter (or its wrapper's) moved was written in place.
+        # (None for an inference tensor, which has none), the wrappers' counters and the adapters
+        # merged into each adapter layer's base: at offload, a tensor with a new layout was replaced
+        # while loaded, and one where the load put it whose counter (or its wrapper's) moved, or
+        # whose layer's merged adapters changed, was written in place.
         self._loaded_state: tuple[tuple[TensorBinding, int, int | None], ...] = ()
         self._loaded_wrapper_versions: tuple[int | None, ...] = ()
+        self._loaded_merges: tuple[tuple[str, ...], ...] = ()
         self._copy = _device.TimedCopy(device, copy_stream)
         # A read-back of masters mapped from files, with the groups it reads: started when a load
         # copied them from the files (see read_ahead), taken by the next load, by a forward or an
@@ -193,8 +196,10 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
 
     def _find_wrappers(self) -> None:
         """The wrapper subclasses among the modules' tensors (quantized weights): their device
-        follows their bound inner tensors, and a write into one moves its own counter only."""
+        follows their bound inner tensors, and a write into one moves its own counter only; and
+        the adapter layers that merge into their base weights, where no counter moves at all."""
         self._wrappers = Wrappers.among(module_tensors(self.modules, self.exclude))
+        self._merging = MergingLayers.among(self.modules, self.exclude)
         if self._reads_host_copy:
             self._note_wrapper_versions()
 
@@ -202,7 +207,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         """Bind every tensor to its master, whatever it is bound to now (after a failed move)."""
         self._assign(self._master_views())
         self._device_storages = []
-        self._loaded_state, self._loaded_wrapper_versions = (), ()
+        self._loaded_state, self._loaded_wrapper_versions, self._loaded_merges = (), (), ()
         self.loaded = False
 
     def _one_buffer_wanted(self) -> bool:
@@ -274,6 +279,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
             for b in g.bindings
         )
         self._loaded_wrapper_versions = self._wrappers.versions() if self._wrappers.tensors else ()
+        self._loaded_merges = self._merging.states() if self._merging.layers else ()
         self.loaded = True
         self.loads += 1
         if timed:
@@ -398,7 +404,7 @@ class ModuleStager(MasterBindings, DeviceCopies, FileBackedMasters, ConversionRe
         # that: keep them, bind the rest, and take masters for them (a copy of those alone).
         logger.info("%d tensors were replaced while loaded; taking masters for them", len(replaced))
         self._assign(self._master_views(), keep=replaced)
-        self._loaded_state, self._loaded_wrapper_versions = (), ()
+        self._loaded_state, self._loaded_wrapper_versions, self._loaded_merges = (), (), ()
         self.loaded = False
         self.retake_masters()
 

@@ -285,6 +285,48 @@ class Wrappers:
         return template
 
 
+@dataclass(frozen=True)
+class MergingLayers:
+    """The adapter layers among some modules that merge their adapters into their base weights
+    (peft's LoRA layers, by their ``merged_adapters`` and ``base_layer``).
+
+    peft merges and unmerges through ``weight.data += delta``, which moves no version counter, and
+    at times no guarded method sees: a layer whose adapters were disabled while merged unmerges in
+    its next forward, ``set_adapter`` unmerges first, and a pipeline made with ``from_pipe`` has no
+    guarded ``unfuse_lora()``. A layer's list of merged adapters changes whenever its base weights
+    were written so: read at a load and again at the offload, a change says which loaded weights
+    hold the only current values. (A merge and its unmerge both made while loaded leave the list as
+    it was, and the weights as the masters hold them up to rounding: not seen.)"""
+
+    layers: tuple[nn.Module, ...] = ()
+
+    @classmethod
+    def among(cls, modules: Iterable[nn.Module], exclude: Iterable[nn.Module] = ()) -> MergingLayers:
+        """Those of ``modules`` and their submodules, but those of ``exclude`` (see module_tensors)."""
+        tree = _modules_outside(tuple(modules), {id(m) for m in exclude})
+        return cls(tuple(m for m in tree if _merges_into_base(m)))
+
+    def states(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(tuple(layer.merged_adapters) for layer in self.layers)
+
+    def written_since(self, states: tuple[tuple[str, ...], ...]) -> set[int]:
+        """Ids of the stored tensors of each layer's base whose merged adapters changed since ``states``."""
+        if not states:
+            return set()
+        return {
+            id(stored)
+            for layer, then, now in zip(self.layers, states, self.states())
+            if then != now
+            for stored in module_stored_tensors((layer.base_layer,))
+        }
+
+
+def _merges_into_base(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "merged_adapters", None), list) and isinstance(
+        getattr(module, "base_layer", None), nn.Module
+    )
+
+
 def _rebuilt(wrapper: torch.Tensor) -> torch.Tensor:
     """A new wrapper like ``wrapper`` over its inner tensors as they are now."""
     names, context = wrapper.__tensor_flatten__()

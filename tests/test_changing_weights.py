@@ -440,6 +440,54 @@ def test_load_state_dict_into_a_loaded_component_is_kept(policy: str, subset: bo
     _assert_kept_as_resident(policy, _loading_new_weights(subset))
 
 
+def _lora_layers(pipe) -> list[torch.nn.Module]:
+    return [m for m in pipe.transformer.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+
+
+# Changes to an adapter's merging, each made with the transformer's units as a call leaves them
+# (loaded where resident), after the set-up before it: peft writes them through ``weight.data``.
+ADAPTER_MERGES = {
+    # A disabled layer still merged unmerges in its next forward, on whatever its weights are bound to.
+    "disable_lora after fuse_lora": (lambda pipe: pipe.fuse_lora(), lambda pipe: pipe.disable_lora()),
+    # peft's own merge, on each layer, where no guarded method runs.
+    "merge() on each layer": (lambda pipe: None, lambda pipe: [m.merge() for m in _lora_layers(pipe)]),
+    # peft unmerges before it sets the new adapter active, and adds its layers' tensors.
+    "add_adapter after fuse_lora": (
+        lambda pipe: pipe.fuse_lora(),
+        lambda pipe: (torch.manual_seed(2), pipe.transformer.add_adapter(
+            peft.LoraConfig(r=2, target_modules=["to_q"], init_lora_weights=False), adapter_name="other"
+        )),
+    ),
+    # A pipeline made from the enabled one has no guards of its own; its unfuse unmerges each layer.
+    "unfuse_lora of a from_pipe pipeline": (
+        lambda pipe: pipe.fuse_lora(),
+        lambda pipe: type(pipe).from_pipe(pipe).unfuse_lora(),
+    ),
+}
+
+
+@pytest.mark.parametrize("merge", ADAPTER_MERGES)
+@pytest.mark.parametrize("policy", ["resident", "staged", "streamed"])
+def test_an_adapter_merged_or_unmerged_while_loaded_is_kept(policy: str, merge: str) -> None:
+    """peft merges and unmerges through ``.data``, moving no version counter, at times no guarded
+    method sees: each layer's merged adapters tell the offload which loaded weights were written."""
+    offloaded, resident = PipelineCase("flux"), PipelineCase("flux")
+    lora = lora_state_dict(resident)
+    enable_with_transformer(offloaded, policy)
+    set_up, change = ADAPTER_MERGES[merge]
+    for case in (resident, offloaded):
+        case.pipe.load_lora_weights(lora, adapter_name="style")
+        set_up(case.pipe)
+        case.run()
+        change(case.pipe)
+    for _ in range(2):
+        assert torch.equal(offloaded.run(), resident.run())
+    assert [m.merged_adapters for m in _lora_layers(offloaded.pipe)] == [m.merged_adapters for m in _lora_layers(resident.pipe)]
+    offloaded.pipe.disable_pinned_offload()
+    assert_weights_equal(resident.state(), offloaded.state())
+    assert torch.equal(offloaded.run(), resident.run())
+
+
 @pytest.mark.parametrize("policy", ["resident", "staged"])
 def test_load_state_dict_into_loaded_inference_weights_is_kept(policy: str) -> None:
     """Weights loaded under ``torch.inference_mode()`` are inference tensors, without the version
