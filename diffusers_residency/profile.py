@@ -51,7 +51,11 @@ def cache_folder() -> Path | None:
     if os.environ.get(NO_PROFILES_VARIABLE, "").strip().lower() not in ("", "0", "false", "no"):
         return None
     if os.environ.get(CACHE_VARIABLE):
-        return Path(os.environ[CACHE_VARIABLE]).expanduser()
+        try:
+            return Path(os.environ[CACHE_VARIABLE]).expanduser()
+        except RuntimeError:  # "~name" of no user: no home folder to expand it to
+            logger.warning("%s=%s names no home folder; residency profiles are off", CACHE_VARIABLE, os.environ[CACHE_VARIABLE])
+            return None
     if sys.platform == "win32":
         base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
     elif sys.platform == "darwin":
@@ -319,6 +323,10 @@ def _closest_other(file: Path, key: Mapping[str, str]) -> tuple[Path, list[str]]
     """Where ``key`` has no profile of its own (``file``): the profile of the same pipeline class in
     that folder that differs from it the least, and how, for the log to say why it is not used."""
     try:
+        # Inside the try: a path the system refuses (a name too long, a folder it may not enter)
+        # raises from exists() too, and is told where the profile is read or written.
+        if file.exists():
+            return None
         others = sorted(file.parent.glob(f"{key['pipeline']}-*.json"), key=lambda path: path.stat().st_mtime)
     except OSError:
         return None
@@ -378,7 +386,7 @@ def starting_profile(
     saved = read_profile(file, key)
     if saved is not None:
         logger.info("Residency profile %s: call shapes measured before are planned from their first call", file)
-    elif not file.exists() and (other := _closest_other(file, key)) is not None:
+    elif (other := _closest_other(file, key)) is not None:
         logger.info("No residency profile for this setup in %s: %s was measured for another one (%s)",
                     file.parent, other[0].name, "; ".join(other[1]))  # fmt: skip
     return saved or ResidencyProfile(key), file

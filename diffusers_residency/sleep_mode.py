@@ -60,9 +60,10 @@ def _sleep_plan(
     pipe: DiffusionPipeline, level: int, offload: str | Iterable[str] | None, discard: str | Iterable[str] | None
 ) -> dict[str, int]:
     components = [name for name, c in pipe.components.items() if isinstance(c, nn.Module)]
+    # Checked even where offload= and discard= give the levels: a level that means nothing is a mistake.
+    if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 (keep host masters) or 2 (drop them too), not {level!r}")
     if offload is None and discard is None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (keep host masters) or 2 (drop them too), not {level!r}")
         return dict.fromkeys(components, level)
     offload, discard = _names(offload), _names(discard)
     both = sorted(set(offload) & set(discard))
@@ -260,7 +261,10 @@ class AwakeRotation:
         self.keep_cache = keep_cache
         self.awake: str | None = None
         for pipe in self.pipelines.values():
+            # Every refusal before any pipeline sleeps: a rotation refused leaves them all as they were.
             _refuse_sharing(pipe)
+            plan = _sleep_plan(pipe, level, None, None)
+            _checkpoint_folders(pipe, [name for name, at in plan.items() if at == 2])
         for pipe in self.pipelines.values():
             sleep(pipe, level)
 

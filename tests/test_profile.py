@@ -685,6 +685,16 @@ def test_an_unwritable_cache_folder_warns_once_and_the_calls_go_on(
     assert residency_profile(flux.pipe).shapes, "still kept for this process"
 
 
+@pytest.mark.parametrize("folder", ["a" * 300, "~no-such-user-here/cache"], ids=["name too long", "no such home"])
+def test_a_cache_folder_the_system_refuses_warns_and_enabling_goes_on(
+    flux: PipelineCase, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, folder: str
+) -> None:
+    monkeypatch.setenv("DIFFUSERS_RESIDENCY_CACHE", folder if folder.startswith("~") else str(tmp_path / folder))
+    flux.pipe.enable_pinned_offload("cpu", vram_budget=_budget(flux))
+    assert torch.equal(flux.run(), flux.reference)
+    assert "could not be read" in caplog.text or "names no home folder" in caplog.text
+
+
 def _write_many(path: str, writer: int) -> None:
     key = {"pipeline": "P", "budget": "1"}
     for index in range(30):

@@ -284,6 +284,19 @@ def test_level_2_without_checkpoint_files_is_refused_before_anything_sleeps(flux
     assert not flux.pipe.is_sleeping
 
 
+def test_a_rotation_at_level_2_with_a_pipeline_without_files_is_refused_before_any_sleeps(
+    flux: PipelineCase, tmp_path
+) -> None:
+    built_in_code = build_pipeline("flux", "tiny")
+    built_in_code.register_to_config(_name_or_path=str(tmp_path))
+    with pytest.raises(ValueError, match="save_pretrained"):
+        AwakeRotation({"saved": flux.pipe, "built": built_in_code}, level=2)
+    for pipe in (flux.pipe, built_in_code):
+        assert "_pinned_residency" not in pipe.__dict__ and not pipe.is_sleeping
+        assert not hasattr(pipe.transformer, "_hf_hook")
+    assert torch.equal(flux.run(), flux.reference)
+
+
 def test_level_2_with_an_unreadable_checkpoint_file_is_refused_before_anything_sleeps(flux: PipelineCase) -> None:
     flux.pipe.enable_pinned_offload(device="cpu")
     assert torch.equal(flux.run(), flux.reference)
@@ -317,6 +330,8 @@ def test_per_component_levels(flux: PipelineCase) -> None:
     "kwargs, error",
     [
         (dict(level=3), "level must be 1"),
+        (dict(level=True), "level must be 1"),
+        (dict(level=7, offload=["vae"]), "level must be 1"),
         (dict(offload=["vae"], discard=["vae"]), "both offload= and discard="),
         (dict(offload=["tokenizer"]), "tokenizer"),
     ],
