@@ -301,10 +301,14 @@ def file_sources(
             unserved[name] = sum(w.nbytes for w in wanted if id(w) not in views)
         sources[name] = views
     if unserved:
-        where = f"the files it was loaded from ({pipe.name_or_path!r})" if pipe.name_or_path else "no files (built in code)"
+        where = (
+            f"are not in the files it was loaded from ({pipe.name_or_path!r}): built in code, or changed since loading"
+            if pipe.name_or_path
+            else "have no files: the pipeline was not loaded from a folder"
+        )
         raise ValueError(
             f"host_budget serves {sorted(unserved)} from checkpoint files, but {format_bytes(sum(unserved.values()))} "
-            f"of their weights are not in {where}: built in code, or changed since loading. Pass offload_folder= "
+            f"of their weights {where}. Pass offload_folder= "
             "to have them written there once and served from there, or load the pipeline with from_pretrained() "
             "from a local folder."
         )

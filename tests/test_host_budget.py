@@ -369,6 +369,13 @@ def test_a_pipeline_not_loaded_from_files_is_refused_or_written_once(flux: Pipel
     assert not list(folder.glob("*/*.partial"))
 
 
+def test_a_pipeline_with_no_folder_at_all_is_told_so(flux: PipelineCase) -> None:
+    flux.pipe.register_to_config(_name_or_path="")  # as built in code
+    with pytest.raises(ValueError, match="have no files: the pipeline was not loaded from a folder. Pass offload_folder="):
+        flux.pipe.enable_pinned_offload(device="cpu", host_budget="1.5MB", vram_budget=None)
+    assert pipeline_state(flux.pipe) is None
+
+
 def test_a_weight_changed_since_loading_is_never_served_from_its_old_file(flux: PipelineCase, tmp_path: Path) -> None:
     weight = max(flux.pipe.transformer.parameters(), key=torch.Tensor.numel)
     with torch.no_grad():
