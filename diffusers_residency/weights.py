@@ -11,9 +11,10 @@ and then makes each wrapper's own metadata (its device) follow its inner tensors
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import torch
 from torch import nn
@@ -256,14 +257,7 @@ class Wrappers:
 
     def written_since(self, versions: tuple[int | None, ...]) -> set[int]:
         """Ids of the inner tensors of every wrapper written since ``versions`` were read."""
-        if not versions:
-            return set()
-        return {
-            id(inner)
-            for wrapper, then, now in zip(self.tensors, versions, self.versions())
-            if then != now
-            for inner in stored_tensors(wrapper)
-        }
+        return _stored_where_changed(self.tensors, versions, self.versions, stored_tensors)
 
     def follow(self) -> None:
         """Give every wrapper the device its inner tensors are on now."""
@@ -311,14 +305,22 @@ class MergingLayers:
 
     def written_since(self, states: tuple[tuple[str, ...], ...]) -> set[int]:
         """Ids of the stored tensors of each layer's base whose merged adapters changed since ``states``."""
-        if not states:
-            return set()
-        return {
-            id(stored)
-            for layer, then, now in zip(self.layers, states, self.states())
-            if then != now
-            for stored in module_stored_tensors((layer.base_layer,))
-        }
+        return _stored_where_changed(
+            self.layers, states, self.states, lambda layer: module_stored_tensors((layer.base_layer,))
+        )
+
+
+def _stored_where_changed(
+    owners: Sequence[Any],
+    then: Sequence[Any],
+    read_now: Callable[[], Sequence[Any]],
+    stored: Callable[[Any], Iterable[torch.Tensor]],
+) -> set[int]:
+    """Ids of the tensors ``stored`` gives for each owner whose reading changed since ``then`` (read
+    again only where there was one)."""
+    if not then:
+        return set()
+    return {id(tensor) for owner, was, now in zip(owners, then, read_now()) if was != now for tensor in stored(owner)}
 
 
 def _merges_into_base(module: nn.Module) -> bool:
